@@ -1,0 +1,156 @@
+"""Batched attention over a slot-indexed KV cache.
+
+One forward step carries the tokens of several sequences flattened into one
+dimension T (prefill chunks and single decode tokens mixed). Each sequence owns
+a cache *slot*; its keys and values live at ``cache[slot, :, position]``.
+
+``ForwardBatch`` describes one step; it is built once per step on the host and
+shared by all layers. ``attend`` is what a model's attention layer calls: it
+writes the step's k/v into the cache and attends each query to the keys of its
+own sequence, causally (and inside a sliding window when the layer has one).
+Models never see slots, padding or masks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class ForwardBatch:
+    """Layout of one forward step. T = total tokens, B = sequences."""
+
+    slot_ids: torch.Tensor  # [B] long: cache slot of each sequence
+    positions: torch.Tensor  # [T] long: absolute position of each token
+    token_seq: torch.Tensor  # [T] long: which sequence (0..B-1) each token belongs to
+    token_qidx: torch.Tensor  # [T] long: index of the token inside its sequence's chunk
+    kv_lens: torch.Tensor  # [B] long: tokens in cache after this step (context + chunk)
+    query_lens: list[int]  # [B] host copy: tokens of each sequence in this step
+    max_query_len: int
+    max_kv_len: int
+    last_token_index: torch.Tensor  # [B] long: index into T of each sequence's last token
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+    @classmethod
+    def build(
+        cls,
+        slot_ids: list[int],
+        context_lens: list[int],
+        query_lens: list[int],
+        device: torch.device | str,
+    ) -> "ForwardBatch":
+        """Host-side construction from per-sequence (slot, tokens already cached, new tokens)."""
+        positions, token_seq, token_qidx, last = [], [], [], []
+        offset = 0
+        for b, (ctx, q) in enumerate(zip(context_lens, query_lens)):
+            positions.extend(range(ctx, ctx + q))
+            token_seq.extend([b] * q)
+            token_qidx.extend(range(q))
+            offset += q
+            last.append(offset - 1)
+        kv_lens = [c + q for c, q in zip(context_lens, query_lens)]
+
+        def t(values):  # one host->device copy per field
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return cls(
+            slot_ids=t(slot_ids),
+            positions=t(positions),
+            token_seq=t(token_seq),
+            token_qidx=t(token_qidx),
+            kv_lens=t(kv_lens),
+            query_lens=list(query_lens),
+            max_query_len=max(query_lens),
+            max_kv_len=max(kv_lens),
+            last_token_index=t(last),
+        )
+
+    @classmethod
+    def single(cls, num_tokens: int, device: torch.device | str = "cpu", slot: int = 0) -> "ForwardBatch":
+        """A whole fresh sequence in one step (reference runs, tests)."""
+        return cls.build([slot], [0], [num_tokens], device)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[B, 1, Tq, Lk] bool, True = may attend. Cached per window size for the step."""
+        key = sliding_window
+        if key not in self._masks:
+            B, Tq, Lk = len(self.query_lens), self.max_query_len, self.max_kv_len
+            device = self.positions.device
+            q_pos = torch.full((B, Tq), -1, dtype=torch.long, device=device)
+            q_pos[self.token_seq, self.token_qidx] = self.positions  # [B, Tq], -1 = padding
+            k_pos = torch.arange(Lk, device=device)  # [Lk]
+            allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # causal
+            allowed &= k_pos[None, None, :] < self.kv_lens[:, None, None]
+            if sliding_window is not None:
+                allowed &= k_pos[None, None, :] > (q_pos[:, :, None] - sliding_window)
+            # Padding query rows attend to key 0 so that no softmax row is empty (NaN);
+            # their outputs are dropped when the step is unpadded.
+            allowed[:, :, 0] |= q_pos < 0
+            self._masks[key] = allowed[:, None]
+        return self._masks[key]
+
+
+@dataclass
+class LayerKV:
+    """One layer's cache: k [S, Hkv, M, Dk], v [S, Hkv, M, Dv] (S slots, M max_model_len)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def attend(
+    q: torch.Tensor,  # [T, Hq, Dk]
+    k: torch.Tensor,  # [T, Hkv, Dk]
+    v: torch.Tensor,  # [T, Hkv, Dv]
+    cache: LayerKV,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] per-head sink logits (GPT-OSS), or None
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """Write this step's k/v into the cache, then attend causally within each sequence."""
+    token_slot = batch.slot_ids[batch.token_seq]  # [T]
+    cache.k[token_slot, :, batch.positions] = k.to(cache.k.dtype)
+    cache.v[token_slot, :, batch.positions] = v.to(cache.v.dtype)
+
+    B, Tq, Lk = len(batch.query_lens), batch.max_query_len, batch.max_kv_len
+    Hq, Dk, Dv = q.shape[1], q.shape[2], v.shape[2]
+    Hkv = k.shape[1]
+
+    keys = cache.k[batch.slot_ids, :, :Lk]  # [B, Hkv, Lk, Dk]
+    values = cache.v[batch.slot_ids, :, :Lk]  # [B, Hkv, Lk, Dv]
+    if Tq == 1:
+        q_pad = q.view(B, 1, Hq, Dk).transpose(1, 2)  # [B, Hq, 1, Dk]
+    else:
+        q_pad = q.new_zeros(B, Tq, Hq, Dk)
+        q_pad[batch.token_seq, batch.token_qidx] = q
+        q_pad = q_pad.transpose(1, 2)  # [B, Hq, Tq, Dk]
+    if Hkv != Hq:  # grouped-query attention: each kv head serves Hq/Hkv query heads
+        keys = keys.repeat_interleave(Hq // Hkv, dim=1)
+        values = values.repeat_interleave(Hq // Hkv, dim=1)
+    mask = batch.mask(sliding_window)  # [B, 1, Tq, Lk]
+
+    if sinks is None:
+        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale)
+    else:
+        # Attention sinks: an extra per-head logit joins the softmax and is then dropped.
+        scores = torch.matmul(q_pad, keys.transpose(-1, -2)) * scale  # [B, Hq, Tq, Lk]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.to(scores.dtype).view(1, Hq, 1, 1).expand(B, Hq, Tq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        out = torch.matmul(probs.to(values.dtype), values)  # [B, Hq, Tq, Dv]
+
+    out = out.transpose(1, 2)  # [B, Tq, Hq, Dv]
+    if Tq == 1:
+        return out.reshape(B, Hq, Dv)
+    return out[batch.token_seq, batch.token_qidx]  # [T, Hq, Dv]
