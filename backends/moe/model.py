@@ -1,0 +1,273 @@
+"""Triton Python-based backend "moe": a thin adapter between Triton and moe_engine.
+
+- ``execute`` only parses each request, hands it to the engine and returns.
+- The engine thread calls back with per-step outputs; they go on a queue that a
+  separate response thread drains, so the engine never waits on Triton IPC.
+- Streaming requests get one response per step; non-streaming requests get one
+  response with everything. Every request ends with exactly one response that
+  carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` (an error response included).
+- A request Triton marks cancelled is aborted in the engine and ended with a
+  CANCELLED error.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from moe_engine.engine import Engine, EngineConfig, Request, RequestOutput
+from moe_engine.errors import EngineError, EngineOverloadedError, EngineStoppedError, InvalidRequestError
+from moe_engine.sampling import SamplingParams
+
+log = logging.getLogger("moe_backend")
+
+CANCEL_POLL_S = 0.05  # how often the response thread asks Triton about cancellations
+
+
+@dataclass
+class _Pending:
+    """Response-side state of one Triton request."""
+
+    sender: object  # pb_utils.InferenceResponseSender
+    engine_id: str
+    stream: bool
+    routing: bool
+    L: int
+    K: int
+    # Non-streaming requests accumulate here until the final output.
+    tokens: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    top_ids: list = field(default_factory=list)
+    top_vals: list = field(default_factory=list)
+    cancelled: bool = False
+
+
+def _param(params: dict, key: str, default: str = "") -> str:
+    value = params.get(key, {}).get("string_value", default)
+    return value if value != "" else default
+
+
+def _optional_scalar(request, name, cast):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return None
+    arr = t.as_numpy().reshape(-1)
+    if arr.size != 1:
+        raise InvalidRequestError(f"{name}: expected one value, got {arr.size}", param=name)
+    return cast(arr[0])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        import torch
+
+        from moe_engine.checkpoint import load_model
+        from moe_engine.config import load_config
+        from moe_engine.tiny import ensure_tiny_checkpoint
+
+        model_config = json.loads(args["model_config"])
+        params = model_config.get("parameters", {})
+        checkpoint = _param(params, "checkpoint") or str(ensure_tiny_checkpoint())
+        device = _param(params, "device", "auto")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = _param(params, "dtype", "auto")
+        budget = _param(params, "kv_cache_bytes")
+        ecfg = EngineConfig(
+            max_num_seqs=int(_param(params, "max_num_seqs", "64")),
+            max_model_len=int(_param(params, "max_model_len", "2048")),
+            max_num_batched_tokens=int(_param(params, "max_num_batched_tokens", "512")),
+            kv_cache_bytes=int(budget) if budget else None,
+            max_waiting=int(_param(params, "max_waiting", "1024")),
+            enable_routed_experts=_param(params, "enable_routed_experts", "true").lower() in ("1", "true", "yes"),
+        )
+        num_threads = _param(params, "num_threads")
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
+        log.info("loading %s (dtype=%s, device=%s)", checkpoint, dtype, device)
+        t0 = time.monotonic()
+        self.cfg = load_config(checkpoint)
+        model = load_model(checkpoint, dtype=dtype, device=device)
+        log.info("loaded %s in %.1f s", self.cfg.architecture, time.monotonic() - t0)
+        self.engine = Engine(model, self.cfg, ecfg)
+        self.routing_enabled = ecfg.enable_routed_experts
+
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.engine.start()
+        self._responder = threading.Thread(target=self._response_loop, name="moe-responses", daemon=True)
+        self._responder.start()
+
+    # ------------------------------------------------------------------ request path
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._submit(request, sender)
+            except EngineError as exc:
+                code = pb_utils.TritonError.INVALID_ARG
+                if isinstance(exc, (EngineOverloadedError, EngineStoppedError)):
+                    code = pb_utils.TritonError.UNAVAILABLE
+                sender.send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), code)),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+            except Exception as exc:  # never let one request take the model down
+                log.exception("rejecting a request")
+                sender.send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {exc!r}")),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+        return None
+
+    def _submit(self, request, sender) -> None:
+        ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
+        if ids_t is None:
+            raise InvalidRequestError("input_ids: missing", param="input_ids")
+        prompt = ids_t.as_numpy().reshape(-1).astype(np.int64).tolist()
+        d = SamplingParams()
+        stop_t = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
+
+        def opt(name, cast, default):
+            v = _optional_scalar(request, name, cast)
+            return default if v is None else v
+
+        top_k = opt("top_k", int, 0)
+        logprobs = _optional_scalar(request, "logprobs", int)
+        sampling = SamplingParams(
+            max_tokens=opt("max_tokens", int, d.max_tokens),
+            min_tokens=opt("min_tokens", int, 0),
+            temperature=opt("temperature", float, d.temperature),
+            top_p=opt("top_p", float, d.top_p),
+            top_k=0 if top_k == -1 else top_k,
+            seed=_optional_scalar(request, "seed", int),
+            stop_token_ids=tuple(stop_t.as_numpy().reshape(-1).tolist()) if stop_t is not None else (),
+            ignore_eos=opt("ignore_eos", bool, False),
+            logprobs=None if logprobs is None or logprobs < 0 else logprobs,
+        )
+        want_routing = opt("return_routed_experts", bool, True) and self.routing_enabled
+        engine_id = f"{self.engine.new_request_id()}:{request.request_id()}"
+        pending = _Pending(
+            sender=sender,
+            engine_id=engine_id,
+            stream=opt("stream", bool, False),
+            routing=want_routing,
+            L=self.cfg.num_hidden_layers,
+            K=self.cfg.num_experts_per_tok,
+        )
+        req = Request(
+            request_id=engine_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            return_routed_experts=want_routing,
+            routed_experts_prompt_start=opt("routed_experts_prompt_start", int, 0),
+            on_output=self._outputs.put,
+        )
+        with self._lock:
+            self._pending[engine_id] = pending
+        try:
+            self.engine.add_request(req)
+        except Exception:
+            with self._lock:
+                self._pending.pop(engine_id, None)
+            raise
+
+    # ------------------------------------------------------------------ response path
+
+    def _response_loop(self) -> None:
+        last_poll = time.monotonic()
+        while not self._stopping.is_set() or self._pending:
+            try:
+                out = self._outputs.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                out = None
+            if out is not None:
+                try:
+                    self._on_output(out)
+                except Exception:
+                    log.exception("sending a response failed")
+            if time.monotonic() - last_poll >= CANCEL_POLL_S:
+                self._poll_cancellations()
+                last_poll = time.monotonic()
+
+    def _poll_cancellations(self) -> None:
+        with self._lock:
+            items = [p for p in self._pending.values() if not p.cancelled]
+        for p in items:
+            try:
+                if p.sender.is_cancelled():
+                    p.cancelled = True
+                    log.info("request %s cancelled by the client; aborting", p.engine_id)
+                    self.engine.abort(p.engine_id)
+            except Exception:
+                log.exception("cancellation check failed")
+
+    def _on_output(self, out: RequestOutput) -> None:
+        with self._lock:
+            p = self._pending.get(out.request_id)
+            if p is not None and out.finished:
+                del self._pending[out.request_id]
+        if p is None:
+            return
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
+        if out.finished and (p.cancelled or out.finish_reason == "error"):
+            if p.cancelled:
+                err = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+            else:
+                err = pb_utils.TritonError(out.error or "engine error", pb_utils.TritonError.INTERNAL)
+            p.sender.send(pb_utils.InferenceResponse(error=err), flags=flags)
+            return
+        if p.stream:
+            p.sender.send(self._response(p, out, out.new_token_ids, [out.routed_experts], [out]), flags=flags)
+            return
+        p.tokens.extend(out.new_token_ids)
+        if out.routed_experts is not None:
+            p.rows.append(out.routed_experts)
+        if out.logprobs is not None:
+            p.logprobs.append(out)
+        if out.finished:
+            p.sender.send(self._response(p, out, p.tokens, p.rows, p.logprobs), flags=flags)
+
+    def _response(self, p: _Pending, out: RequestOutput, tokens, rows, lp_outputs):
+        T = pb_utils.Tensor
+        tensors = [
+            T("output_ids", np.asarray(tokens, dtype=np.int64)),
+            T("finish_reason", np.array([(out.finish_reason or "").encode()], dtype=np.object_)),
+            T("num_prompt_tokens", np.array([out.num_prompt_tokens], dtype=np.int32)),
+            T("num_output_tokens", np.array([out.num_output_tokens], dtype=np.int32)),
+        ]
+        if p.routing:
+            rows = [r for r in rows if r is not None and len(r)]
+            arr = np.concatenate(rows) if len(rows) > 1 else rows[0] if rows else np.empty((0, p.L, p.K))
+            tensors.append(T("routed_experts", np.ascontiguousarray(arr, dtype=np.uint16)))
+        lp_outputs = [o for o in lp_outputs if o.logprobs is not None]
+        if lp_outputs:
+            tensors.append(
+                T("logprobs", np.asarray([v for o in lp_outputs for v in o.logprobs], dtype=np.float32))
+            )
+            if lp_outputs[0].top_logprob_ids is not None:
+                tensors.append(T("top_logprob_ids", np.concatenate([o.top_logprob_ids for o in lp_outputs])))
+                tensors.append(
+                    T("top_logprobs", np.concatenate([o.top_logprobs for o in lp_outputs]).astype(np.float32))
+                )
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def finalize(self):
+        log.info("finalizing: stopping the engine")
+        self.engine.shutdown()  # ends every open request with an error response
+        self._stopping.set()
+        self._responder.join(timeout=10)

@@ -1,0 +1,410 @@
+"""The serving engine: request queue, continuous-batching scheduler, step loop.
+
+Every step runs one forward over the tokens of many sequences: one decode
+token for each running sequence, plus prefill chunks of new sequences up to
+the step's token budget (long prompts are chunked over several steps). Each
+sequence owns a KV-cache slot for its whole life.
+
+Routing capture: the model writes each MoE layer's top-k ids into a step
+buffer ``[max_num_batched_tokens, num_hidden_layers, top_k]``; after the
+forward the used rows are copied to the host once and sliced per request.
+With no request wanting routing in a step, the model gets no buffer and does
+no capture work.
+
+Outputs: each request has a callback that receives a ``RequestOutput`` per
+step it took part in (new tokens, new routing rows), the last one with
+``finished=True`` and a finish reason. Callbacks run on the engine thread and
+must not block.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .attention import ForwardBatch
+from .config import MoEConfig
+from .errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
+from .kv_cache import KVCache, slots_for_budget
+from .sampling import SamplingParams, SamplingState, compute_logprobs, make_state, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 512  # per step: decode tokens + prefill chunk tokens
+    kv_cache_bytes: int | None = None  # None: room for max_num_seqs full sequences
+    max_waiting: int = 1024  # waiting-queue bound; beyond it add_request raises EngineOverloadedError
+    enable_routed_experts: bool = True  # server-wide switch; off = never any capture work
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    routed_experts: np.ndarray | None  # [rows, num_hidden_layers, top_k] uint16, rows since the last output
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: list[float] | None = None  # chosen tokens' logprobs, one per new token
+    top_logprob_ids: np.ndarray | None = None  # [new tokens, N] int64
+    top_logprobs: np.ndarray | None = None  # [new tokens, N] float32
+    error: str | None = None
+
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    return_routed_experts: bool = True
+    routed_experts_prompt_start: int = 0
+    on_output: OutputCallback | None = None
+
+
+@dataclass
+class _Sequence:
+    req: Request
+    sampler: SamplingState
+    tokens: list[int]  # prompt + generated
+    num_prompt: int
+    slot: int = -1
+    num_computed: int = 0  # tokens whose KV is in the cache (= rows forwarded)
+    num_output: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.num_prompt
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, cfg: MoEConfig, engine_cfg: EngineConfig | None = None):
+        self.model = model
+        self.cfg = cfg
+        self.ecfg = ec = engine_cfg or EngineConfig()
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        if ec.max_model_len > cfg.max_position_embeddings:
+            log.warning(
+                "max_model_len %d exceeds the model's max_position_embeddings %d",
+                ec.max_model_len,
+                cfg.max_position_embeddings,
+            )
+        specs = model.kv_layout()
+        num_slots = slots_for_budget(specs, ec.max_model_len, self.dtype, ec.max_num_seqs, ec.kv_cache_bytes)
+        self.kv = KVCache(specs, num_slots, ec.max_model_len, self.dtype, self.device)
+        self.max_running = num_slots
+        self.step_tokens = max(ec.max_num_batched_tokens, num_slots)  # every running seq can decode
+        self.eos_ids = frozenset(cfg.eos_token_ids)
+        L, K = cfg.num_hidden_layers, cfg.num_experts_per_tok
+        # Preallocated, so a decode step allocates nothing (and can later be graph-captured).
+        # Dense layers are never written and stay 0; metadata says which layers are MoE.
+        self.capture_buf = (
+            torch.zeros(self.step_tokens, L, K, dtype=torch.int32, device=self.device)
+            if ec.enable_routed_experts
+            else None
+        )
+        log.info(
+            "engine: %d slots x %d tokens, KV cache %.1f MiB, %d tokens/step, routed experts %s, device %s, %s",
+            num_slots,
+            ec.max_model_len,
+            self.kv.nbytes / 2**20,
+            self.step_tokens,
+            "on" if ec.enable_routed_experts else "off",
+            self.device,
+            self.dtype,
+        )
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._running: dict[str, _Sequence] = {}  # insertion order = admission order
+        self._inbox: collections.deque = collections.deque()  # ("add", seq) | ("abort", id), from any thread
+        self._known_ids: set[str] = set()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.dead: BaseException | None = None
+        self.num_steps = 0
+
+    # ---------------------------------------------------------------- public API (any thread)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="moe-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def validate(self, req: Request) -> None:
+        """Raise InvalidRequestError naming the problem; cheap, runs in the caller's thread."""
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("input_ids: the prompt is empty", param="input_ids")
+        V = self.cfg.vocab_size
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < V]
+        if bad:
+            raise InvalidRequestError(
+                f"input_ids: token id {bad[0]} is outside the vocabulary [0, {V})", param="input_ids"
+            )
+        req.sampling.validate(V)
+        limit = self.ecfg.max_model_len
+        if n + req.sampling.max_tokens > limit:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {limit} tokens; the request asks for "
+                f"{n + req.sampling.max_tokens} ({n} in the prompt + {req.sampling.max_tokens} max_tokens)",
+                param="max_tokens" if n < limit else "input_ids",
+            )
+        ps = req.routed_experts_prompt_start
+        if not 0 <= ps < n:
+            raise InvalidRequestError(
+                f"routed_experts_prompt_start: must be in [0, {n}) for a {n}-token prompt, got {ps}",
+                param="routed_experts_prompt_start",
+            )
+
+    def add_request(self, req: Request) -> None:
+        self.validate(req)
+        with self._cv:
+            if self.dead is not None or self._stop:
+                raise EngineStoppedError("the engine is not running")
+            if req.request_id in self._known_ids:
+                raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
+            if len(self._waiting) + len(self._inbox) >= self.ecfg.max_waiting:
+                raise EngineOverloadedError(
+                    f"the engine's waiting queue is full ({self.ecfg.max_waiting} requests); retry later"
+                )
+            self._known_ids.add(req.request_id)
+            seq = _Sequence(
+                req=req,
+                sampler=make_state(req.sampling, self.device),
+                tokens=list(req.prompt_token_ids),
+                num_prompt=len(req.prompt_token_ids),
+            )
+            self._inbox.append(("add", seq))
+            self._cv.notify_all()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its slot and cache are freed at the next step and it ends with "abort"."""
+        with self._cv:
+            self._inbox.append(("abort", request_id))
+            self._cv.notify_all()
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._cv:
+            return len(self._known_ids)
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {
+                "running": len(self._running),
+                "waiting": len(self._waiting) + len(self._inbox),
+                "free_slots": len(self._free_slots),
+                "steps": self.num_steps,
+            }
+
+    # ---------------------------------------------------------------- engine thread
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and not self._inbox and not self._waiting and not self._running:
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                self.step()
+        except BaseException as exc:  # the loop must never die silently
+            log.exception("engine loop died")
+            self.dead = exc
+            self._fail_all(f"engine failure: {exc!r}")
+        finally:
+            self._fail_all("the engine shut down")
+
+    def _fail_all(self, message: str) -> None:
+        with self._cv:
+            seqs = list(self._running.values()) + list(self._waiting)
+            seqs += [item for kind, item in self._inbox if kind == "add"]
+            self._running.clear()
+            self._waiting.clear()
+            self._inbox.clear()
+        for seq in seqs:
+            self._finish(seq, "error", error=message)
+
+    def step(self) -> bool:
+        """Run one scheduler step; returns False when there was nothing to do."""
+        self._drain_inbox()
+        self._admit()
+        plan = self._schedule()
+        if not plan:
+            return False
+        self._run(plan)
+        self.num_steps += 1
+        return True
+
+    def _drain_inbox(self) -> None:
+        with self._cv:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for kind, item in items:
+            if kind == "add":
+                self._waiting.append(item)
+                continue
+            seq = self._running.get(item) or next((s for s in self._waiting if s.req.request_id == item), None)
+            if seq is not None:
+                if seq in self._waiting:
+                    self._waiting.remove(seq)
+                self._finish(seq, "abort")
+
+    def _admit(self) -> None:
+        while self._waiting and self._free_slots:
+            seq = self._waiting.popleft()
+            seq.slot = self._free_slots.pop()
+            self._running[seq.req.request_id] = seq
+
+    def _schedule(self) -> list[tuple[_Sequence, int]]:
+        """(sequence, tokens this step): all decodes first, then prefill chunks within the budget."""
+        budget = self.step_tokens
+        plan = []
+        for seq in self._running.values():
+            if not seq.in_prefill:
+                plan.append((seq, 1))
+                budget -= 1
+        for seq in self._running.values():
+            if seq.in_prefill and budget > 0:
+                n = min(seq.num_prompt - seq.num_computed, budget)
+                plan.append((seq, n))
+                budget -= n
+        return plan
+
+    @torch.inference_mode()
+    def _run(self, plan: list[tuple[_Sequence, int]]) -> None:
+        ids: list[int] = []
+        for seq, n in plan:
+            ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n])
+        T = len(ids)
+        batch = ForwardBatch.build(
+            [s.slot for s, _ in plan], [s.num_computed for s, _ in plan], [n for _, n in plan], self.device
+        )
+        want_routing = self.capture_buf is not None and any(s.req.return_routed_experts for s, _ in plan)
+        capture = self.capture_buf[:T] if want_routing else None
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, batch, self.kv, capture)  # [T, H]
+
+        # Sequences that produce a token this step: decoding, or finishing their prompt now.
+        samplers = [i for i, (s, n) in enumerate(plan) if s.num_computed + n >= s.num_prompt]
+        new_tokens: list[int] = []
+        lp = None
+        if samplers:
+            rows = batch.last_token_index[samplers]
+            logits = self.model.compute_logits(hidden[rows])  # [N, V] float32
+            states = [plan[i][0].sampler for i in samplers]
+            tokens = sample(logits, states)
+            top_n = max((st.params.logprobs for st in states if st.params.logprobs is not None), default=-1)
+            if top_n >= 0:
+                lp = [t.cpu() if t is not None else None for t in compute_logprobs(logits, tokens, top_n)]
+            new_tokens = tokens.tolist()  # the step's one host sync for tokens
+        routing = capture.cpu().numpy() if capture is not None else None  # one copy per step
+
+        sampled = dict(zip(samplers, range(len(samplers))))
+        offset = 0
+        for i, (seq, n) in enumerate(plan):
+            rows_np = None
+            if routing is not None and seq.req.return_routed_experts:
+                first = max(seq.num_computed, seq.req.routed_experts_prompt_start)
+                last = seq.num_computed + n
+                rows_np = routing[offset + first - seq.num_computed : offset + n].astype(np.uint16)
+                if first >= last:
+                    rows_np = rows_np[:0]
+            offset += n
+            seq.num_computed += n
+            tok: list[int] = []
+            out = RequestOutput(
+                request_id=seq.req.request_id,
+                new_token_ids=tok,
+                routed_experts=rows_np,
+                finished=False,
+                finish_reason=None,
+                num_prompt_tokens=seq.num_prompt,
+                num_output_tokens=seq.num_output,
+            )
+            if i in sampled:
+                j = sampled[i]
+                t = new_tokens[j]
+                tok.append(t)
+                seq.tokens.append(t)
+                seq.num_output += 1
+                out.num_output_tokens = seq.num_output
+                n_lp = seq.sampler.params.logprobs
+                if lp is not None and n_lp is not None:
+                    out.logprobs = [float(lp[0][j])]
+                    if n_lp > 0:
+                        out.top_logprob_ids = lp[1][j : j + 1, :n_lp].numpy()
+                        out.top_logprobs = lp[2][j : j + 1, :n_lp].numpy()
+                reason = self._stop_reason(seq, t)
+                if reason is not None:
+                    self._finish(seq, reason, last=out)
+                    continue
+            self._emit(seq, out)
+
+    def _stop_reason(self, seq: _Sequence, token: int) -> str | None:
+        p = seq.sampler.params
+        if seq.num_output >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return "stop"
+            if not p.ignore_eos and token in self.eos_ids:
+                return "stop"
+        if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.ecfg.max_model_len:
+            return "length"
+        return None
+
+    def _emit(self, seq: _Sequence, out: RequestOutput) -> None:
+        cb = seq.req.on_output
+        if cb is None:
+            return
+        try:
+            cb(out)
+        except Exception:
+            log.exception("output callback of %s failed; aborting it", seq.req.request_id)
+            if not out.finished:
+                self.abort(seq.req.request_id)
+
+    def _finish(self, seq: _Sequence, reason: str, last: RequestOutput | None = None, error: str | None = None):
+        rid = seq.req.request_id
+        if self._running.pop(rid, None) is not None:
+            self._free_slots.append(seq.slot)
+        seq.slot = -1
+        with self._cv:
+            self._known_ids.discard(rid)
+        out = last or RequestOutput(
+            request_id=rid,
+            new_token_ids=[],
+            routed_experts=None,
+            finished=True,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt,
+            num_output_tokens=seq.num_output,
+        )
+        out.finished, out.finish_reason, out.error = True, reason, error
+        self._emit(seq, out)
