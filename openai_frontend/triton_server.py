@@ -8,6 +8,7 @@ its interpreter through PATH, so this environment's bin directory goes first.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -50,30 +51,30 @@ def find_tritonserver(explicit: str | None = None) -> TritonPaths:
         if not (backend / "libtriton_python.so").exists():
             raise TritonError(f"{binary}: no python backend at {backend}")
         return TritonPaths(binary, backend, None)
-    try:
-        import pytriton  # noqa: F401  (only for its location)
-    except ImportError as exc:
-        raise TritonError(
-            "no tritonserver on PATH and the nvidia-pytriton wheel is not installed (run `make serve`)"
-        ) from exc
-    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    # Locate the wheel without importing it (pytriton's own imports need packages we skip).
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise TritonError("no tritonserver on PATH and the nvidia-pytriton wheel is not installed (run `make serve`)")
+    package_dir = Path(list(spec.submodule_search_locations)[0]).resolve()
+    root = package_dir / "tritonserver"
     stub = root / "python_backend_stubs" / PY_VERSION / "triton_python_backend_stub"
     if not stub.exists():
         raise TritonError(f"nvidia-pytriton has no python backend stub for Python {PY_VERSION}")
-    libs = Path(pytriton.__file__).resolve().parent.parent / "nvidia_pytriton.libs"
+    libs = package_dir.parent / "nvidia_pytriton.libs"
     return TritonPaths(root / "bin" / "tritonserver", root / "backends" / "python", stub, [libs])
 
 
 def assemble_backends(paths: TritonPaths, run_dir: Path, moe_backend: Path = DEFAULT_MOE_BACKEND) -> Path:
-    """<run_dir>/backends/{python,moe}: links to the real files, nothing copied."""
+    """<run_dir>/backends/{python,moe}: the python backend's files copied (Triton refuses a
+    backend library that resolves outside its directory), the moe backend linked."""
     backends = run_dir / "backends"
     py = backends / "python"
     py.mkdir(parents=True, exist_ok=True)
     for f in paths.python_backend.iterdir():
         if f.name != "__pycache__":
-            (py / f.name).symlink_to(f)
+            shutil.copy2(f, py / f.name)
     if paths.stub is not None:
-        (py / "triton_python_backend_stub").symlink_to(paths.stub)
+        shutil.copy2(paths.stub, py / "triton_python_backend_stub")
     (backends / "moe").symlink_to(moe_backend.resolve(), target_is_directory=True)
     return backends
 

@@ -1,0 +1,235 @@
+"""Engine serving core: batching invariance, capture semantics, abort, seeds, limits.
+
+The engine runs synchronously here (``engine.step()``), so a test controls
+exactly what shares a step.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from moe_engine.checkpoint import load_model
+from moe_engine.config import load_config
+from moe_engine.engine import Engine, EngineConfig, Request
+from moe_engine.errors import EngineOverloadedError, InvalidRequestError
+from moe_engine.model import reference_forward
+from moe_engine.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    cfg = load_config(tiny_checkpoint)
+    model = load_model(tiny_checkpoint, dtype="float32", device="cpu", progress=False)
+    return cfg, model
+
+
+def make_engine(tiny, **kw) -> Engine:
+    cfg, model = tiny
+    kw.setdefault("max_model_len", 256)
+    return Engine(model, cfg, EngineConfig(**kw))
+
+
+class Collector:
+    """Accumulates a request's outputs the way a client would."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.rows: list[np.ndarray] = []
+        self.finish_reason = None
+        self.error = None
+        self.logprobs: list[float] = []
+        self.done = threading.Event()
+        self.num_outputs = 0
+
+    def __call__(self, out):
+        self.num_outputs += 1
+        self.tokens.extend(out.new_token_ids)
+        if out.routed_experts is not None:
+            self.rows.append(out.routed_experts)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        if out.finished:
+            self.finish_reason, self.error = out.finish_reason, out.error
+            self.done.set()
+
+    @property
+    def routing(self) -> np.ndarray:
+        return np.concatenate(self.rows) if self.rows else None
+
+
+def submit(engine, prompt, rid=None, routing=True, prompt_start=0, **sampling) -> Collector:
+    c = Collector()
+    sampling.setdefault("temperature", 0.0)
+    engine.add_request(
+        Request(
+            request_id=rid or engine.new_request_id(),
+            prompt_token_ids=list(prompt),
+            sampling=SamplingParams(**sampling),
+            return_routed_experts=routing,
+            routed_experts_prompt_start=prompt_start,
+            on_output=c,
+        )
+    )
+    return c
+
+
+def run_all(engine, collectors, max_steps=10_000):
+    for _ in range(max_steps):
+        if all(c.done.is_set() for c in collectors):
+            return
+        engine.step()
+    raise AssertionError("requests did not finish")
+
+
+def prompt_of(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 500, (n,), generator=g).tolist()
+
+
+def test_rows_are_prompt_plus_output_minus_one_and_match_the_router(tiny):
+    cfg, model = tiny
+    engine = make_engine(tiny)
+    prompt = prompt_of(9, 1)
+    c = submit(engine, prompt, max_tokens=7, ignore_eos=True)
+    run_all(engine, [c])
+    assert c.finish_reason == "length" and len(c.tokens) == 7
+    routing = c.routing
+    assert routing.dtype == np.uint16
+    assert routing.shape == (len(prompt) + len(c.tokens) - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    # Independently: the router's top-k over the same tokens in one reference forward.
+    _, ref_ids = reference_forward(model, prompt + c.tokens[:-1])
+    np.testing.assert_array_equal(routing, ref_ids.numpy().astype(np.uint16))
+    assert int(routing.max()) < cfg.num_experts
+
+
+def test_request_is_identical_alone_and_batched_with_seven_others(tiny):
+    engine = make_engine(tiny, max_num_batched_tokens=64)
+    target = prompt_of(23, 7)
+    alone = submit(engine, target, max_tokens=12, ignore_eos=True)
+    run_all(engine, [alone])
+
+    engine = make_engine(tiny, max_num_batched_tokens=64)  # fresh cache; the others force chunking
+    others = [submit(engine, prompt_of(5 + 9 * i, 100 + i), max_tokens=4 + i, ignore_eos=True) for i in range(4)]
+    engine.step()  # the target joins a batch already decoding
+    batched = submit(engine, target, max_tokens=12, ignore_eos=True)
+    others += [submit(engine, prompt_of(3 + 17 * i, 200 + i), max_tokens=9, ignore_eos=True) for i in range(3)]
+    run_all(engine, others + [batched])
+    assert batched.tokens == alone.tokens
+    np.testing.assert_array_equal(batched.routing, alone.routing)
+
+
+def test_chunked_prefill_gives_the_same_rows_as_one_chunk(tiny):
+    prompt = prompt_of(50, 3)
+    whole = make_engine(tiny, max_num_batched_tokens=512)
+    a = submit(whole, prompt, max_tokens=5, ignore_eos=True)
+    run_all(whole, [a])
+    chunked = make_engine(tiny, max_num_batched_tokens=16, max_num_seqs=4)
+    b = submit(chunked, prompt, max_tokens=5, ignore_eos=True)
+    run_all(chunked, [b])
+    assert b.num_outputs > a.num_outputs  # the prompt really took several steps
+    assert a.tokens == b.tokens
+    np.testing.assert_array_equal(a.routing, b.routing)
+
+
+def test_prompt_start_drops_leading_prompt_rows(tiny):
+    engine = make_engine(tiny)
+    prompt = prompt_of(12, 4)
+    full = submit(engine, prompt, max_tokens=4, ignore_eos=True)
+    cut = submit(engine, prompt, max_tokens=4, ignore_eos=True, prompt_start=5)
+    run_all(engine, [full, cut])
+    assert cut.routing.shape[0] == len(prompt) + 4 - 1 - 5
+    np.testing.assert_array_equal(cut.routing, full.routing[5:])
+
+
+def test_routing_opt_out_and_server_switch(tiny):
+    engine = make_engine(tiny)
+    c = submit(engine, prompt_of(6, 5), routing=False, max_tokens=3)
+    run_all(engine, [c])
+    assert c.routing is None and len(c.tokens) == 3
+
+    off = make_engine(tiny, enable_routed_experts=False)
+    assert off.capture_buf is None  # no buffer, so no capture work in any step
+    d = submit(off, prompt_of(6, 5), routing=True, max_tokens=3)
+    run_all(off, [d])
+    assert d.routing is None and d.tokens == c.tokens
+
+
+def test_seed_reproduces_whatever_shares_the_batch(tiny):
+    engine = make_engine(tiny)
+    p = prompt_of(8, 6)
+    a = submit(engine, p, temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    run_all(engine, [a])
+    b = submit(engine, p, temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    noise = [submit(engine, prompt_of(4 + i, 50 + i), temperature=1.0, max_tokens=10) for i in range(5)]
+    c = submit(engine, p, temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
+    run_all(engine, [b, c] + noise)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+def test_abort_frees_the_slot_for_the_next_request(tiny):
+    engine = make_engine(tiny, max_num_seqs=1)
+    long = submit(engine, prompt_of(5, 8), rid="long", max_tokens=200, ignore_eos=True)
+    waiting = submit(engine, prompt_of(5, 9), rid="next", max_tokens=3)
+    for _ in range(5):
+        engine.step()
+    assert len(long.tokens) == 5 and not waiting.tokens  # one slot: the second waits
+    engine.abort("long")
+    run_all(engine, [long, waiting])
+    assert long.finish_reason == "abort" and 5 <= len(long.tokens) < 200
+    assert len(waiting.tokens) == 3
+    assert engine.stats()["free_slots"] == 1
+
+
+def test_limits_are_rejected_with_clear_errors(tiny):
+    cfg, _ = tiny
+    engine = make_engine(tiny, max_model_len=64, max_waiting=2)
+    with pytest.raises(InvalidRequestError, match="maximum context length is 64"):
+        submit(engine, prompt_of(60, 1), max_tokens=10)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        submit(engine, [], max_tokens=1)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        submit(engine, [1, cfg.vocab_size], max_tokens=1)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        submit(engine, [1, 2], temperature=-1.0)
+    with pytest.raises(InvalidRequestError, match="routed_experts_prompt_start"):
+        submit(engine, [1, 2], prompt_start=2)
+    submit(engine, [1, 2])
+    submit(engine, [1, 2])
+    with pytest.raises(EngineOverloadedError):
+        submit(engine, [1, 2])
+
+
+def test_stop_token_ids_and_logprobs(tiny):
+    engine = make_engine(tiny)
+    p = prompt_of(7, 11)
+    free = submit(engine, p, max_tokens=8, ignore_eos=True, logprobs=3)
+    run_all(engine, [free])
+    assert len(free.logprobs) == 8 and all(lp <= 0 for lp in free.logprobs)
+    stop_at = free.tokens[3]
+    first = free.tokens.index(stop_at)
+    stopped = submit(engine, p, max_tokens=8, ignore_eos=True, stop_token_ids=(stop_at,))
+    run_all(engine, [stopped])
+    assert stopped.finish_reason == "stop" and stopped.tokens == free.tokens[: first + 1]
+
+
+def test_sixty_four_concurrent_requests_all_finish_on_the_engine_thread(tiny):
+    engine = make_engine(tiny, max_num_seqs=16, max_num_batched_tokens=128)
+    engine.start()
+    try:
+        prompts = [prompt_of(3 + i % 13, i) for i in range(64)]
+        cs = [
+            submit(engine, p, max_tokens=2 + i % 7, temperature=0.7 * (i % 2), seed=i)
+            for i, p in enumerate(prompts)
+        ]
+        for c in cs:
+            assert c.done.wait(120), "a request never finished"
+        assert all(c.finish_reason in ("stop", "length") for c in cs)
+        for p, c in zip(prompts, cs):
+            assert c.routing.shape[0] == len(p) + len(c.tokens) - 1
+    finally:
+        engine.shutdown()
+    assert engine.stats()["free_slots"] == engine.max_running
