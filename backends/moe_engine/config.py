@@ -26,7 +26,7 @@ class UnsupportedModelError(ValueError):
     """The checkpoint's architecture or one of its options is not supported."""
 
 
-_DTYPES = {
+DTYPE_ALIASES = {  # accepted spellings -> canonical name
     "float32": "float32", "fp32": "float32", "float": "float32",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
@@ -119,9 +119,9 @@ def _int_list(value: Any) -> tuple[int, ...]:
 def _dtype(raw: dict) -> str:
     value = raw.get("dtype", raw.get("torch_dtype")) or "float32"  # vLLM: no dtype -> float32
     name = str(value).removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in DTYPE_ALIASES:
         raise UnsupportedModelError(f"unsupported checkpoint dtype {value!r}; supported: float32, bfloat16, float16")
-    return _DTYPES[name]
+    return DTYPE_ALIASES[name]
 
 
 def _rope(raw: dict, default_theta: float, arch: str) -> dict:

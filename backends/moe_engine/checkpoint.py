@@ -1,0 +1,198 @@
+"""Load a Hugging Face MoE checkpoint (safetensors) into ``MoEForCausalLM``.
+
+- single ``model.safetensors``, sharded (``model.safetensors.index.json``) or any ``*.safetensors`` set;
+- experts stored per expert, as on the Hub (Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2``,
+  Qwen/OLMoE ``mlp.experts.{e}.{gate,up,down}_proj``), or fused 3-D as transformers v5 writes with
+  ``save_pretrained(save_original_format=False)`` (``mlp.experts.gate_up_proj`` [E, 2I, H],
+  ``mlp.experts.down_proj`` [E, H, I]; Mixtral's ``block_sparse_moe`` renamed ``mlp``);
+- bf16 / fp16 / fp32 on disk, converted tensor by tensor to the requested dtype;
+- tied embeddings (``lm_head`` shares ``embed_tokens``; a stored ``lm_head.weight`` is ignored, as HF).
+
+The model is built on the ``meta`` device and each parameter is read from the memory-mapped
+file (``safe_open``) and assigned, so there is never a second full copy of the weights in RAM.
+A missing or mis-shaped tensor raises ``CheckpointError`` naming the key and the expected shape.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .config import DTYPE_ALIASES, MoEConfig, load_config
+from .model import MoEForCausalLM
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Per-expert (Hub) layout: MoE block module names (first = the Hub name) and the gate / up / down names.
+_PER_EXPERT_NAMES = {
+    "mixtral": (("block_sparse_moe", "mlp"), "w1", "w3", "w2"),
+}
+_DEFAULT_PER_EXPERT_NAMES = (("mlp",), "gate_proj", "up_proj", "down_proj")
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint's tensors do not match what the config describes."""
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, cfg: MoEConfig) -> torch.dtype:
+    """"auto" (or None) = the checkpoint's dtype from config.json, as vLLM."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _TORCH_DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; supported: float32, bfloat16, float16")
+        return dtype
+    name = cfg.torch_dtype if dtype in (None, "auto") else DTYPE_ALIASES.get(str(dtype).removeprefix("torch."))
+    if name is None:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, float32, bfloat16, float16")
+    return _TORCH_DTYPES[name]
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+class _Tensors:
+    """key -> file index over a checkpoint directory, with lazily opened memory-mapped handles."""
+
+    def __init__(self, root: Path, stack: ExitStack):
+        self.root, self._stack, self._handles = root, stack, {}
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            self.key_file = dict(json.loads(index.read_text())["weight_map"])
+        else:
+            files = [root / "model.safetensors"] if (root / "model.safetensors").is_file() else sorted(root.glob("*.safetensors"))
+            if not files:
+                other = [p.name for p in root.glob("*.bin")] + [p.name for p in root.glob("*.pt")]
+                hint = f" (found {', '.join(other)}: only safetensors is supported)" if other else ""
+                raise FileNotFoundError(f"no *.safetensors weights in {root}{hint}")
+            self.key_file = {}
+            for f in files:
+                for key in self._open(f.name).keys():
+                    self.key_file[key] = f.name
+        self.used: set[str] = set()
+
+    def _open(self, fname: str):
+        if fname not in self._handles:
+            path = self.root / fname
+            if not path.is_file():
+                raise FileNotFoundError(f"checkpoint shard {path} (listed in the index) is missing")
+            self._handles[fname] = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+        return self._handles[fname]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.key_file
+
+    def shape(self, key: str) -> list[int]:
+        return list(self._open(self.key_file[key]).get_slice(key).get_shape())
+
+    def get(self, key: str, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+        """Read one tensor (from the memory map) after checking its shape."""
+        found = self.shape(key)
+        if list(found) != list(shape):
+            raise CheckpointError(
+                f"tensor {key!r} in {self.key_file[key]} has shape {_fmt(found)}, expected {_fmt(shape)}"
+            )
+        self.used.add(key)
+        return self._open(self.key_file[key]).get_tensor(key)
+
+
+def _missing(root: Path, key: str, shape, alternative: str = "") -> CheckpointError:
+    return CheckpointError(f"checkpoint {root} is missing tensor {key!r} (expected shape {_fmt(shape)}){alternative}")
+
+
+def _load_direct(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device) -> torch.Tensor:
+    candidates = [name]
+    blocks = _PER_EXPERT_NAMES.get(cfg.architecture, _DEFAULT_PER_EXPERT_NAMES)[0]
+    if ".mlp." in name:  # e.g. Mixtral's router: block_sparse_moe.gate (Hub) or mlp.gate (v5)
+        candidates += [name.replace(".mlp.", f".{b}.") for b in blocks if b != "mlp"]
+    for key in candidates:
+        if key in t:
+            return t.get(key, shape).to(device=device, dtype=dtype)
+    raise _missing(t.root, name, shape)
+
+
+def _load_experts(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device) -> torch.Tensor:
+    """``model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2I, H] or ``...down_proj`` [E, H, I], from the fused
+    tensor or assembled expert by expert (gate rows then up rows) into one preallocated buffer."""
+    if name in t:
+        return t.get(name, shape).to(device=device, dtype=dtype)
+    layer_prefix = name.split(".mlp.experts.")[0]  # model.layers.{i}
+    blocks, gate_n, up_n, down_n = _PER_EXPERT_NAMES.get(cfg.architecture, _DEFAULT_PER_EXPERT_NAMES)
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    is_gate_up = name.endswith("gate_up_proj")
+    parts = [(gate_n, 0), (up_n, I)] if is_gate_up else [(down_n, None)]
+    part_shape = [I, cfg.hidden_size] if is_gate_up else [cfg.hidden_size, I]
+    block = next((b for b in blocks if f"{layer_prefix}.{b}.experts.0.{parts[0][0]}.weight" in t), blocks[0])
+    out = torch.empty(shape, dtype=dtype, device=device)
+    for e in range(E):
+        for part, row in parts:
+            key = f"{layer_prefix}.{block}.experts.{e}.{part}.weight"
+            if key not in t:
+                raise _missing(t.root, name, shape, f" or its per-expert form {key!r} (expected shape {_fmt(part_shape)})")
+            src = t.get(key, part_shape)
+            (out[e] if row is None else out[e, row : row + I]).copy_(src)
+    return out
+
+
+def load_model(
+    path: str | os.PathLike,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> MoEForCausalLM:
+    """Build ``MoEForCausalLM`` from a HF checkpoint directory (config.json + safetensors)."""
+    root = Path(path)
+    cfg = load_config(root)
+    tdtype = resolve_dtype(dtype, cfg)
+    device = torch.device(device)
+    start = time.monotonic()
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    params = list(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens.weight
+    total = sum(p.numel() for _, p in params) * torch.empty((), dtype=tdtype).element_size()
+
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc=f"Loading {root.name}", unit="B", unit_scale=True, delay=2.0,
+                       file=sys.stderr, leave=False)
+        except ImportError:  # pragma: no cover - tqdm is a pinned dependency
+            bar = None
+
+    with ExitStack() as stack:
+        tensors = _Tensors(root, stack)
+        for name, meta in params:
+            shape = tuple(meta.shape)
+            if ".mlp.experts." in name:
+                value = _load_experts(tensors, cfg, name, shape, tdtype, device)
+            else:
+                value = _load_direct(tensors, cfg, name, shape, tdtype, device)
+            module_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attr, nn.Parameter(value, requires_grad=False))
+            if bar is not None:
+                bar.update(value.nbytes)
+        unused = sorted(set(tensors.key_file) - tensors.used - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
+    if bar is not None:
+        bar.close()
+
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.init_buffers(device)
+    leftover = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if leftover:  # a bug in the key mapping, not in the checkpoint
+        raise CheckpointError(f"parameters left unloaded: {', '.join(leftover[:5])}")
+    if unused:
+        log.warning("%d checkpoint tensors not used by %s (e.g. %s)", len(unused), cfg.architecture, ", ".join(unused[:3]))
+    log.info("loaded %s (%s, %.2f GB) in %.1f s", root, tdtype, total / 1e9, time.monotonic() - start)
+    return model.eval()
