@@ -137,6 +137,7 @@ class TritonServer:
             f"--backend-config=python,shm-growth-byte-size={self.shm_bytes}",
             f"--backend-config=python,shm-region-prefix-name={prefix}",
             f"--log-verbose={self.log_verbose}",
+            "--exit-timeout-secs=10",  # in-flight requests get this long on shutdown
         ]
         if not _has_cuda():
             cmd.append("--pinned-memory-pool-byte-size=0")

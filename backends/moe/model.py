@@ -107,6 +107,7 @@ class TritonPythonModel:
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._metrics = self._make_metrics(args)
         self.engine.start()
         self._responder = threading.Thread(target=self._response_loop, name="moe-responses", daemon=True)
         self._responder.start()
@@ -202,7 +203,24 @@ class TritonPythonModel:
                     log.exception("sending a response failed")
             if time.monotonic() - last_poll >= CANCEL_POLL_S:
                 self._poll_cancellations()
+                self._update_metrics()
                 last_poll = time.monotonic()
+
+    @staticmethod
+    def _make_metrics(args):
+        """Engine gauges on Triton's /metrics (custom metrics of the python backend)."""
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        family = pb_utils.MetricFamily(
+            name="moe_engine_requests",
+            description="Requests in the moe engine by state (running, waiting) and free sequence slots",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        return {k: family.Metric(labels={**labels, "state": k}) for k in ("running", "waiting", "free_slots")}
+
+    def _update_metrics(self) -> None:
+        for key, value in self.engine.stats().items():
+            if key in self._metrics:
+                self._metrics[key].set(value)
 
     def _poll_cancellations(self) -> None:
         with self._lock:

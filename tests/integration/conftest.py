@@ -38,6 +38,7 @@ class MoeServer:
     port: int
     triton_http_port: int
     triton_grpc_port: int
+    triton_metrics_port: int
     api_key: str
     model: str
     checkpoint_dir: str
@@ -58,6 +59,10 @@ class MoeServer:
     @property
     def triton_http_url(self) -> str:
         return f"127.0.0.1:{self.triton_http_port}"
+
+    @property
+    def triton_metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.triton_metrics_port}/metrics"
 
     def log_tail(self, n: int = 60) -> str:
         try:
@@ -81,7 +86,7 @@ def start_moe_serve(tmp_dir: Path, extra_args: list[str] = (), timeout: float = 
     ]
     log_file = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **env})
-    server = MoeServer(proc, port, http, grpc, API_KEY, "tiny-mixtral", "", log_path)
+    server = MoeServer(proc, port, http, grpc, metrics, API_KEY, "tiny-mixtral", "", log_path)
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
