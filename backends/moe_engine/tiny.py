@@ -102,11 +102,15 @@ def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     return target
 
 
-def write_tiny_checkpoint(out: Path) -> None:
+def write_tiny_checkpoint(out: Path, **overrides) -> None:
+    """Write the tiny checkpoint; `overrides` change its config (e.g. num_hidden_layers=48 for
+    load tests of large routing outputs). The vocabulary and tokenizer stay the same."""
+    config = {**TINY_CONFIG, **overrides}
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(out)
-    _write_weights(out)
-    (out / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2, sort_keys=True) + "\n")
+    _write_weights(out, config)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gen = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
@@ -143,11 +147,10 @@ def _write_tokenizer(out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def _write_weights(out: Path) -> None:
+def _write_weights(out: Path, c: dict) -> None:
     import torch
     from safetensors.torch import save_file
 
-    c = TINY_CONFIG
     V, H, I = c["vocab_size"], c["hidden_size"], c["intermediate_size"]
     Hq, Hkv, D, E = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["num_local_experts"]
     g = torch.Generator().manual_seed(SEED)
