@@ -171,6 +171,14 @@ def _common(raw: dict, arch: str, default_theta: float, head_dim_key: bool = Tru
     )
 
 
+def _num_experts(raw: dict, default: int) -> int:
+    """Expert count: key names differ per arch and transformers version (attribute_map aliases)."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if raw.get(key) is not None:
+            return int(raw[key])
+    return default
+
+
 def _qwen_moe_layers(raw: dict, num_layers: int, num_experts: int) -> tuple[int, ...]:
     """HF Qwen2/3-MoE: not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
     mlp_only = set(raw.get("mlp_only_layers") or [])
@@ -187,7 +195,7 @@ def _parse_mixtral(raw: dict) -> dict:
     c = _common(raw, "mixtral", default_theta=1e6)
     window = raw.get("sliding_window")  # HF: one window for every layer when set
     c.update(
-        num_experts=int(raw.get("num_local_experts", 8)),
+        num_experts=_num_experts(raw, 8),
         moe_layers=tuple(range(c["num_hidden_layers"])),
         moe_intermediate_size=int(raw.get("intermediate_size", 14336)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
@@ -201,7 +209,7 @@ def _parse_mixtral(raw: dict) -> dict:
 def _parse_qwen2_moe(raw: dict) -> dict:
     c = _common(raw, "qwen2_moe", default_theta=1e4)
     n = c["num_hidden_layers"]
-    num_experts = int(raw.get("num_experts", 60))
+    num_experts = _num_experts(raw, 60)
     # HF: sliding_window applies only with use_sliding_window, to layers whose layer_types entry says so
     window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
     layer_types = raw.get("layer_types") or [
@@ -228,7 +236,7 @@ def _parse_qwen2_moe(raw: dict) -> dict:
 def _parse_qwen3_moe(raw: dict) -> dict:
     c = _common(raw, "qwen3_moe", default_theta=1e4)
     n = c["num_hidden_layers"]
-    num_experts = int(raw.get("num_experts", 128))
+    num_experts = _num_experts(raw, 128)
     window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
     bias = bool(raw.get("attention_bias", False))
     c.update(
@@ -252,7 +260,7 @@ def _parse_olmoe(raw: dict) -> dict:
     bias = bool(raw.get("attention_bias", False))
     clip = raw.get("clip_qkv")
     c.update(
-        num_experts=int(raw.get("num_experts", 64)),
+        num_experts=_num_experts(raw, 64),
         moe_layers=tuple(range(c["num_hidden_layers"])),
         moe_intermediate_size=int(raw.get("intermediate_size", 2048)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),

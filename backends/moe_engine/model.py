@@ -162,21 +162,28 @@ class Experts(nn.Module):
                 continue
             gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
             outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))  # [n, H]
-        y = torch.cat(outs) * weights[tok, slot, None]  # [K*T, H]; fp32 weights promote (Mixtral)
-        out = torch.zeros_like(x)
-        return out.index_add_(0, tok, y.to(x.dtype))  # per token: ascending expert order, like HF
+        y = (torch.cat(outs) * weights[tok, slot, None]).to(x.dtype)  # [K*T, H]; fp32 weights promote (Mixtral)
+        # Back to [T, K, H] with each token's K outputs in ascending expert order, then summed in that order.
+        rank = torch.argsort(torch.argsort(ids, dim=-1), dim=-1)  # [T, K] rank of each slot's expert id
+        per_token = torch.empty(T, K, x.shape[1], dtype=x.dtype, device=x.device)
+        per_token[tok, rank[tok, slot]] = y
+        return self._sum_in_order(per_token)
 
     def _forward_gather(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        K = ids.shape[1]
         gate, up = torch.einsum("th,tkoh->tko", x, self.gate_up_proj[ids]).chunk(2, dim=-1)  # [T, K, I] each
         y = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, self.down_proj[ids])  # [T, K, H]
         y = (y * weights[..., None]).to(x.dtype)
-        # Sum in ascending expert order (as HF's per-expert index_add_), in the model dtype.
-        order = torch.argsort(ids, dim=-1)  # [T, K]
-        y = y.gather(1, order[..., None].expand_as(y))
-        out = torch.zeros_like(x)
-        for j in range(K):
-            out = out + y[:, j]
+        order = torch.argsort(ids, dim=-1)  # [T, K] slots in ascending expert order
+        return self._sum_in_order(y.gather(1, order[..., None].expand_as(y)))
+
+    @staticmethod
+    def _sum_in_order(per_token: Tensor) -> Tensor:
+        """[T, K, H] -> [T, H], adding the K outputs one at a time in the model dtype. HF accumulates with one
+        index_add_ per expert in ascending expert order (rounding after each add); a single index_add_ or a
+        sum() would round differently in bf16."""
+        out = torch.zeros_like(per_token[:, 0])
+        for j in range(per_token.shape[1]):
+            out = out + per_token[:, j]
         return out
 
 
