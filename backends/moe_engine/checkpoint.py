@@ -105,6 +105,16 @@ class _Tensors:
         return self._open(self.key_file[key]).get_tensor(key)
 
 
+def _place(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Copy a tensor read from the file into a fresh torch allocation of the target dtype/device.
+
+    safetensors hands back buffers that are not 64-byte aligned, and CPU GEMM kernels round differently
+    on differently aligned operands, so without this the same weights could give different bits
+    depending on the checkpoint layout. The temporary ``src`` is freed right after."""
+    out = torch.empty(src.shape, dtype=dtype, device=device)
+    return out.copy_(src)
+
+
 def _missing(root: Path, key: str, shape, alternative: str = "") -> CheckpointError:
     return CheckpointError(f"checkpoint {root} is missing tensor {key!r} (expected shape {_fmt(shape)}){alternative}")
 
@@ -116,7 +126,7 @@ def _load_direct(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device) -
         candidates += [name.replace(".mlp.", f".{b}.") for b in blocks if b != "mlp"]
     for key in candidates:
         if key in t:
-            return t.get(key, shape).to(device=device, dtype=dtype)
+            return _place(t.get(key, shape), dtype, device)
     raise _missing(t.root, name, shape)
 
 
@@ -124,7 +134,7 @@ def _load_experts(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device) 
     """``model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2I, H] or ``...down_proj`` [E, H, I], from the fused
     tensor or assembled expert by expert (gate rows then up rows) into one preallocated buffer."""
     if name in t:
-        return t.get(name, shape).to(device=device, dtype=dtype)
+        return _place(t.get(name, shape), dtype, device)
     layer_prefix = name.split(".mlp.experts.")[0]  # model.layers.{i}
     blocks, gate_n, up_n, down_n = _PER_EXPERT_NAMES.get(cfg.architecture, _DEFAULT_PER_EXPERT_NAMES)
     E, I = cfg.num_experts, cfg.moe_intermediate_size
