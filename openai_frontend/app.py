@@ -1,0 +1,192 @@
+"""FastAPI app: thin routes over :mod:`.serving`.
+
+``create_app(cfg)`` is what ``moe-serve`` runs under uvicorn.  The Triton
+connection is opened in the lifespan; the model metadata (``moe_metadata``)
+is fetched from the model config then and, if Triton is not ready yet,
+retried in the background (``/health`` says 503 until it is loaded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .config import FrontendConfig
+from .errors import ClientDisconnected, OpenAIError, ServiceUnavailableError, install_error_handlers, model_not_found
+from .http_utils import check_api_key
+from .metrics import CONTENT_TYPE, Metrics
+from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .serving import ServingContext, disconnected_response
+from .serving_chat import create_chat_completion
+from .serving_completions import create_completion
+from .serving_generate import create_generate
+from .tokenizer import Tokenizer
+from .triton_client import ModelInfo, TritonEngine
+
+logger = logging.getLogger(__name__)
+
+_GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+_KNOWN_ENDPOINTS = frozenset(_GENERATION_ENDPOINTS + ("/v1/models", "/health", "/metrics"))
+_PROTECTED_PREFIXES = ("/v1/", "/inference/")
+
+
+class _FrontMiddleware:
+    """Pure ASGI (keeps disconnect detection working): API-key check and request metrics."""
+
+    def __init__(self, app: ASGIApp, cfg: FrontendConfig, metrics: Metrics) -> None:
+        self.app = app
+        self.api_key = cfg.api_key
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        endpoint = path if path in _KNOWN_ENDPOINTS else ("/v1/models/{id}" if path.startswith("/v1/models/")
+                                                          else "other")
+        status = 500
+        t0 = time.monotonic()
+
+        async def send_wrapper(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key is not None and path.startswith(_PROTECTED_PREFIXES):
+                headers = dict(scope.get("headers") or [])
+                auth = headers.get(b"authorization")
+                try:
+                    check_api_key(self.api_key, auth.decode("latin-1") if auth else None)
+                except OpenAIError as e:
+                    await e.to_response()(scope, receive, send_wrapper)
+                    return
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            if endpoint in _GENERATION_ENDPOINTS and status == 200:
+                self.metrics.e2e.labels(endpoint).observe(time.monotonic() - t0)
+
+
+def model_card(cfg: FrontendConfig, model: ModelInfo, created: int) -> dict[str, Any]:
+    return {
+        "id": cfg.served_model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "moe-serve",
+        "root": cfg.checkpoint_dir,
+        "parent": None,
+        "max_model_len": model.max_model_len,
+        "architecture": model.architecture,
+        "vocab_size": model.vocab_size,
+        "num_hidden_layers": model.num_hidden_layers,
+        "moe_layers": list(model.moe_layers),
+        "num_experts": model.num_experts,
+        "num_experts_per_tok": model.num_experts_per_tok,
+        "top_k": model.num_experts_per_tok,
+        "routed_experts_dtype": model.routed_experts_dtype,
+        "routed_experts_enabled": cfg.enable_routed_experts,
+    }
+
+
+async def _load_model_info(ctx: ServingContext, timeout_s: float) -> None:
+    """Fetch moe_metadata; retry quickly up to timeout_s, then every 5 s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            info = await ctx.engine.model_info()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - Triton may not be up yet
+            delay = 0.5 if time.monotonic() < deadline else 5.0
+            logger.info("model metadata not available yet (%s); retrying in %.1fs", e, delay)
+            await asyncio.sleep(delay)
+            continue
+        if ctx.tokenizer.vocab_size > info.vocab_size:
+            logger.warning("tokenizer has %d tokens but the model only %d", ctx.tokenizer.vocab_size, info.vocab_size)
+        ctx.metrics.configure(info)
+        ctx.model = info
+        logger.info("serving %s: %s", ctx.cfg.served_model_name, info)
+        return
+
+
+def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
+    """The API app.  ``engine`` replaces the Triton client (tests only)."""
+    tokenizer = Tokenizer.from_dir(cfg.checkpoint_dir)
+    metrics = Metrics()
+    ctx = ServingContext(cfg, engine, tokenizer, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        own_engine = engine is None
+        if own_engine:
+            ctx.engine = TritonEngine(cfg.triton_grpc_url, cfg.triton_model_name)
+        loader = asyncio.create_task(_load_model_info(ctx, cfg.startup_timeout_s))
+        try:
+            await asyncio.wait_for(asyncio.shield(loader), timeout=min(5.0, cfg.startup_timeout_s))
+        except asyncio.TimeoutError:
+            logger.warning("Triton model %r not ready yet; /health stays 503 until it is", cfg.triton_model_name)
+        try:
+            yield
+        finally:
+            loader.cancel()
+            await asyncio.gather(loader, return_exceptions=True)
+            if own_engine:
+                await ctx.engine.close()
+
+    app = FastAPI(title="moe-serve", version="0.1.0", lifespan=lifespan, strict_content_type=False)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.add_middleware(_FrontMiddleware, cfg=cfg, metrics=metrics)
+
+    async def guarded(handler: Callable[..., Awaitable[Response]], req: Any, raw: Request) -> Response:
+        try:
+            return await handler(ctx, req, raw)
+        except ClientDisconnected:
+            metrics.disconnects.inc()
+            return disconnected_response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.model is not None and await ctx.engine.is_ready():
+            return Response(status_code=200)
+        return ServiceUnavailableError("Triton or the model is not ready.", code="not_ready").to_response()
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card(cfg, ctx.model_info(), ctx.created)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        if model_id != cfg.served_model_name:
+            raise model_not_found(model_id)
+        return JSONResponse(model_card(cfg, ctx.model_info(), ctx.created))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await guarded(create_completion, req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await guarded(create_chat_completion, req, raw)
+
+    @app.post("/inference/v1/generate")
+    async def generate(req: GenerateRequest, raw: Request) -> Response:
+        return await guarded(create_generate, req, raw)
+
+    return app

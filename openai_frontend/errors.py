@@ -1,0 +1,191 @@
+"""OpenAI error envelope and typed errors.
+
+Every error leaves the server as
+``{"error": {"message", "type", "param", "code"}}`` with a meaningful HTTP
+status; handlers for FastAPI's own errors (validation, 404/405, malformed
+JSON) are installed by :func:`install_error_handlers`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIError(Exception):
+    """An error that maps to one HTTP response in OpenAI's format."""
+
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=self.headers)
+
+
+class BadRequestError(OpenAIError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class AuthenticationError(OpenAIError):
+    status_code = 401
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str = "Incorrect API key provided.") -> None:
+        super().__init__(message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+class NotFoundError(OpenAIError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class ServiceUnavailableError(OpenAIError):
+    """Overload or engine not ready; carries Retry-After."""
+
+    status_code = 503
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, code: str | None = "overloaded") -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(int(retry_after_s))})
+
+
+class InternalServerError(OpenAIError):
+    status_code = 500
+    error_type = "server_error"
+
+
+class ClientDisconnected(Exception):
+    """Raised internally when the HTTP client went away."""
+
+
+def model_not_found(model: str | None) -> NotFoundError:
+    return NotFoundError(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+# --------------------------------------------------------------------------
+# Validation errors -> 400 naming the field
+
+
+def _param_from_loc(loc: tuple[Any, ...], body: Any) -> str | None:
+    """Turn a pydantic location into an OpenAI ``param`` ("messages[0].content").
+
+    The location is walked against the request body so that pydantic's union
+    tags ("str", "list[int]", "function-after[...]") never leak into the name.
+    """
+    parts = list(loc)
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    name = ""
+    node = body
+    for part in parts:
+        if isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node):
+            name += f"[{part}]"
+            node = node[part]
+        elif isinstance(part, str) and isinstance(node, dict) and part in node:
+            name += f".{part}" if name else part
+            node = node[part]
+        elif isinstance(part, str) and node is body and isinstance(body, dict):
+            # a required field that is missing from the body
+            name = part
+            break
+        else:
+            break
+    return name or None
+
+
+def _validation_message(err: dict[str, Any], param: str | None) -> str:
+    msg = str(err.get("msg", "invalid value"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if err.get("type") == "missing":
+        return f"Missing required field `{param}`." if param else "Missing required field."
+    return f"Invalid value for `{param}`: {msg}" if param else msg
+
+
+def validation_error_to_openai(exc: RequestValidationError) -> BadRequestError:
+    errors = exc.errors()
+    body = getattr(exc, "body", None)
+    if not errors:
+        return BadRequestError("Invalid request.")
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        ctx = err.get("ctx") or {}
+        detail = ctx.get("error", "")
+        return BadRequestError(f"Malformed JSON body: {detail}".rstrip(": "), code="invalid_json")
+    loc = tuple(err.get("loc", ()))
+    if loc == ("body",):
+        # The body itself is missing, not JSON, or not an object.
+        if isinstance(body, (bytes, bytearray, str)) and body:
+            try:
+                json.loads(body)
+            except ValueError as e:
+                return BadRequestError(f"Malformed JSON body: {e}", code="invalid_json")
+            return BadRequestError("Request body must be JSON (Content-Type: application/json).",
+                                   code="invalid_json")
+        return BadRequestError("Request body must be a JSON object.", code="invalid_json")
+    param = _param_from_loc(loc, body)
+    return BadRequestError(_validation_message(err, param), param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error_to_openai(exc).to_response()
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _json_error(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return BadRequestError(f"Malformed JSON body: {exc}", code="invalid_json").to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        cls: type[OpenAIError]
+        if exc.status_code == 404:
+            err: OpenAIError = NotFoundError(str(exc.detail) if exc.detail else "Not found.")
+        else:
+            cls = BadRequestError if 400 <= exc.status_code < 500 else InternalServerError
+            err = cls(str(exc.detail))
+            err.status_code = exc.status_code
+        err.headers = dict(exc.headers) if exc.headers else None
+        return err.to_response()
+
+    @app.exception_handler(Exception)
+    async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return InternalServerError(f"Internal server error: {type(exc).__name__}").to_response()

@@ -1,0 +1,341 @@
+"""One choice: Triton responses in, text/token/logprob/routing deltas out.
+
+This is where tokens become text (incremental detokenizer), stop strings are
+matched (the Triton request is cancelled at once, and the choice's token ids,
+logprobs and routed rows are cut to the token that completed the match, so
+they stay consistent with the returned text) and routed-experts chunks are
+accumulated and encoded once, at the end.
+
+Streaming and non-streaming requests run the same code, so their texts and
+token ids are identical.  :class:`ChoiceGroup` runs the n choices of one HTTP
+request concurrently and merges their deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from .routing_codec import RoutedExpertsAccumulator
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .triton_client import Engine, EngineError, EngineRequest, ModelInfo
+
+
+class TokenLogprob(NamedTuple):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the engine's top-N alternatives, best first
+
+
+@dataclass
+class ChoiceSpec:
+    index: int
+    prompt_ids: list[int]
+    engine_request: EngineRequest
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    want_logprobs: bool = False
+    routed_experts: bool = False
+    routed_experts_prompt_start: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    routed_experts: str | None = None  # base64 .npy; only on the last delta
+    first: bool = False
+
+    @property
+    def last(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class ChoiceResult:
+    """Everything one finished choice produced (for non-streaming responses)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str
+    stop_reason: int | str | None
+    routed_experts: str | None
+
+
+class Hooks:
+    """Observation points (metrics); all no-ops by default."""
+
+    def on_first_token(self, seconds: float) -> None: ...
+
+    def on_tokens(self, seconds_since_last: float, num_tokens: int) -> None: ...
+
+    def on_routed(self, array: np.ndarray, encoded_len: int) -> None: ...
+
+    def on_choice_done(self) -> None: ...
+
+
+def _find_stop(text: str, search_from: int, stops: list[str]) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, search_from)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+class ChoiceRunner:
+    def __init__(
+        self,
+        spec: ChoiceSpec,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        model: ModelInfo,
+        request_id: str,
+        *,
+        stream: bool,
+        hooks: Hooks | None = None,
+    ) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model = model
+        self.request_id = request_id
+        self.stream = stream
+        self.hooks = hooks or Hooks()
+        # Results, readable after run() finished.
+        self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if spec.want_logprobs else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.routed_experts: str | None = None
+
+    def result(self) -> ChoiceResult:
+        assert self.finish_reason is not None
+        return ChoiceResult(
+            index=self.spec.index,
+            text="".join(self.text_parts),
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            routed_experts=self.routed_experts,
+        )
+
+    async def run(self) -> AsyncIterator[ChoiceDelta]:
+        """Yield deltas; the last has a finish_reason (and the routed experts)."""
+        try:
+            async for delta in self._run():
+                yield delta
+        finally:
+            self.hooks.on_choice_done()
+
+    async def _run(self) -> AsyncIterator[ChoiceDelta]:
+        spec = self.spec
+        detok: IncrementalDetokenizer | None = None
+        if spec.detokenize or spec.stop:
+            detok = self.tokenizer.detokenizer(spec.prompt_ids, spec.skip_special_tokens)
+        acc = (
+            RoutedExpertsAccumulator(self.model.num_hidden_layers, self.model.num_experts_per_tok, self.model.np_dtype)
+            if spec.routed_experts
+            else None
+        )
+        stops = spec.stop
+        max_stop = max((len(s) for s in stops), default=0)
+        # While streaming, hold back text that may be the start of a stop string.
+        holdback = 0 if spec.include_stop_str_in_output or not self.stream else max(0, max_stop - 1)
+        timed = spec.engine_request.stream  # TTFT/ITL only mean something per engine step
+        text = ""
+        emitted = 0
+        first = True
+        t_start = t_last = time.monotonic()
+        finish: str | None = None
+        stop_reason: int | str | None = None
+
+        gen = self.engine.generate(spec.engine_request, f"{self.request_id}-{spec.index}")
+        async with contextlib.aclosing(gen):
+            async for out in gen:
+                if acc is not None:
+                    acc.add(out.routed_experts)
+                n_new = int(out.output_ids.shape[0])
+                now = time.monotonic()
+                if n_new and timed:
+                    if not self.token_ids:
+                        self.hooks.on_first_token(now - t_start)
+                    else:
+                        self.hooks.on_tokens(now - t_last, n_new)
+                    t_last = now
+                new_ids: list[int] = []
+                new_lps: list[TokenLogprob] | None = [] if self.logprobs is not None else None
+                ids = out.output_ids.tolist()
+                for k, tid in enumerate(ids):
+                    new_ids.append(tid)
+                    if new_lps is not None:
+                        new_lps.append(_token_logprob(out, k, tid))
+                    if detok is not None:
+                        piece = detok.step(tid)
+                        if piece:
+                            before = len(text)
+                            text += piece
+                            if stops:
+                                m = _find_stop(text, max(0, before - max_stop + 1), stops)
+                                if m is not None:
+                                    i, s = m
+                                    text = text[: i + len(s)] if spec.include_stop_str_in_output else text[:i]
+                                    finish, stop_reason = "stop", s
+                                    break
+                self.token_ids.extend(new_ids)
+                if new_lps is not None:
+                    self.logprobs.extend(new_lps)
+                if finish is None and out.finish_reason is not None:
+                    finish = out.finish_reason
+                    if finish == "stop" and self.token_ids and self.token_ids[-1] in spec.stop_token_ids:
+                        stop_reason = self.token_ids[-1]
+                    if detok is not None:
+                        rest = detok.flush()
+                        if rest:
+                            before = len(text)
+                            text += rest
+                            if stops:
+                                m = _find_stop(text, max(0, before - max_stop + 1), stops)
+                                if m is not None:
+                                    i, s = m
+                                    text = text[: i + len(s)] if spec.include_stop_str_in_output else text[:i]
+                                    finish, stop_reason = "stop", s
+                if finish is not None:
+                    break  # leaving the loop closes gen: a stop-string match cancels the Triton request
+                upto = max(emitted, len(text) - holdback)
+                delta = ChoiceDelta(
+                    index=spec.index,
+                    text=text[emitted:upto] if spec.detokenize else "",
+                    token_ids=new_ids,
+                    logprobs=new_lps,
+                    first=first,
+                )
+                if spec.detokenize:
+                    self.text_parts.append(delta.text)
+                emitted = upto
+                first = False
+                yield delta
+            else:
+                # Stream ended without finish_reason (engine.generate raises in that case).
+                raise EngineError(EngineError.INTERNAL, "request ended without a finish reason")
+
+        # The last delta: remaining text, finish reason, routing of the kept tokens.
+        self.finish_reason = finish
+        self.stop_reason = stop_reason
+        if acc is not None:
+            keep_rows = len(spec.prompt_ids) + len(self.token_ids) - 1 - spec.routed_experts_prompt_start
+            encoded, array = acc.encode(keep_rows)
+            self.routed_experts = encoded
+            if array is not None and encoded is not None:
+                self.hooks.on_routed(array, len(encoded))
+        last_ids = new_ids if finish is not None else []
+        delta = ChoiceDelta(
+            index=spec.index,
+            text=text[emitted:] if spec.detokenize else "",
+            token_ids=last_ids,
+            logprobs=new_lps,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            routed_experts=self.routed_experts,
+            first=first,
+        )
+        if spec.detokenize:
+            self.text_parts.append(delta.text)
+        yield delta
+
+
+def _token_logprob(out, k: int, tid: int) -> TokenLogprob:
+    lp = float(out.logprobs[k]) if out.logprobs is not None and k < out.logprobs.shape[0] else float("nan")
+    top: list[tuple[int, float]] = []
+    if out.top_logprob_ids is not None and out.top_logprobs is not None and k < out.top_logprob_ids.shape[0]:
+        top = list(zip(out.top_logprob_ids[k].tolist(), out.top_logprobs[k].tolist()))
+    return TokenLogprob(tid, lp, top)
+
+
+# --------------------------------------------------------------------------
+# n choices of one request
+
+
+class ChoiceGroup:
+    """Runs the choices of one HTTP request concurrently.
+
+    ``results()`` waits for all (non-streaming); ``deltas()`` merges their
+    deltas in arrival order (streaming).  Either way, leaving early (error,
+    client disconnect, cancellation) cancels every choice still running, and
+    with it its Triton request.
+    """
+
+    def __init__(self, runners: list[ChoiceRunner], on_close: Callable[[], None] | None = None) -> None:
+        self.runners = runners
+        self._on_close = on_close
+        self._tasks: list[asyncio.Task] = []
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._closed = False
+        self._started = False
+
+    async def results(self) -> list[ChoiceResult]:
+        async for _ in self.deltas():
+            pass
+        return [r.result() for r in self.runners]
+
+    def _start(self) -> None:
+        self._started = True
+        for r in self.runners:
+            self._tasks.append(asyncio.create_task(self._pump(r)))
+
+    async def _pump(self, runner: ChoiceRunner) -> None:
+        try:
+            async for delta in runner.run():
+                self._queue.put_nowait(delta)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._queue.put_nowait(e)
+            return
+        self._queue.put_nowait(None)
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        if not self._started:
+            self._start()
+        remaining = len(self.runners)
+        try:
+            while remaining:
+                item = await self._queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Cancel every choice still running (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        pending = [t for t in self._tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._on_close is not None:
+            self._on_close()

@@ -1,0 +1,135 @@
+"""Prometheus metrics of the API server (one registry per app).
+
+Expert selections are kept in a numpy array ``[num_layers, num_experts]``
+(per-layer ``np.bincount`` over each choice's final routed array) and exposed
+through a custom collector, so a request costs a few vectorised adds rather
+than thousands of labelled counter increments.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .generation import Hooks
+from .triton_client import ModelInfo
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0)
+
+
+class _ExpertSelections(Collector):
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: np.ndarray | None = None
+        self._layers: tuple[int, ...] = ()
+
+    def configure(self, model: ModelInfo) -> None:
+        with self._lock:
+            if self._counts is None or self._counts.shape != (model.num_hidden_layers, model.num_experts):
+                self._counts = np.zeros((model.num_hidden_layers, model.num_experts), dtype=np.int64)
+            self._layers = tuple(model.moe_layers)
+
+    def add(self, routed: np.ndarray) -> None:
+        """``routed``: (rows, num_layers, top_k) expert ids."""
+        counts = self._counts
+        if counts is None or routed.shape[0] == 0:
+            return
+        num_experts = counts.shape[1]
+        per_layer = [
+            np.bincount(routed[:, layer, :].ravel(), minlength=num_experts)[:num_experts] for layer in self._layers
+        ]
+        with self._lock:
+            for layer, c in zip(self._layers, per_layer):
+                counts[layer] += c
+
+    def snapshot(self) -> np.ndarray | None:
+        with self._lock:
+            return None if self._counts is None else self._counts.copy()
+
+    def collect(self) -> Iterable[Metric]:
+        fam = CounterMetricFamily(
+            "moe_serve_expert_selections",
+            "Times each expert was selected, per MoE layer, over the routed experts returned to clients.",
+            labels=["layer", "expert"],
+        )
+        snap = self.snapshot()
+        if snap is not None:
+            for layer in self._layers:
+                row = snap[layer]
+                for expert in np.nonzero(row)[0].tolist():
+                    fam.add_metric([str(layer), str(expert)], float(row[expert]))
+        yield fam
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "moe_serve_requests", "HTTP requests by endpoint and status code.", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("moe_serve_prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("moe_serve_generation_tokens", "Tokens generated (returned).", registry=r)
+        self.ttft = Histogram(
+            "moe_serve_time_to_first_token_seconds", "Time to first token (streamed engine requests).",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "moe_serve_inter_token_latency_seconds", "Time between generated tokens (streamed engine requests).",
+            buckets=_ITL_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "moe_serve_request_latency_seconds", "End-to-end latency of generation requests.", ["endpoint"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.routed_bytes = Counter(
+            "moe_serve_routed_experts_bytes", "Bytes of routed_experts sent (base64 text).", registry=r
+        )
+        self.routed_rows = Counter("moe_serve_routed_experts_rows", "Token rows of routed experts sent.", registry=r)
+        self.pending = Gauge("moe_serve_pending_choices", "Choices in flight (Triton requests).", registry=r)
+        self.rejected = Counter("moe_serve_rejected_requests", "Requests rejected for overload.", registry=r)
+        self.disconnects = Counter(
+            "moe_serve_client_disconnects", "Requests whose client went away before the end (Triton requests cancelled).",
+            registry=r,
+        )
+        self.expert_selections = _ExpertSelections()
+        r.register(self.expert_selections)
+
+    def configure(self, model: ModelInfo) -> None:
+        self.expert_selections.configure(model)
+
+    def hooks(self) -> "MetricsHooks":
+        return MetricsHooks(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsHooks(Hooks):
+    __slots__ = ("m",)
+
+    def __init__(self, m: Metrics) -> None:
+        self.m = m
+
+    def on_first_token(self, seconds: float) -> None:
+        self.m.ttft.observe(seconds)
+
+    def on_tokens(self, seconds_since_last: float, num_tokens: int) -> None:
+        per_token = seconds_since_last / max(1, num_tokens)
+        for _ in range(num_tokens):
+            self.m.itl.observe(per_token)
+
+    def on_routed(self, array: np.ndarray, encoded_len: int) -> None:
+        self.m.routed_bytes.inc(encoded_len)
+        self.m.routed_rows.inc(array.shape[0])
+        self.m.expert_selections.add(array)

@@ -1,0 +1,118 @@
+"""Routed-experts arrays <-> base64 ``.npy`` (vLLM's wire format).
+
+Decode on the client: ``np.load(io.BytesIO(base64.b64decode(s)))`` gives
+``(rows, num_hidden_layers, top_k)``, uint8 when the model has at most 256
+experts, else uint16.
+
+The engine sends UINT16 chunks (one per Triton response).  The accumulator
+keeps references to them and, at the end, copies each chunk once, casting,
+straight into the data area of a preallocated ``.npy`` buffer; that buffer is
+then base64-encoded with pybase64.  No intermediate concatenation.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pybase64
+
+
+def expert_id_dtype(num_experts: int) -> np.dtype:
+    """uint8 if every expert id fits in a byte (<= 256 experts), else uint16 (as vLLM)."""
+    if num_experts <= 0:
+        raise ValueError("num_experts must be positive")
+    if num_experts <= 256:
+        return np.dtype(np.uint8)
+    if num_experts <= 65536:
+        return np.dtype(np.uint16)
+    raise ValueError(f"num_experts={num_experts} does not fit in uint16")
+
+
+def npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    """The ``.npy`` v1.0 header np.save writes for a C-ordered array (64-byte aligned)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf,
+        {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": tuple(shape)},
+    )
+    return buf.getvalue()
+
+
+def _npy_buffer(shape: tuple[int, ...], dtype: np.dtype) -> tuple[bytearray, np.ndarray]:
+    """A bytearray holding a ``.npy`` file and a writable array view of its data."""
+    header = npy_header(shape, dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    buf = bytearray(len(header) + count * np.dtype(dtype).itemsize)
+    buf[: len(header)] = header
+    view = np.frombuffer(buf, dtype=dtype, count=count, offset=len(header)).reshape(shape)
+    return buf, view
+
+
+def encode_npy_b64(arr: np.ndarray) -> str:
+    """base64 of the bytes ``np.save(arr)`` would write (C order)."""
+    arr = np.ascontiguousarray(arr)
+    buf, view = _npy_buffer(arr.shape, arr.dtype)
+    view[...] = arr
+    return pybase64.b64encode(buf).decode("ascii")
+
+
+def decode_routed_experts(encoded: str) -> np.ndarray:
+    """Client-side decode, exactly as vLLM documents it."""
+    return np.load(io.BytesIO(pybase64.b64decode(encoded)), allow_pickle=False)
+
+
+class RoutedExpertsAccumulator:
+    """Collects per-response routing chunks of one choice and encodes them once."""
+
+    __slots__ = ("num_layers", "top_k", "dtype", "_chunks", "rows")
+
+    def __init__(self, num_layers: int, top_k: int, dtype: np.dtype) -> None:
+        self.num_layers = num_layers
+        self.top_k = top_k
+        self.dtype = np.dtype(dtype)
+        self._chunks: list[np.ndarray] = []
+        self.rows = 0
+
+    def add(self, chunk: np.ndarray | None) -> None:
+        if chunk is None or chunk.size == 0:
+            return
+        if chunk.ndim != 3 or chunk.shape[1:] != (self.num_layers, self.top_k):
+            raise ValueError(
+                f"routed_experts chunk has shape {chunk.shape}, "
+                f"expected (rows, {self.num_layers}, {self.top_k})"
+            )
+        self._chunks.append(chunk)
+        self.rows += chunk.shape[0]
+
+    def to_array(self, max_rows: int | None = None) -> np.ndarray | None:
+        """The concatenated array (first ``max_rows`` rows), or None if empty."""
+        buf_view = self._fill(max_rows, into_npy=False)
+        return None if buf_view is None else buf_view[1]
+
+    def encode(self, max_rows: int | None = None) -> tuple[str | None, np.ndarray | None]:
+        """(base64 .npy, decoded array view) of the first ``max_rows`` rows; (None, None) if empty."""
+        filled = self._fill(max_rows, into_npy=True)
+        if filled is None:
+            return None, None
+        buf, view = filled
+        return pybase64.b64encode(buf).decode("ascii"), view
+
+    def _fill(self, max_rows: int | None, *, into_npy: bool):
+        total = self.rows if max_rows is None else max(0, min(self.rows, max_rows))
+        if total == 0:
+            return None
+        shape = (total, self.num_layers, self.top_k)
+        if into_npy:
+            buf, out = _npy_buffer(shape, self.dtype)
+        else:
+            buf, out = None, np.empty(shape, dtype=self.dtype)
+        pos = 0
+        for chunk in self._chunks:
+            take = min(chunk.shape[0], total - pos)
+            if take <= 0:
+                break
+            # One copy per chunk; uint16 -> uint8 cast happens here.
+            np.copyto(out[pos : pos + take], chunk[:take], casting="unsafe")
+            pos += take
+        return buf, out

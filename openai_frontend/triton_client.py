@@ -1,0 +1,321 @@
+"""Async gRPC client for the decoupled ``moe`` Triton model.
+
+One bidirectional gRPC stream per choice: the request iterator yields one
+request and ends, Triton answers with a response per engine step (or one
+response when ``stream`` is false) and closes the stream after the last one.
+The last response is the one with a non-empty ``finish_reason`` (grpc.aio
+gives no access to Triton's final flag).  Leaving the iteration early
+(``break``, exception, task cancellation) cancels the gRPC call, which makes
+Triton mark the request cancelled; the backend then aborts it in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException
+
+from .routing_codec import expert_id_dtype
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------
+# Model metadata
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The ``moe_metadata`` parameter of the Triton model config."""
+
+    architecture: str
+    num_hidden_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    num_experts_per_tok: int
+    routed_experts_dtype: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any]) -> "ModelInfo":
+        num_layers = int(meta["num_hidden_layers"])
+        num_experts = int(meta["num_experts"])
+        dtype = str(meta.get("routed_experts_dtype") or expert_id_dtype(num_experts).name)
+        if dtype not in ("uint8", "uint16"):
+            raise ValueError(f"unsupported routed_experts_dtype {dtype!r}")
+        return cls(
+            architecture=str(meta.get("architecture", "")),
+            num_hidden_layers=num_layers,
+            moe_layers=tuple(int(i) for i in meta.get("moe_layers", range(num_layers))),
+            num_experts=num_experts,
+            num_experts_per_tok=int(meta["num_experts_per_tok"]),
+            routed_experts_dtype=dtype,
+            max_model_len=int(meta["max_model_len"]),
+            eos_token_ids=tuple(int(i) for i in meta.get("eos_token_ids", ())),
+            vocab_size=int(meta["vocab_size"]),
+        )
+
+    @classmethod
+    def from_model_config(cls, config: dict[str, Any]) -> "ModelInfo":
+        """From ``get_model_config(..., as_json=True)`` (with or without the "config" wrapper)."""
+        cfg = config.get("config", config)
+        params = cfg.get("parameters") or {}
+        entry = params.get("moe_metadata")
+        if entry is None:
+            raise ValueError("model config has no 'moe_metadata' parameter")
+        raw = entry.get("string_value") if isinstance(entry, dict) else entry
+        return cls.from_metadata(json.loads(raw))
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.routed_experts_dtype)
+
+
+# --------------------------------------------------------------------------
+# Requests and responses
+
+
+@dataclass
+class EngineRequest:
+    """One Triton request (one choice).  ``None`` fields are not sent."""
+
+    input_ids: list[int] | np.ndarray
+    stream: bool = True
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    logprobs: int | None = None
+    return_routed_experts: bool | None = None
+    routed_experts_prompt_start: int | None = None
+
+    def to_inputs(self) -> list[grpcclient.InferInput]:
+        inputs = [_tensor("input_ids", np.asarray(self.input_ids, dtype=np.int64).reshape(-1))]
+        scalars = (
+            ("max_tokens", self.max_tokens, np.int32),
+            ("temperature", self.temperature, np.float32),
+            ("top_p", self.top_p, np.float32),
+            ("top_k", self.top_k, np.int32),
+            ("seed", self.seed, np.int64),
+            ("ignore_eos", self.ignore_eos, np.bool_),
+            ("min_tokens", self.min_tokens, np.int32),
+            ("logprobs", self.logprobs, np.int32),
+            ("return_routed_experts", self.return_routed_experts, np.bool_),
+            ("routed_experts_prompt_start", self.routed_experts_prompt_start, np.int32),
+            ("stream", self.stream, np.bool_),
+        )
+        for name, value, dtype in scalars:
+            if value is not None:
+                inputs.append(_tensor(name, np.array([value], dtype=dtype)))
+        if self.stop_token_ids:
+            inputs.append(_tensor("stop_token_ids", np.asarray(self.stop_token_ids, dtype=np.int64)))
+        return inputs
+
+
+def _tensor(name: str, arr: np.ndarray) -> grpcclient.InferInput:
+    dtype = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
+             np.dtype(np.bool_): "BOOL"}[arr.dtype]
+    t = grpcclient.InferInput(name, list(arr.shape), dtype)
+    t.set_data_from_numpy(arr)
+    return t
+
+
+_OUTPUTS = (
+    "output_ids",
+    "routed_experts",
+    "finish_reason",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "logprobs",
+    "top_logprob_ids",
+    "top_logprobs",
+)
+
+
+@dataclass
+class EngineOutput:
+    """One Triton response: deltas since the previous response of the request."""
+
+    output_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    routed_experts: np.ndarray | None = None  # uint16 [rows, layers, top_k]
+    finish_reason: str | None = None  # None until the last response
+    num_prompt_tokens: int | None = None
+    num_output_tokens: int | None = None  # cumulative
+    logprobs: np.ndarray | None = None  # [n]
+    top_logprob_ids: np.ndarray | None = None  # [n, N]
+    top_logprobs: np.ndarray | None = None  # [n, N]
+
+    @classmethod
+    def from_result(cls, result: grpcclient.InferResult) -> "EngineOutput":
+        out = cls()
+        ids = result.as_numpy("output_ids")
+        if ids is not None:
+            out.output_ids = ids.reshape(-1)
+        re = result.as_numpy("routed_experts")
+        if re is not None and re.size:
+            out.routed_experts = re
+        fr = result.as_numpy("finish_reason")
+        if fr is not None and fr.size:
+            val = fr.reshape(-1)[0]
+            val = val.decode("utf-8", "replace") if isinstance(val, bytes) else str(val)
+            out.finish_reason = val or None
+        for name in ("num_prompt_tokens", "num_output_tokens"):
+            arr = result.as_numpy(name)
+            if arr is not None and arr.size:
+                setattr(out, name, int(arr.reshape(-1)[0]))
+        lp = result.as_numpy("logprobs")
+        if lp is not None:
+            out.logprobs = lp.reshape(-1)
+            n = out.logprobs.shape[0]
+            ids = result.as_numpy("top_logprob_ids")
+            vals = result.as_numpy("top_logprobs")
+            if ids is not None and vals is not None and n:
+                out.top_logprob_ids = ids.reshape(n, -1)
+                out.top_logprobs = vals.reshape(n, -1)
+        return out
+
+
+class EngineError(Exception):
+    """A Triton/engine error, classified so the API can pick a status code."""
+
+    INVALID = "invalid_argument"
+    UNAVAILABLE = "unavailable"
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+_INVALID_HINTS = (
+    "invalid", "must be", "must not", "exceed", "out of range", "max_model_len", "too long", "not supported",
+    "expected", "unexpected input", "negative",
+)
+_UNAVAILABLE_HINTS = ("unavailable", "queue full", "queue is full", "overloaded", "too many", "not ready", "busy")
+
+
+def classify_error(message: str) -> EngineError:
+    """Map a Triton error message to an :class:`EngineError` kind.
+
+    Triton's stream responses carry only the message text, not the status
+    code, so the code name in the message (if any) or known wordings decide.
+    """
+    low = message.lower()
+    if "cancel" in low:
+        return EngineError(EngineError.CANCELLED, message)
+    if any(h in low for h in _UNAVAILABLE_HINTS):
+        return EngineError(EngineError.UNAVAILABLE, message)
+    if any(h in low for h in _INVALID_HINTS):
+        return EngineError(EngineError.INVALID, message)
+    return EngineError(EngineError.INTERNAL, message)
+
+
+class Engine(Protocol):
+    """What the serving layer needs from an engine (Triton, or a fake in tests)."""
+
+    def generate(self, request: EngineRequest, request_id: str) -> AsyncIterator[EngineOutput]: ...
+
+
+# --------------------------------------------------------------------------
+# Client
+
+
+class TritonEngine:
+    def __init__(self, url: str, model_name: str) -> None:
+        self.url = url
+        self.model_name = model_name
+        self._client = grpcaio.InferenceServerClient(url=url)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def is_ready(self, timeout_s: float = 2.0) -> bool:
+        try:
+            return bool(
+                await self._client.is_server_ready(client_timeout=timeout_s)
+                and await self._client.is_model_ready(self.model_name, client_timeout=timeout_s)
+            )
+        except (InferenceServerException, grpc.RpcError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def model_info(self) -> ModelInfo:
+        config = await self._client.get_model_config(self.model_name, as_json=True)
+        return ModelInfo.from_model_config(config)
+
+    async def generate(self, request: EngineRequest, request_id: str) -> AsyncIterator[EngineOutput]:
+        """Yield the responses of one request until the one with a finish_reason.
+
+        Raises :class:`EngineError` on a Triton error response or a broken
+        connection.  Closing the generator early cancels the request.
+        """
+        payload = {
+            "model_name": self.model_name,
+            "inputs": request.to_inputs(),
+            "outputs": [grpcclient.InferRequestedOutput(name) for name in _OUTPUTS],
+            "request_id": request_id,
+        }
+
+        async def one_request():
+            yield payload
+
+        call = self._client.stream_infer(one_request())
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    finished = True
+                    raise classify_error(str(error.message() if hasattr(error, "message") else error))
+                out = EngineOutput.from_result(result)
+                if out.finish_reason is not None:
+                    finished = await _drain(call)
+                    yield out
+                    return
+                yield out
+            if not finished:
+                raise EngineError(EngineError.INTERNAL, "Triton closed the stream before the request finished")
+        except grpc.aio.AioRpcError as e:
+            finished = True
+            code = e.code()
+            if code == grpc.StatusCode.CANCELLED:
+                raise EngineError(EngineError.CANCELLED, e.details() or "cancelled") from e
+            kind = EngineError.UNAVAILABLE if code == grpc.StatusCode.UNAVAILABLE else EngineError.INTERNAL
+            raise EngineError(kind, f"Triton: {code.name}: {e.details()}") from e
+        except InferenceServerException as e:
+            finished = True
+            raise classify_error(e.message()) from e
+        finally:
+            if not finished:
+                call.cancel()  # client went away / stop string: Triton marks the request cancelled
+
+
+async def _drain(call: Any, timeout_s: float = 0.5) -> bool:
+    """After the last response, let Triton close the stream cleanly.
+
+    Returns False when it did not close in time (the caller then cancels the
+    call, which is harmless for a finished request).
+    """
+    try:
+        await asyncio.wait_for(call.__anext__(), timeout_s)
+    except StopAsyncIteration:
+        return True
+    except (asyncio.TimeoutError, grpc.aio.AioRpcError, InferenceServerException):
+        return False
+    logger.warning("Triton sent a response after the one carrying finish_reason; ignored")
+    return False
