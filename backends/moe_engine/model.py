@@ -14,6 +14,13 @@ runs route the same experts for all but near-tied tokens.
 
 Module and parameter names equal HF's in-memory (v5, fused experts) names, so
 checkpoint keys map one to one (checkpoint.py).
+
+Extending (DeepSeek-V2/V3, GPT-OSS): the router is chosen by ``cfg.router``
+(routing.py); which layers are MoE by ``cfg.moe_layers`` (first_k_dense_replace
+goes in config.py); MLA would be another attention class picked per config, with
+its own ``KVSpec`` (k_dim != v_dim) in ``kv_layout``; sinks and sliding windows
+are ``attend`` arguments already; GPT-OSS experts (biases, clamped interleaved
+SwiGLU) would be another ``Experts`` variant.
 """
 from __future__ import annotations
 
@@ -142,6 +149,8 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """x [T, H], ids [T, K], weights [T, K] -> sum_k weights[t, k] * expert_{ids[t, k]}(x[t])  [T, H]."""
         T, K = ids.shape
+        if T == 0:
+            return torch.zeros_like(x)
         slot_bytes = self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes
         if T * K <= GATHER_MAX_SLOTS and T * K * slot_bytes <= GATHER_MAX_BYTES:
             return self._forward_gather(x, ids, weights)
