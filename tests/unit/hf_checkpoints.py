@@ -62,7 +62,6 @@ def make_hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32):
 
     torch.manual_seed(seed)
     cfg = hf_config(arch)
-    cfg._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
     return model.to(dtype).eval()
 
