@@ -110,17 +110,16 @@ def _param_from_loc(loc: tuple[Any, ...], body: Any) -> str | None:
         parts = parts[1:]
     name = ""
     node = body
-    for part in parts:
+    for i, part in enumerate(parts):
         if isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node):
             name += f"[{part}]"
             node = node[part]
-        elif isinstance(part, str) and isinstance(node, dict) and part in node:
+        elif isinstance(part, str) and isinstance(node, dict) and (part in node or i == len(parts) - 1):
+            # a present key, or (last in the location) a required key that is missing
             name += f".{part}" if name else part
+            if part not in node:
+                break
             node = node[part]
-        elif isinstance(part, str) and node is body and isinstance(body, dict):
-            # a required field that is missing from the body
-            name = part
-            break
         else:
             break
     return name or None

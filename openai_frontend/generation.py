@@ -158,7 +158,7 @@ class ChoiceRunner:
         stops = spec.stop
         max_stop = max((len(s) for s in stops), default=0)
         # While streaming, hold back text that may be the start of a stop string.
-        holdback = 0 if spec.include_stop_str_in_output or not self.stream else max(0, max_stop - 1)
+        holdback = 0 if spec.include_stop_str_in_output else max(0, max_stop - 1)
         timed = spec.engine_request.stream  # TTFT/ITL only mean something per engine step
         text = ""
         emitted = 0
@@ -219,7 +219,8 @@ class ChoiceRunner:
                                     finish, stop_reason = "stop", s
                 if finish is not None:
                     break  # leaving the loop closes gen: a stop-string match cancels the Triton request
-                upto = max(emitted, len(text) - holdback)
+                # Non-streaming: all text goes out with the last delta (a stop string may still cut it).
+                upto = max(emitted, len(text) - holdback) if self.stream else emitted
                 delta = ChoiceDelta(
                     index=spec.index,
                     text=text[emitted:upto] if spec.detokenize else "",

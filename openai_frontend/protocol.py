@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -391,8 +391,14 @@ class ChatCompletionResponse(_Base):
 
 
 class DeltaMessage(_Base):
+    """A streamed chat delta; unset fields are left out (``{}`` on the last chunk)."""
+
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionResponseStreamChoice(_Base):

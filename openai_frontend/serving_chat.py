@@ -144,14 +144,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     generated: dict[int, int] = {}
-    exclude_unset = not (include_usage or continuous)
 
     def chunk(choice: ChatCompletionResponseStreamChoice, index: int) -> str:
         c = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[choice])
         if continuous:
             g = generated.get(index, 0)
             c.usage = UsageInfo(prompt_tokens=prompt_len, completion_tokens=g, total_tokens=prompt_len + g)
-        return sse_event(c.model_dump_json(exclude_unset=exclude_unset))
+        return sse_event(c.model_dump_json())
 
     def render(d: ChoiceDelta) -> Iterable[str]:
         out = []

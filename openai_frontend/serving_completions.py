@@ -149,7 +149,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             c = generated[d.index]
             chunk.usage = UsageInfo(prompt_tokens=len(prompt.ids), completion_tokens=c,
                                     total_tokens=len(prompt.ids) + c)
-        return (sse_event(chunk.model_dump_json(exclude_unset=not continuous and not include_usage)),)
+        return (sse_event(chunk.model_dump_json()),)
 
     def finish() -> Iterable[str]:
         if not include_usage:

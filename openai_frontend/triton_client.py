@@ -208,7 +208,10 @@ _INVALID_HINTS = (
     "invalid", "must be", "must not", "exceed", "out of range", "max_model_len", "too long", "not supported",
     "expected", "unexpected input", "negative",
 )
-_UNAVAILABLE_HINTS = ("unavailable", "queue full", "queue is full", "overloaded", "too many", "not ready", "busy")
+_UNAVAILABLE_HINTS = (
+    "unavailable", "queue full", "queue is full", "overloaded", "too many", "not ready", "busy", "shutting down",
+    "stopped", "retry later",
+)
 
 
 def classify_error(message: str) -> EngineError:
@@ -218,6 +221,8 @@ def classify_error(message: str) -> EngineError:
     code, so the code name in the message (if any) or known wordings decide.
     """
     low = message.lower()
+    if low.startswith("internal error"):
+        return EngineError(EngineError.INTERNAL, message)
     if "cancel" in low:
         return EngineError(EngineError.CANCELLED, message)
     if any(h in low for h in _UNAVAILABLE_HINTS):

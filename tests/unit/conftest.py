@@ -1,4 +1,6 @@
-"""Unit-test fixtures: a tiny HF-layout checkpoint with a real (byte-level BPE) tokenizer."""
+"""Frontend unit-test fixtures (prefixed ``fe_``): a tiny HF-layout tokenizer
+(real byte-level BPE, trained here) and the API app on an in-process fake
+engine, served by uvicorn in a thread."""
 
 from __future__ import annotations
 
@@ -59,17 +61,17 @@ def make_tokenizer_files(out: Path, *, vocab_size: int = 400) -> None:
 
 
 @pytest.fixture(scope="session")
-def checkpoint_dir(tmp_path_factory) -> str:
+def fe_checkpoint_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("ckpt")
     make_tokenizer_files(out)
     return str(out)
 
 
 @pytest.fixture(scope="session")
-def tokenizer(checkpoint_dir):
+def fe_tokenizer(fe_checkpoint_dir):
     from openai_frontend.tokenizer import Tokenizer
 
-    return Tokenizer.from_dir(checkpoint_dir)
+    return Tokenizer.from_dir(fe_checkpoint_dir)
 
 
 # --------------------------------------------------------------------------
@@ -120,21 +122,22 @@ def make_model_info(**overrides):
 
 
 @pytest.fixture(scope="session")
-def fake_engine(tokenizer):
-    from fake_engine import FakeEngine
+def fe_engine(fe_tokenizer):
+    from tests.unit.fake_engine import FakeEngine
 
-    return FakeEngine(info=make_model_info(), script=tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False))
+    return FakeEngine(info=make_model_info(), script=fe_tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False))
 
 
 @pytest.fixture(scope="session")
-def fake_server(checkpoint_dir, fake_engine):
+def fe_server(fe_checkpoint_dir, fe_engine):
     from openai_frontend.app import create_app
     from openai_frontend.config import FrontendConfig
 
-    cfg = FrontendConfig(triton_grpc_url="unused:0", served_model_name=MODEL, checkpoint_dir=checkpoint_dir,
+    cfg = FrontendConfig(triton_grpc_url="unused:0", served_model_name=MODEL, checkpoint_dir=fe_checkpoint_dir,
                          api_key=API_KEY, max_pending_requests=8)
-    with ServerThread(create_app(cfg, engine=fake_engine)) as srv:
+    with ServerThread(create_app(cfg, engine=fe_engine)) as srv:
         srv.api_key = API_KEY
         srv.model = MODEL
-        srv.engine = fake_engine
+        srv.engine = fe_engine
+        srv.tokenizer_dir = fe_checkpoint_dir
         yield srv

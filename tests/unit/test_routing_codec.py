@@ -1,0 +1,105 @@
+"""Routed-experts wire format: base64 .npy exactly as vLLM writes it."""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pybase64
+import pytest
+
+from openai_frontend.routing_codec import (
+    RoutedExpertsAccumulator,
+    decode_routed_experts,
+    encode_npy_b64,
+    expert_id_dtype,
+    npy_header,
+)
+
+
+def vllm_encode(arr: np.ndarray) -> str:
+    """vLLM's recipe: np.save into BytesIO, then pybase64."""
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return pybase64.b64encode(buf.getvalue()).decode("ascii")
+
+
+@pytest.mark.parametrize("num_experts,dtype", [(1, np.uint8), (8, np.uint8), (256, np.uint8), (257, np.uint16),
+                                               (512, np.uint16), (65536, np.uint16)])
+def test_dtype_choice_matches_vllm(num_experts, dtype):
+    assert expert_id_dtype(num_experts) == np.dtype(dtype)
+
+
+def test_dtype_rejects_nonsense():
+    with pytest.raises(ValueError):
+        expert_id_dtype(0)
+    with pytest.raises(ValueError):
+        expert_id_dtype(65537)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+@pytest.mark.parametrize("shape", [(5, 3, 2), (1, 1, 1), (0, 4, 2), (33, 48, 8)])
+def test_encode_is_byte_identical_to_np_save(dtype, shape):
+    rng = np.random.default_rng(0)
+    arr = rng.integers(0, np.iinfo(dtype).max, size=shape, endpoint=True).astype(dtype)
+    s = encode_npy_b64(arr)
+    assert s == vllm_encode(arr)
+    out = np.load(io.BytesIO(base64.b64decode(s)))  # the client one-liner, stdlib base64
+    assert out.dtype == dtype and out.shape == shape
+    np.testing.assert_array_equal(out, arr)
+
+
+def test_header_is_aligned():
+    for shape in [(0, 2, 2), (7, 48, 8), (123456, 61, 8)]:
+        assert len(npy_header(shape, np.dtype(np.uint8))) % 64 == 0
+
+
+def test_accumulator_concatenates_and_casts_to_uint8():
+    acc = RoutedExpertsAccumulator(num_layers=3, top_k=2, dtype=np.uint8)
+    a = np.arange(12, dtype=np.uint16).reshape(2, 3, 2)
+    b = np.full((1, 3, 2), 255, np.uint16)
+    c = np.zeros((0, 3, 2), np.uint16)
+    for chunk in (a, c, None, b):
+        acc.add(chunk)
+    assert acc.rows == 3
+    s, view = acc.encode()
+    out = decode_routed_experts(s)
+    assert out.dtype == np.uint8 and out.shape == (3, 3, 2)
+    np.testing.assert_array_equal(out, np.concatenate([a, b]).astype(np.uint8))
+    np.testing.assert_array_equal(view, out)
+    assert s == vllm_encode(out)
+
+
+def test_accumulator_keeps_uint16_for_many_experts():
+    acc = RoutedExpertsAccumulator(num_layers=2, top_k=4, dtype=expert_id_dtype(512))
+    chunk = np.array([[[0, 300, 511, 257]] * 2], dtype=np.uint16)
+    acc.add(chunk)
+    acc.add(chunk)
+    out = decode_routed_experts(acc.encode()[0])
+    assert out.dtype == np.uint16 and out.shape == (2, 2, 4)
+    assert int(out.max()) == 511
+
+
+def test_accumulator_truncates_to_max_rows():
+    acc = RoutedExpertsAccumulator(num_layers=1, top_k=1, dtype=np.uint8)
+    for i in range(4):
+        acc.add(np.full((3, 1, 1), i, np.uint16))
+    out = decode_routed_experts(acc.encode(max_rows=7)[0])
+    assert out[:, 0, 0].tolist() == [0, 0, 0, 1, 1, 1, 2]
+    assert acc.to_array(max_rows=100).shape[0] == 12
+
+
+def test_accumulator_empty_is_none():
+    acc = RoutedExpertsAccumulator(num_layers=2, top_k=2, dtype=np.uint8)
+    assert acc.encode() == (None, None)
+    acc.add(np.zeros((0, 2, 2), np.uint16))
+    assert acc.encode() == (None, None)
+    acc.add(np.zeros((2, 2, 2), np.uint16))
+    assert acc.encode(max_rows=0) == (None, None)
+    assert acc.encode(max_rows=-3) == (None, None)
+
+
+def test_accumulator_rejects_wrong_shape():
+    acc = RoutedExpertsAccumulator(num_layers=2, top_k=2, dtype=np.uint8)
+    with pytest.raises(ValueError, match="shape"):
+        acc.add(np.zeros((1, 3, 2), np.uint16))
