@@ -155,7 +155,7 @@ class TritonServer:
     def start(self) -> None:
         cmd = self.command()
         log.info("starting tritonserver: %s", " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, env=self.env(), start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=self.env(), start_new_session=True, preexec_fn=_die_with_parent)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -217,6 +217,17 @@ class TritonServer:
             _signal_group(self.proc.pid, signal.SIGKILL)  # stubs left in the group, if any
             self.proc.wait()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when moe-serve dies, even by SIGKILL, so tritonserver is never orphaned."""
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the normal stop path still applies
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -202,8 +202,11 @@ class TritonPythonModel:
                 except Exception:
                     log.exception("sending a response failed")
             if time.monotonic() - last_poll >= CANCEL_POLL_S:
-                self._poll_cancellations()
-                self._update_metrics()
+                try:
+                    self._poll_cancellations()
+                    self._update_metrics()
+                except Exception:  # the response thread must survive anything
+                    log.exception("cancellation/metrics poll failed")
                 last_poll = time.monotonic()
 
     @staticmethod
@@ -215,11 +218,14 @@ class TritonPythonModel:
             description="Requests in the moe engine by state (running, waiting) and free sequence slots",
             kind=pb_utils.MetricFamily.GAUGE,
         )
-        return {k: family.Metric(labels={**labels, "state": k}) for k in ("running", "waiting", "free_slots")}
+        # The family must outlive its metrics: keep it in the dict too.
+        metrics = {k: family.Metric(labels={**labels, "state": k}) for k in ("running", "waiting", "free_slots")}
+        metrics["_family"] = family
+        return metrics
 
     def _update_metrics(self) -> None:
         for key, value in self.engine.stats().items():
-            if key in self._metrics:
+            if key in self._metrics and key != "_family":
                 self._metrics[key].set(value)
 
     def _poll_cancellations(self) -> None:
