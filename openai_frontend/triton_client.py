@@ -205,12 +205,12 @@ class EngineError(Exception):
 
 
 _INVALID_HINTS = (
-    "invalid", "must be", "must not", "exceed", "out of range", "max_model_len", "too long", "not supported",
-    "expected", "unexpected input", "negative",
+    "invalid", "must be", "must not", "exceed", "out of range", "outside", "vocabulary", "context length",
+    "max_model_len", "too long", "not supported", "expected", "unexpected input", "negative", "missing",
 )
 _UNAVAILABLE_HINTS = (
     "unavailable", "queue full", "queue is full", "overloaded", "too many", "not ready", "busy", "shutting down",
-    "stopped", "retry later",
+    "stopped", "not running", "retry later",
 )
 
 
