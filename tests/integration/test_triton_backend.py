@@ -95,7 +95,7 @@ def test_streamed_rows_concatenate_to_the_non_streamed_array(stream, moe_server)
     s_rows, n_rows = concat(out["s"], "routed_experts"), concat(out["n"], "routed_experts")
     assert s_rows.dtype == np.uint16 and n_rows.shape == (len(ids) + 8 - 1, 4, 2)
     np.testing.assert_array_equal(s_rows, n_rows)
-    np.testing.assert_allclose(concat(out["s"], "logprobs"), concat(out["n"], "logprobs"), rtol=1e-6)
+    np.testing.assert_allclose(concat(out["s"], "logprobs"), concat(out["n"], "logprobs"), rtol=1e-4)  # batched together: last-bit float differences
     assert concat(out["n"], "top_logprob_ids").shape == (8, 2)
     reasons = [r.as_numpy("finish_reason")[0] for r in out["s"]]
     assert all(x == b"" for x in reasons[:-1]) and reasons[-1] == b"length"
@@ -132,7 +132,6 @@ def engine_gauge(moe_server, state):
 
 
 def test_cancelling_a_stream_frees_the_engine_slot(moe_server):
-    free_before = engine_gauge(moe_server, "free_slots")
     s = Stream(moe_server.triton_grpc_url)
     s.send("long", inputs([1, 2, 3], max_tokens=900, stream=True, ignore_eos=True, temperature=0.0))
     s.q.get(timeout=60)  # it is running
@@ -141,11 +140,12 @@ def test_cancelling_a_stream_frees_the_engine_slot(moe_server):
         time.sleep(0.05)
     assert engine_gauge(moe_server, "running") >= 1
     s.close(cancel=True)
-    deadline = time.monotonic() + 10
-    while engine_gauge(moe_server, "running") > 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # Triton refreshes its metrics every couple of seconds; wait for the engine to settle.
+    deadline = time.monotonic() + 15
+    while engine_gauge(moe_server, "free_slots") < 64 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert engine_gauge(moe_server, "running") == 0
-    assert engine_gauge(moe_server, "free_slots") == free_before
+    assert engine_gauge(moe_server, "free_slots") == 64  # the server's --max-num-seqs: every slot is free
     assert "cancelled by the client" in moe_server.log_path.read_text()
 
 
@@ -181,8 +181,9 @@ def test_http_generate_stream(moe_server):
         for line in r:
             if line.startswith(b"data: "):
                 events.append(json.loads(line[6:]))
-    tokens = [t for e in events for t in e["output_ids"]]
+    # The generate extension writes one-element tensors as scalars and others as flat lists.
+    tokens = [t for e in events for t in np.atleast_1d(e["output_ids"]).tolist()]
     assert len(tokens) == 3
-    rows = sum(len(np.asarray(e["routed_experts"]).reshape(-1)) for e in events) // (4 * 2)
-    assert rows == 4 + 3 - 1
-    assert events[-1]["finish_reason"] in ("length", ["length"])
+    ids = np.concatenate([np.atleast_1d(e["routed_experts"]) for e in events])
+    assert ids.size == (4 + 3 - 1) * 4 * 2 and ids.max() < 8
+    assert [e["finish_reason"] for e in events] == ["", "", "length"]
