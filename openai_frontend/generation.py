@@ -56,7 +56,7 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    routed_experts: str | None = None  # base64 .npy; only on the last delta
+    routed_experts: bytes | None = None  # base64 .npy (ASCII bytes); only on the last delta
     first: bool = False
 
     @property
@@ -74,7 +74,7 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] | None
     finish_reason: str
     stop_reason: int | str | None
-    routed_experts: str | None
+    routed_experts: bytes | None  # base64 .npy (ASCII bytes)
 
 
 class Hooks:
@@ -123,7 +123,7 @@ class ChoiceRunner:
         self.logprobs: list[TokenLogprob] | None = [] if spec.want_logprobs else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.routed_experts: str | None = None
+        self.routed_experts: bytes | None = None
 
     def result(self) -> ChoiceResult:
         assert self.finish_reason is not None
@@ -242,10 +242,11 @@ class ChoiceRunner:
         self.stop_reason = stop_reason
         if acc is not None:
             keep_rows = len(spec.prompt_ids) + len(self.token_ids) - 1 - spec.routed_experts_prompt_start
-            encoded, array = acc.encode(keep_rows)
-            self.routed_experts = encoded
-            if array is not None and encoded is not None:
-                self.hooks.on_routed(array, len(encoded))
+            if acc.nbytes >= _ENCODE_IN_THREAD_BYTES:
+                # Long sequences: copy/encode/count off the event loop (numpy and pybase64 release the GIL).
+                self.routed_experts = await asyncio.to_thread(self._encode_routed, acc, keep_rows)
+            else:
+                self.routed_experts = self._encode_routed(acc, keep_rows)
         last_ids = new_ids if finish is not None else []
         delta = ChoiceDelta(
             index=spec.index,
@@ -260,6 +261,17 @@ class ChoiceRunner:
         if spec.detokenize:
             self.text_parts.append(delta.text)
         yield delta
+
+
+    def _encode_routed(self, acc: RoutedExpertsAccumulator, keep_rows: int) -> bytes | None:
+        encoded, array = acc.encode(keep_rows)
+        if encoded is not None and array is not None:
+            self.hooks.on_routed(array, len(encoded))
+        return encoded
+
+
+# Routing arrays at least this big are encoded in a worker thread.
+_ENCODE_IN_THREAD_BYTES = 1 << 21
 
 
 def _token_logprob(out, k: int, tid: int) -> TokenLogprob:

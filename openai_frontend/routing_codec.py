@@ -90,13 +90,21 @@ class RoutedExpertsAccumulator:
         buf_view = self._fill(max_rows, into_npy=False)
         return None if buf_view is None else buf_view[1]
 
-    def encode(self, max_rows: int | None = None) -> tuple[str | None, np.ndarray | None]:
-        """(base64 .npy, decoded array view) of the first ``max_rows`` rows; (None, None) if empty."""
+    def encode(self, max_rows: int | None = None) -> tuple[bytes | None, np.ndarray | None]:
+        """(base64 of the .npy as ASCII bytes, array view) of the first ``max_rows`` rows.
+
+        (None, None) when there is nothing.  The base64 stays ``bytes``: the
+        API splices it into the JSON body as is (no str round trip).
+        """
         filled = self._fill(max_rows, into_npy=True)
         if filled is None:
             return None, None
         buf, view = filled
-        return pybase64.b64encode(buf).decode("ascii"), view
+        return pybase64.b64encode(buf), view
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.num_layers * self.top_k * self.dtype.itemsize
 
     def _fill(self, max_rows: int | None, *, into_npy: bool):
         total = self.rows if max_rows is None else max(0, min(self.rows, max_rows))

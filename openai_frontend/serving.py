@@ -228,8 +228,8 @@ class ServingContext:
         self,
         group: ChoiceGroup,
         raw_request: Request,
-        render: Callable[[ChoiceDelta], Iterable[str]],
-        finish: Callable[[], Iterable[str]],
+        render: Callable[[ChoiceDelta], Iterable[str | bytes]],
+        finish: Callable[[], Iterable[str | bytes]],
         error_event: Callable[[OpenAIError], str] | None = None,
     ) -> Response:
         """Start streaming once every choice produced its first delta.
@@ -259,7 +259,7 @@ class ServingContext:
 
         metrics = self.metrics
 
-        async def body() -> AsyncIterator[str]:
+        async def body() -> AsyncIterator[str | bytes]:
             n_tokens = 0
             try:
                 for d in primed:
@@ -297,8 +297,55 @@ def _choice_seed(seed: int | None, i: int, n: int) -> int | None:
     return s
 
 
-def json_response(model) -> Response:  # noqa: ANN001 - any pydantic model
-    return Response(content=model.model_dump_json(), media_type="application/json")
+class Payloads:
+    """Splices large base64 payloads (routed experts) into JSON bytes.
+
+    Models carry a short placeholder string (with a per-request nonce) where
+    the payload goes; :meth:`dump` serialises the small model and joins the
+    payload bytes in at the placeholders in one pass.  The payload is never
+    turned into a Python ``str`` nor scanned by a JSON encoder (base64 needs
+    no escaping).
+    """
+
+    __slots__ = ("_prefix", "_parts", "_n")
+
+    def __init__(self) -> None:
+        self._prefix = f"@@routed-{secrets.token_hex(8)}:"
+        self._parts: dict[bytes, bytes] = {}
+        self._n = 0
+
+    def ref(self, payload: bytes | None) -> str | None:
+        if payload is None:
+            return None
+        key = f"{self._prefix}{self._n}@@"
+        self._n += 1
+        self._parts[key.encode()] = payload
+        return key
+
+    def dump(self, model, prefix: bytes = b"", suffix: bytes = b"") -> bytes:  # noqa: ANN001 - pydantic model
+        body = model.model_dump_json().encode()
+        if not self._parts:
+            return prefix + body + suffix if prefix or suffix else body
+        marker = b'"' + self._prefix.encode()
+        pieces = [prefix]
+        pos = 0
+        while (i := body.find(marker, pos)) >= 0:
+            end = body.find(b'@@"', i + len(marker))
+            key = body[i + 1 : end + 2]
+            pieces.append(body[pos : i + 1])  # up to and including the opening quote
+            pieces.append(self._parts.pop(key))
+            pos = end + 2  # the closing quote starts the next piece
+        pieces.append(body[pos:])
+        pieces.append(suffix)
+        return b"".join(pieces)
+
+    def sse(self, model) -> bytes:  # noqa: ANN001 - pydantic model
+        return self.dump(model, b"data: ", b"\n\n")
+
+
+def json_response(model, payloads: Payloads | None = None) -> Response:  # noqa: ANN001 - pydantic model
+    body = payloads.dump(model) if payloads is not None else model.model_dump_json().encode()
+    return Response(content=body, media_type="application/json")
 
 
 def disconnected_response() -> Response:

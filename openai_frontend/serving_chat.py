@@ -24,7 +24,7 @@ from .protocol import (
     now,
     random_id,
 )
-from .serving import Plan, PromptInput, ServingContext, json_response
+from .serving import Payloads, Plan, PromptInput, ServingContext, json_response
 from .tokenizer import ChatTemplate, ChatTemplateError
 
 
@@ -111,6 +111,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     token_ids_on = bool(req.return_token_ids)
     as_ids = bool(req.return_tokens_as_token_ids)
     prompt_len = len(prompt.ids)
+    payloads = Payloads()
 
     if not req.stream:
         results = await ctx.run_to_end(group, raw)
@@ -124,7 +125,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 stop_reason=r.stop_reason,
                 token_ids=r.token_ids if token_ids_on else None,
                 prompt_token_ids=prompt.ids if token_ids_on else None,
-                routed_experts=r.routed_experts,
+                routed_experts=payloads.ref(r.routed_experts),
             )
             for r in results
         ]
@@ -138,21 +139,22 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 usage=UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
                                 total_tokens=prompt_len + completion_tokens),
                 prompt_token_ids=prompt.ids if token_ids_on else None,
-            )
+            ),
+            payloads,
         )
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     generated: dict[int, int] = {}
 
-    def chunk(choice: ChatCompletionResponseStreamChoice, index: int) -> str:
+    def chunk(choice: ChatCompletionResponseStreamChoice, index: int) -> bytes:
         c = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[choice])
         if continuous:
             g = generated.get(index, 0)
             c.usage = UsageInfo(prompt_tokens=prompt_len, completion_tokens=g, total_tokens=prompt_len + g)
-        return sse_event(c.model_dump_json())
+        return payloads.sse(c)
 
-    def render(d: ChoiceDelta) -> Iterable[str]:
+    def render(d: ChoiceDelta) -> Iterable[bytes]:
         out = []
         generated[d.index] = generated.get(d.index, 0) + len(d.token_ids)
         if d.first:
@@ -169,7 +171,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 fields["token_ids"] = d.token_ids
             if d.last:
                 fields["stop_reason"] = d.stop_reason
-                fields["routed_experts"] = d.routed_experts
+                fields["routed_experts"] = payloads.ref(d.routed_experts)
             out.append(chunk(ChatCompletionResponseStreamChoice(
                 index=d.index,
                 delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),

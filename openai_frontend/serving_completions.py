@@ -21,7 +21,7 @@ from .protocol import (
     now,
     random_id,
 )
-from .serving import Plan, PromptInput, ServingContext, json_response
+from .serving import Payloads, Plan, PromptInput, ServingContext, json_response
 
 
 def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[PromptInput]:
@@ -75,6 +75,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         return ctx.tokenizer.decode(p.ids, skip_special_tokens=req.skip_special_tokens)
 
     usage_prompt = sum(len(p.ids) for p in prompts)
+    payloads = Payloads()
 
     if not req.stream:
         results = await ctx.run_to_end(group, raw)
@@ -95,7 +96,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                     stop_reason=r.stop_reason,
                     token_ids=r.token_ids if token_ids_on else None,
                     prompt_token_ids=prompt.ids if token_ids_on else None,
-                    routed_experts=r.routed_experts,
+                    routed_experts=payloads.ref(r.routed_experts),
                 )
             )
         completion_tokens = sum(len(r.token_ids) for r in results)
@@ -107,7 +108,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                 choices=choices,
                 usage=UsageInfo(prompt_tokens=usage_prompt, completion_tokens=completion_tokens,
                                 total_tokens=usage_prompt + completion_tokens),
-            )
+            ),
+            payloads,
         )
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -115,7 +117,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     offsets: dict[int, int] = {}
     generated: dict[int, int] = {}
 
-    def render(d: ChoiceDelta) -> Iterable[str]:
+    def render(d: ChoiceDelta) -> Iterable[str | bytes]:
         prompt = prompts[d.index // n]
         text = d.text
         if d.first and req.echo:
@@ -141,7 +143,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                     stop_reason=d.stop_reason,
                     token_ids=d.token_ids if token_ids_on else None,
                     prompt_token_ids=prompt.ids if token_ids_on and d.first else None,
-                    routed_experts=d.routed_experts,
+                    routed_experts=payloads.ref(d.routed_experts),
                 )
             ],
         )
@@ -149,7 +151,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             c = generated[d.index]
             chunk.usage = UsageInfo(prompt_tokens=len(prompt.ids), completion_tokens=c,
                                     total_tokens=len(prompt.ids) + c)
-        return (sse_event(chunk.model_dump_json()),)
+        return (payloads.sse(chunk),)
 
     def finish() -> Iterable[str]:
         if not include_usage:

@@ -20,7 +20,7 @@ from .protocol import (
     now,
     random_id,
 )
-from .serving import Plan, PromptInput, ServingContext, json_response
+from .serving import Payloads, Plan, PromptInput, ServingContext, json_response
 
 
 async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Request) -> Response:
@@ -50,6 +50,7 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
     token_ids_on = bool(sp.return_token_ids)
     top_n = max(sp.logprobs or 0, 1)
     prompt_len = len(prompt.ids)
+    payloads = Payloads()
 
     def logprobs(lps):
         return chat_logprobs(lps, ctx.tokenizer, top_n, as_ids=True) if lps is not None else None
@@ -69,20 +70,21 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
                         finish_reason=r.finish_reason,
                         token_ids=r.token_ids,
                         prompt_token_ids=prompt.ids if token_ids_on else None,
-                        routed_experts=r.routed_experts,
+                        routed_experts=payloads.ref(r.routed_experts),
                     )
                     for r in results
                 ],
                 usage=UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
                                 total_tokens=prompt_len + completion_tokens),
-            )
+            ),
+            payloads,
         )
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     generated: dict[int, int] = {}
 
-    def render(d: ChoiceDelta) -> Iterable[str]:
+    def render(d: ChoiceDelta) -> Iterable[str | bytes]:
         generated[d.index] = generated.get(d.index, 0) + len(d.token_ids)
         if not d.token_ids and not d.last and not (token_ids_on and d.first):
             return ()
@@ -95,14 +97,14 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
                     finish_reason=d.finish_reason,
                     token_ids=d.token_ids,
                     prompt_token_ids=prompt.ids if token_ids_on and d.first else None,
-                    routed_experts=d.routed_experts,
+                    routed_experts=payloads.ref(d.routed_experts),
                 )
             ],
         )
         if continuous:
             g = generated[d.index]
             chunk.usage = UsageInfo(prompt_tokens=prompt_len, completion_tokens=g, total_tokens=prompt_len + g)
-        return (sse_event(chunk.model_dump_json()),)
+        return (payloads.sse(chunk),)
 
     def finish() -> Iterable[str]:
         if not include_usage:

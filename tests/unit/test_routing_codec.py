@@ -62,7 +62,9 @@ def test_accumulator_concatenates_and_casts_to_uint8():
     for chunk in (a, c, None, b):
         acc.add(chunk)
     assert acc.rows == 3
-    s, view = acc.encode()
+    b64, view = acc.encode()
+    assert isinstance(b64, bytes)  # spliced into the JSON body as is
+    s = b64.decode("ascii")
     out = decode_routed_experts(s)
     assert out.dtype == np.uint8 and out.shape == (3, 3, 2)
     np.testing.assert_array_equal(out, np.concatenate([a, b]).astype(np.uint8))
@@ -103,3 +105,24 @@ def test_accumulator_rejects_wrong_shape():
     acc = RoutedExpertsAccumulator(num_layers=2, top_k=2, dtype=np.uint8)
     with pytest.raises(ValueError, match="shape"):
         acc.add(np.zeros((1, 3, 2), np.uint16))
+
+
+def test_payload_splicing_into_json():
+    import json
+
+    from openai_frontend.protocol import CompletionResponseChoice
+    from openai_frontend.serving import Payloads
+
+    p = Payloads()
+    big = b"QUJD" * 1000
+    choices = [CompletionResponseChoice(index=0, text='say "@@routed-x:0@@"', routed_experts=p.ref(big)),
+               CompletionResponseChoice(index=1, text="", routed_experts=p.ref(None)),
+               CompletionResponseChoice(index=2, text="b", routed_experts=p.ref(b"AAAA"))]
+    for c in choices:
+        body = p.dump(c, b"data: ", b"\n\n") if c.index == 2 else p.dump(c)
+        if c.index == 2:
+            assert body.startswith(b"data: ") and body.endswith(b"\n\n")
+            body = body[6:-2]
+        got = json.loads(body)
+        assert got["text"] == c.text
+        assert got["routed_experts"] == {0: big.decode(), 1: None, 2: "AAAA"}[c.index]
