@@ -127,11 +127,20 @@ class ServingContext:
 
     # -- admission -------------------------------------------------------
 
+    def check_choice_count(self, n: int, num_prompts: int = 1, param: str = "n") -> None:
+        """400 when a request has more choices than the server could ever run at once."""
+        limit = self.cfg.max_pending_requests
+        if n * num_prompts > limit:
+            raise BadRequestError(
+                f"The request asks for {n * num_prompts} choices (n={n} x {num_prompts} prompts); the server runs at "
+                f"most {limit} at once.",
+                param=param,
+            )
+
     def admit(self, n: int) -> Callable[[], None]:
         """Reserve n in-flight choices or raise 503; returns the release callback."""
         limit = self.cfg.max_pending_requests
-        if n > limit:
-            raise BadRequestError(f"n={n} exceeds the server's limit of {limit} concurrent choices.", param="n")
+        self.check_choice_count(n)
         if self.pending + n > limit:
             self.metrics.rejected.inc()
             raise ServiceUnavailableError(
@@ -157,6 +166,7 @@ class ServingContext:
         """Validate the prompts against the model and make one runner per choice."""
         model = self.model_info()
         sp = plan.sampling
+        self.check_choice_count(n, len(plan.prompts))
         want_routed = self.cfg.enable_routed_experts and sp.return_routed_experts is not False
         prompt_start = sp.routed_experts_prompt_start or 0
         stop = sp.stop_list()

@@ -83,6 +83,7 @@ def _check(ctx: ServingContext, req: ChatCompletionRequest) -> None:
     if req.top_logprobs and not req.logprobs:
         raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
     ctx.check_logprobs(req.top_logprobs, "top_logprobs")
+    ctx.check_choice_count(req.n)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:

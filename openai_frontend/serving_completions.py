@@ -46,6 +46,7 @@ def _check(ctx: ServingContext, req: CompletionRequest) -> None:
         raise BadRequestError("echo together with logprobs needs prompt logprobs, which are not supported.",
                               param="echo")
     ctx.check_logprobs(req.logprobs, "logprobs")
+    ctx.check_choice_count(req.n, len(req.prompt))  # before tokenizing anything
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:

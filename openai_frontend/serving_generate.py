@@ -31,6 +31,7 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
     if sp.return_routed_experts is None and req.return_routed_experts is not None:
         sp.return_routed_experts = req.return_routed_experts
     ctx.check_logprobs(sp.logprobs, "sampling_params.logprobs")
+    ctx.check_choice_count(sp.n, param="sampling_params.n")
     ctx.model_info()
     prompt = PromptInput(ids=req.token_ids)
     plan = Plan(

@@ -466,3 +466,14 @@ def test_frontend_does_not_import_torch_or_transformers():
     code = "import sys, openai_frontend.app; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_absurd_n_is_400_not_a_hang(client, fe_server):
+    t0 = time.monotonic()
+    for kw in ({"n": 10**9}, {"n": 5, "prompt": ["a", "b"]}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=fe_server.model, max_tokens=1, **{"prompt": "x", **kw})
+        assert e.value.body["param"] == "n"
+    r = post(fe_server, "/inference/v1/generate", {"token_ids": [1], "sampling_params": {"n": 10**9}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.n"
+    assert time.monotonic() - t0 < 5
