@@ -240,7 +240,6 @@ class ServingContext:
         raw_request: Request,
         render: Callable[[ChoiceDelta], Iterable[str | bytes]],
         finish: Callable[[], Iterable[str | bytes]],
-        error_event: Callable[[OpenAIError], str] | None = None,
     ) -> Response:
         """Start streaming once every choice produced its first delta.
 
@@ -285,7 +284,10 @@ class ServingContext:
             except (EngineError, OpenAIError) as e:
                 err = engine_error_to_openai(e, self.cfg.retry_after_s) if isinstance(e, EngineError) else e
                 logger.warning("stream failed: %s", err.message)
-                yield sse_event(error_event(err) if error_event else _error_json(err))
+                yield sse_event(_error_json(err))
+            except Exception as e:  # noqa: BLE001 - a started stream must still end properly
+                logger.exception("stream failed")
+                yield sse_event(_error_json(InternalServerError(f"Internal server error: {type(e).__name__}")))
             finally:
                 metrics.generation_tokens.inc(n_tokens)
             yield SSE_DONE
