@@ -190,15 +190,10 @@ class ChoiceRunner:
                     if detok is not None:
                         piece = detok.step(tid)
                         if piece:
-                            before = len(text)
-                            text += piece
-                            if stops:
-                                m = _find_stop(text, max(0, before - max_stop + 1), stops)
-                                if m is not None:
-                                    i, s = m
-                                    text = text[: i + len(s)] if spec.include_stop_str_in_output else text[:i]
-                                    finish, stop_reason = "stop", s
-                                    break
+                            text, matched = self._append(text, piece, stops, max_stop)
+                            if matched is not None:
+                                finish, stop_reason = "stop", matched
+                                break
                 self.token_ids.extend(new_ids)
                 if new_lps is not None:
                     self.logprobs.extend(new_lps)
@@ -209,14 +204,9 @@ class ChoiceRunner:
                     if detok is not None:
                         rest = detok.flush()
                         if rest:
-                            before = len(text)
-                            text += rest
-                            if stops:
-                                m = _find_stop(text, max(0, before - max_stop + 1), stops)
-                                if m is not None:
-                                    i, s = m
-                                    text = text[: i + len(s)] if spec.include_stop_str_in_output else text[:i]
-                                    finish, stop_reason = "stop", s
+                            text, matched = self._append(text, rest, stops, max_stop)
+                            if matched is not None:
+                                finish, stop_reason = "stop", matched
                 if finish is not None:
                     break  # leaving the loop closes gen: a stop-string match cancels the Triton request
                 # Non-streaming: all text goes out with the last delta (a stop string may still cut it).
@@ -247,11 +237,10 @@ class ChoiceRunner:
                 self.routed_experts = await asyncio.to_thread(self._encode_routed, acc, keep_rows)
             else:
                 self.routed_experts = self._encode_routed(acc, keep_rows)
-        last_ids = new_ids if finish is not None else []
         delta = ChoiceDelta(
             index=spec.index,
             text=text[emitted:] if spec.detokenize else "",
-            token_ids=last_ids,
+            token_ids=new_ids,
             logprobs=new_lps,
             finish_reason=finish,
             stop_reason=stop_reason,
@@ -262,6 +251,16 @@ class ChoiceRunner:
             self.text_parts.append(delta.text)
         yield delta
 
+    def _append(self, text: str, piece: str, stops: list[str], max_stop: int) -> tuple[str, str | None]:
+        """Append decoded text; on a stop-string match cut it there and return the match."""
+        before = len(text)
+        text += piece
+        if stops:
+            m = _find_stop(text, max(0, before - max_stop + 1), stops)
+            if m is not None:
+                i, stop = m
+                return (text[: i + len(stop)] if self.spec.include_stop_str_in_output else text[:i]), stop
+        return text, None
 
     def _encode_routed(self, acc: RoutedExpertsAccumulator, keep_rows: int) -> bytes | None:
         encoded, array = acc.encode(keep_rows)
