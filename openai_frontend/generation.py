@@ -277,7 +277,7 @@ def _token_logprob(out, k: int, tid: int) -> TokenLogprob:
     lp = float(out.logprobs[k]) if out.logprobs is not None and k < out.logprobs.shape[0] else float("nan")
     top: list[tuple[int, float]] = []
     if out.top_logprob_ids is not None and out.top_logprobs is not None and k < out.top_logprob_ids.shape[0]:
-        top = list(zip(out.top_logprob_ids[k].tolist(), out.top_logprobs[k].tolist()))
+        top = list(zip(out.top_logprob_ids[k].tolist(), out.top_logprobs[k].tolist(), strict=False))
     return TokenLogprob(tid, lp, top)
 
 

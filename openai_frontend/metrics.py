@@ -49,7 +49,7 @@ class _ExpertSelections(Collector):
             np.bincount(routed[:, layer, :].ravel(), minlength=num_experts)[:num_experts] for layer in self._layers
         ]
         with self._lock:
-            for layer, c in zip(self._layers, per_layer):
+            for layer, c in zip(self._layers, per_layer, strict=True):
                 counts[layer] += c
 
     def snapshot(self) -> np.ndarray | None:
@@ -99,7 +99,8 @@ class Metrics:
         self.pending = Gauge("moe_serve_pending_choices", "Choices in flight (Triton requests).", registry=r)
         self.rejected = Counter("moe_serve_rejected_requests", "Requests rejected for overload.", registry=r)
         self.disconnects = Counter(
-            "moe_serve_client_disconnects", "Requests whose client went away before the end (Triton requests cancelled).",
+            "moe_serve_client_disconnects",
+            "Requests whose client went away before the end (their Triton requests are cancelled).",
             registry=r,
         )
         self.expert_selections = _ExpertSelections()
@@ -108,7 +109,7 @@ class Metrics:
     def configure(self, model: ModelInfo) -> None:
         self.expert_selections.configure(model)
 
-    def hooks(self) -> "MetricsHooks":
+    def hooks(self) -> MetricsHooks:
         return MetricsHooks(self)
 
     def render(self) -> bytes:

@@ -59,7 +59,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -152,7 +154,7 @@ class Tokenizer:
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_dir(cls, checkpoint_dir: str) -> "Tokenizer":
+    def from_dir(cls, checkpoint_dir: str) -> Tokenizer:
         tok_path = os.path.join(checkpoint_dir, "tokenizer.json")
         if not os.path.exists(tok_path):
             raise FileNotFoundError(f"{tok_path} not found (the frontend needs a fast tokenizer)")
@@ -190,7 +192,9 @@ class Tokenizer:
                 self._token_texts[token_id] = text
         return text
 
-    def detokenizer(self, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def detokenizer(
+        self, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids or [], skip_special_tokens)
 
 

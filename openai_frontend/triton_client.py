@@ -48,7 +48,7 @@ class ModelInfo:
     vocab_size: int
 
     @classmethod
-    def from_metadata(cls, meta: dict[str, Any]) -> "ModelInfo":
+    def from_metadata(cls, meta: dict[str, Any]) -> ModelInfo:
         num_layers = int(meta["num_hidden_layers"])
         num_experts = int(meta["num_experts"])
         dtype = str(meta.get("routed_experts_dtype") or expert_id_dtype(num_experts).name)
@@ -67,7 +67,7 @@ class ModelInfo:
         )
 
     @classmethod
-    def from_model_config(cls, config: dict[str, Any]) -> "ModelInfo":
+    def from_model_config(cls, config: dict[str, Any]) -> ModelInfo:
         """From ``get_model_config(..., as_json=True)`` (with or without the "config" wrapper)."""
         cfg = config.get("config", config)
         params = cfg.get("parameters") or {}
@@ -161,7 +161,7 @@ class EngineOutput:
     top_logprobs: np.ndarray | None = None  # [n, N]
 
     @classmethod
-    def from_result(cls, result: grpcclient.InferResult) -> "EngineOutput":
+    def from_result(cls, result: grpcclient.InferResult) -> EngineOutput:
         out = cls()
         ids = result.as_numpy("output_ids")
         if ids is not None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from .openai_helpers import metric_value, wait_until

@@ -112,7 +112,7 @@ def test_logprobs_and_echo(openai_client, moe_server):
     r = complete(openai_client, moe_server.model, logprobs=3, max_tokens=4, extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
-    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
         assert chosen <= 0 and 3 <= len(top) <= 4
         assert chosen == pytest.approx(max(top.values()), abs=1e-4)  # greedy: the chosen is the best
     r = complete(openai_client, moe_server.model, echo=True, max_tokens=2)

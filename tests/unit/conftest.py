@@ -92,7 +92,7 @@ class ServerThread:
                                                    lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         import time
 
         self.thread.start()

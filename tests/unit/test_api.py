@@ -231,7 +231,7 @@ def test_chat_stream_matches_non_stream(client, fe_server):
     stream = client.chat.completions.create(model=fe_server.model, messages=msgs, max_tokens=12, n=2,
                                             stop=["lazy"], stream=True, stream_options={"include_usage": True})
     roles = []
-    texts, tokens, finals, routed = {}, {}, {}, {}
+    texts, finals, routed = {}, {}, {}
     usage = None
     for chunk in stream:
         usage = chunk.usage or usage
