@@ -86,8 +86,6 @@ class Hooks:
 
     def on_routed(self, array: np.ndarray, encoded_len: int) -> None: ...
 
-    def on_choice_done(self) -> None: ...
-
 
 def _find_stop(text: str, search_from: int, stops: list[str]) -> tuple[int, str] | None:
     best: tuple[int, str] | None = None
@@ -139,13 +137,6 @@ class ChoiceRunner:
 
     async def run(self) -> AsyncIterator[ChoiceDelta]:
         """Yield deltas; the last has a finish_reason (and the routed experts)."""
-        try:
-            async for delta in self._run():
-                yield delta
-        finally:
-            self.hooks.on_choice_done()
-
-    async def _run(self) -> AsyncIterator[ChoiceDelta]:
         spec = self.spec
         detok: IncrementalDetokenizer | None = None
         if spec.detokenize or spec.stop:
