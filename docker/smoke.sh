@@ -51,6 +51,7 @@ log() { printf '[smoke %3ds] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
 die() { log "FAIL: $*"; exit 1; }
 
 STARTED_DAEMON=0
+OWN_DAEMON=0   # the daemon's data root is $SCRATCH (started now or by an earlier run)
 DAEMON_PID=""
 cleanup() {
     local rc=$?
@@ -64,9 +65,12 @@ cleanup() {
             "$DOCKER_CMD" rm -f "$CONTAINER" > /dev/null 2>&1
         fi
         if [ "$CLEAN" -eq 1 ]; then
-            log "--clean: removing $IMAGE, $BASE_IMAGE, $ROOTFS_IMAGE and the build cache"
+            log "--clean: removing $IMAGE, $BASE_IMAGE, $ROOTFS_IMAGE"
             "$DOCKER_CMD" image rm -f "$IMAGE" "$BASE_IMAGE" "$ROOTFS_IMAGE" > /dev/null 2>&1
-            "$DOCKER_CMD" builder prune -af > /dev/null 2>&1
+            if [ "$OWN_DAEMON" -eq 1 ]; then   # never prune the build cache of someone else's daemon
+                log "--clean: pruning the build cache of the scratch daemon"
+                "$DOCKER_CMD" builder prune -af > /dev/null 2>&1
+            fi
         fi
     fi
     if [ "$STARTED_DAEMON" -eq 1 ] && [ -n "$DAEMON_PID" ]; then
@@ -96,6 +100,8 @@ apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" > /dev/null
 }
 
+mkdir -p "$SCRATCH"
+
 # ---------------------------------------------------------------- 1. Docker daemon
 DOCKER_CMD="${DOCKER:-/usr/bin/docker}"
 if ! [ -x "$DOCKER_CMD" ] || ! command -v dockerd > /dev/null; then
@@ -111,6 +117,7 @@ if "$DOCKER_CMD" info > /dev/null 2>&1; then
     log "using the running Docker daemon (${DOCKER_HOST:-default socket})"
 elif [ -S "$SCRATCH/docker.sock" ] && DOCKER_HOST="unix://$SCRATCH/docker.sock" "$DOCKER_CMD" info > /dev/null 2>&1; then
     export DOCKER_HOST="unix://$SCRATCH/docker.sock"
+    OWN_DAEMON=1
     log "using the Docker daemon already running on $DOCKER_HOST"
 else
     need_root "starting dockerd"
@@ -120,6 +127,7 @@ else
         -H "unix://$SCRATCH/docker.sock" > "$SCRATCH/dockerd.log" 2>&1 &
     DAEMON_PID=$!
     STARTED_DAEMON=1
+    OWN_DAEMON=1
     export DOCKER_HOST="unix://$SCRATCH/docker.sock"
     for _ in $(seq 1 60); do
         "$DOCKER_CMD" info > /dev/null 2>&1 && break
@@ -135,6 +143,14 @@ if [ -s "$CA" ]; then
     SECRET=(--secret "id=pip_ca,src=$CA")
 fi
 build() { DOCKER_BUILDKIT=1 "$DOCKER_CMD" build --progress=plain "${SECRET[@]}" "$@"; }
+image_id() { "$DOCKER_CMD" image inspect -f '{{.Id}}' "$1" 2> /dev/null || true; }
+# After a rebuild, drop the image the tag pointed to before (it would linger as <none>).
+drop_previous() {
+    local old="$1" tag="$2"
+    if [ -n "$old" ] && [ "$old" != "$(image_id "$tag")" ]; then
+        "$DOCKER_CMD" image rm "$old" > /dev/null 2>&1 || true
+    fi
+}
 
 # ---------------------------------------------------------------- 2. local tritonserver base
 if [ "$REBUILD_BASE" -eq 1 ]; then
@@ -156,9 +172,11 @@ if ! "$DOCKER_CMD" image inspect "$ROOTFS_IMAGE" > /dev/null 2>&1; then
     rm -rf "$rootfs"
 fi
 log "building $BASE_IMAGE (docker/base/Dockerfile; cached after the first run)"
+previous="$(image_id "$BASE_IMAGE")"
 build --build-arg ROOTFS_IMAGE="$ROOTFS_IMAGE" --build-arg PYTRITON_VERSION="$PYTRITON_VERSION" \
     -t "$BASE_IMAGE" "$REPO/docker/base" > "$SCRATCH/base-build.log" 2>&1 \
     || { tail -30 "$SCRATCH/base-build.log"; die "building the base image failed"; }
+drop_previous "$previous" "$BASE_IMAGE"
 
 # ---------------------------------------------------------------- 3. project image (CPU torch)
 TORCH_VERSION="$(sed -n 's/^torch==\([^ #]*\).*/\1/p' "$REPO/requirements.txt")"
@@ -173,10 +191,12 @@ if ! compgen -G "$REPO/docker/wheels/torch-${TORCH_VERSION}+cpu-cp${PY_TAG}-*.wh
 fi
 log "building $IMAGE FROM $BASE_IMAGE (torch==${TORCH_VERSION}+cpu)"
 t_build=$(date +%s)
+previous="$(image_id "$IMAGE")"
 build --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg TORCH_INDEX_URL= \
     --build-arg TORCH_SPEC="torch==${TORCH_VERSION}+cpu" -t "$IMAGE" "$REPO" > "$SCRATCH/build.log" 2>&1 \
     || { tail -40 "$SCRATCH/build.log"; die "docker build failed (log: $SCRATCH/build.log)"; }
 BUILD_S=$(( $(date +%s) - t_build ))
+drop_previous "$previous" "$IMAGE"
 grep -h 'image check ok' "$SCRATCH/build.log" | sed 's/^#[0-9]* [0-9.]* /    /' | tail -1 || true
 # The CA bundle went in as a secret mount: neither a file nor a COPY of it in the image.
 "$DOCKER_CMD" history --no-trunc "$IMAGE" | grep -qi 'host-ca' && die "a CA bundle was copied into the image"
@@ -232,11 +252,13 @@ def load_npy(blob):
 
 card = call("/v1/models")["data"][0]
 L, K, E = card["num_hidden_layers"], card["num_experts_per_tok"], card["num_experts"]
-out = call("/v1/completions", {
+request = {
     "model": card["id"], "prompt": "The router picks the top-k experts for each token",
     "max_tokens": 8, "temperature": 0, "ignore_eos": True,
     "return_routed_experts": True, "return_token_ids": True,
-})
+}
+out = call("/v1/completions", request)
+again = call("/v1/completions", request)["choices"][0]
 choice, usage = out["choices"][0], out["usage"]
 P, C = usage["prompt_tokens"], usage["completion_tokens"]
 assert C == 8 and choice["finish_reason"] == "length", (C, choice["finish_reason"])
@@ -252,9 +274,11 @@ ids = data if itemsize == 1 else struct.unpack(f"<{len(data) // 2}H", data)
 assert max(ids) < E, f"expert id {max(ids)} >= num_experts {E}"
 rows = [ids[i * L * K:(i + 1) * L * K] for i in range(shape[0])]
 assert all(len(set(r[j * K:(j + 1) * K])) == K for r in rows for j in range(L)), "repeated expert within a top-k"
+assert (again["text"], again["token_ids"], again["routed_experts"]) == (
+    choice["text"], choice["token_ids"], choice["routed_experts"]), "greedy repeat differs"
 print(f"    completion: {P} prompt + {C} output tokens, text={choice['text']!r}")
 print(f"    routed_experts: {descr} {shape} (= prompt+output-1, layers, top_k), ids in [0, {E}), "
-      f"{len(set(ids))} distinct experts used")
+      f"{len(set(ids))} distinct experts used; a greedy repeat is identical")
 chat = call("/v1/chat/completions", {"model": card["id"], "max_tokens": 4, "temperature": 0,
                                      "messages": [{"role": "user", "content": "Hello!"}]})
 assert chat["choices"][0]["message"]["role"] == "assistant"
