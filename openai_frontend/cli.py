@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--kv-cache-memory", type=float, default=None, help="KV cache budget in GiB (default: room for all seqs)")
     add("--max-waiting", type=int, default=1024, help="engine queue bound; beyond it requests get 503")
     add(
+        "--max-pending-requests",
+        type=int,
+        default=256,
+        help="in-flight choices the API accepts; beyond it requests get 503 with Retry-After",
+    )
+    add(
         "--disable-routed-experts",
         action="store_true",
         default=False,
@@ -182,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 triton_model_name=TRITON_MODEL,
                 api_key=args.api_key,
                 enable_routed_experts=not args.disable_routed_experts,
+                max_pending_requests=args.max_pending_requests,
             )
         )
         uvicorn_server = uvicorn.Server(
