@@ -108,27 +108,33 @@ class LayerKV:
     v: torch.Tensor
 
 
-def attend(
-    q: torch.Tensor,  # [T, Hq, Dk]
-    k: torch.Tensor,  # [T, Hkv, Dk]
-    v: torch.Tensor,  # [T, Hkv, Dv]
-    cache: LayerKV,
-    batch: ForwardBatch,
-    scale: float,
-    sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,  # [Hq] per-head sink logits (GPT-OSS), or None
-) -> torch.Tensor:  # [T, Hq, Dv]
-    """Write this step's k/v into the cache, then attend causally within each sequence."""
+def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: ForwardBatch) -> None:
+    """Write this step's k [T, Hkv, Dk] / v [T, Hkv, Dv] into the cache at each token's (slot, position)."""
     token_slot = batch.slot_ids[batch.token_seq]  # [T]
     cache.k[token_slot, :, batch.positions] = k.to(cache.k.dtype)
     cache.v[token_slot, :, batch.positions] = v.to(cache.v.dtype)
 
-    B, Tq, Lk = len(batch.query_lens), batch.max_query_len, batch.max_kv_len
-    Hq, Dk, Dv = q.shape[1], q.shape[2], v.shape[2]
-    Hkv = k.shape[1]
 
-    keys = cache.k[batch.slot_ids, :, :Lk]  # [B, Hkv, Lk, Dk]
-    values = cache.v[batch.slot_ids, :, :Lk]  # [B, Hkv, Lk, Dv]
+def cached_kv(cache: LayerKV, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's cached k [B, Hkv, Lk, Dk] and v [B, Hkv, Lk, Dv] (Lk = longest kv length of the step;
+    positions past a sequence's own length hold stale values that the mask hides)."""
+    Lk = batch.max_kv_len
+    return cache.k[batch.slot_ids, :, :Lk], cache.v[batch.slot_ids, :, :Lk]
+
+
+def attend_cached(
+    q: torch.Tensor,  # [T, Hq, Dk]
+    keys: torch.Tensor,  # [B, Hkv, Lk, Dk]
+    values: torch.Tensor,  # [B, Hkv, Lk, Dv]
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """Attention of the step's queries over already gathered keys/values (MLA expands its latent cache first)."""
+    B, Tq = len(batch.query_lens), batch.max_query_len
+    Hq, Dk, Dv = q.shape[1], q.shape[2], values.shape[-1]
+    Hkv = keys.shape[1]
     if Tq == 1:
         q_pad = q.view(B, 1, Hq, Dk).transpose(1, 2)  # [B, Hq, 1, Dk]
     else:
@@ -143,14 +149,33 @@ def attend(
     if sinks is None:
         out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale)
     else:
-        # Attention sinks: an extra per-head logit joins the softmax and is then dropped.
+        # Attention sinks (GPT-OSS), as HF's eager_attention_forward: an extra per-head logit joins the
+        # softmax and is dropped after it; the max is subtracted and the softmax runs in the scores' dtype.
         scores = torch.matmul(q_pad, keys.transpose(-1, -2)) * scale  # [B, Hq, Tq, Lk]
         scores = scores.masked_fill(~mask, float("-inf"))
-        sink = sinks.to(scores.dtype).view(1, Hq, 1, 1).expand(B, Hq, Tq, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        sink = sinks.to(scores.dtype).reshape(1, Hq, 1, 1).expand(B, Hq, Tq, 1)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
         out = torch.matmul(probs.to(values.dtype), values)  # [B, Hq, Tq, Dv]
 
     out = out.transpose(1, 2)  # [B, Tq, Hq, Dv]
     if Tq == 1:
         return out.reshape(B, Hq, Dv)
     return out[batch.token_seq, batch.token_qidx]  # [T, Hq, Dv]
+
+
+def attend(
+    q: torch.Tensor,  # [T, Hq, Dk]
+    k: torch.Tensor,  # [T, Hkv, Dk]
+    v: torch.Tensor,  # [T, Hkv, Dv]
+    cache: LayerKV,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] per-head sink logits (GPT-OSS), or None
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """Write this step's k/v into the cache, then attend causally within each sequence."""
+    store_kv(k, v, cache, batch)
+    keys, values = cached_kv(cache, batch)
+    return attend_cached(q, keys, values, batch, scale, sliding_window, sinks)

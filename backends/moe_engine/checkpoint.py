@@ -5,8 +5,13 @@
   Qwen/OLMoE ``mlp.experts.{e}.{gate,up,down}_proj``), or fused 3-D as transformers v5 writes with
   ``save_pretrained(save_original_format=False)`` (``mlp.experts.gate_up_proj`` [E, 2I, H],
   ``mlp.experts.down_proj`` [E, H, I]; Mixtral's ``block_sparse_moe`` renamed ``mlp``);
-- bf16 / fp16 / fp32 on disk, converted tensor by tensor to the requested dtype;
-- tied embeddings (``lm_head`` shares ``embed_tokens``; a stored ``lm_head.weight`` is ignored, as HF).
+- GPT-OSS experts as transformers writes them ([E, H, 2I] / [E, I, H] plus biases) or MXFP4 as on the Hub
+  (``*_blocks`` uint8 [E, R, C/32, 16] + ``*_scales`` uint8 [E, R, C/32]), dequantised at load exactly as
+  transformers' ``integrations/mxfp4.py`` does (LUT, ldexp, transpose);
+- bf16 / fp16 / fp32 on disk, converted tensor by tensor to the requested dtype, except where HF keeps float32
+  (DeepSeek's router weight and e_score_correction_bias; ``MoEForCausalLM.param_dtype``);
+- tied embeddings (``lm_head`` shares ``embed_tokens``; a stored ``lm_head.weight`` is ignored, as HF);
+- DeepSeek-V3 multi-token-prediction layers (``model.layers.{num_hidden_layers}.*``) are ignored, as HF.
 
 The model is built on the ``meta`` device and each parameter is read from the memory-mapped
 file (``safe_open``) and assigned, so there is never a second full copy of the weights in RAM.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from contextlib import ExitStack
@@ -104,6 +110,16 @@ class _Tensors:
         self.used.add(key)
         return self._open(self.key_file[key]).get_tensor(key)
 
+    def get_row(self, key: str, shape: list[int] | tuple[int, ...], i: int) -> torch.Tensor:
+        """Rows [i : i + 1] of one tensor (read through the memory map) after checking the whole shape."""
+        found = self.shape(key)
+        if list(found) != list(shape):
+            raise CheckpointError(
+                f"tensor {key!r} in {self.key_file[key]} has shape {_fmt(found)}, expected {_fmt(shape)}"
+            )
+        self.used.add(key)
+        return self._open(self.key_file[key]).get_slice(key)[i : i + 1]
+
 
 def _place(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Copy a tensor read from the file into a fresh torch allocation of the target dtype/device.
@@ -132,9 +148,15 @@ def _load_direct(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device) -
 
 def _load_experts(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device) -> torch.Tensor:
     """``model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2I, H] or ``...down_proj`` [E, H, I], from the fused
-    tensor or assembled expert by expert (gate rows then up rows) into one preallocated buffer."""
+    tensor or assembled expert by expert (gate rows then up rows) into one preallocated buffer; GPT-OSS
+    experts fused (as transformers writes them) or MXFP4."""
     if name in t:
         return _place(t.get(name, shape), dtype, device)
+    if cfg.moe_block == "gpt_oss":
+        if f"{name}_blocks" in t:
+            return _load_mxfp4(t, name, shape, dtype, device)
+        alt = f" or its MXFP4 form {name + '_blocks'!r} + {name + '_scales'!r}" if not name.endswith("_bias") else ""
+        raise _missing(t.root, name, shape, alt)
     layer_prefix = name.split(".mlp.experts.")[0]  # model.layers.{i}
     blocks, gate_n, up_n, down_n = _PER_EXPERT_NAMES.get(cfg.architecture, _DEFAULT_PER_EXPERT_NAMES)
     E, I = cfg.num_experts, cfg.moe_intermediate_size
@@ -153,6 +175,47 @@ def _load_experts(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device) 
     return out
 
 
+# MXFP4 (OCP microscaling FP4, e2m1): nibble -> value; the low nibble is the even column (integrations/mxfp4.py)
+FP4_VALUES = [+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks uint8 [E, R, G, 16], scales uint8 [E, R, G] -> [E, G*32, R] in ``dtype``, as transformers'
+    ``convert_moe_packed_tensors`` (LUT in the target dtype, ``ldexp`` by scale - 127, then transpose(1, 2))."""
+    if blocks.shape[:-1] != scales.shape:
+        raise CheckpointError(f"MXFP4 blocks {_fmt(blocks.shape)} do not match scales {_fmt(scales.shape)}")
+    *prefix, G, B = blocks.shape
+    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
+    blocks = blocks.to(torch.uint8).reshape(-1, B)
+    exp = (scales.to(torch.int32) - 127).reshape(-1, 1)
+    out = torch.empty(blocks.shape[0], B * 2, dtype=dtype, device=blocks.device)
+    out[:, 0::2] = lut[(blocks & 0x0F).to(torch.int)]
+    out[:, 1::2] = lut[(blocks >> 4).to(torch.int)]
+    torch.ldexp(out, exp, out=out)
+    return out.reshape(*prefix, G * B * 2).transpose(1, 2).contiguous()
+
+
+def _load_mxfp4(t: _Tensors, name: str, shape, dtype, device) -> torch.Tensor:
+    """GPT-OSS ``{name}_blocks`` / ``{name}_scales`` -> dequantised [E, C, R] (``shape``)."""
+    E, C, R = shape
+    if C % 32:
+        raise CheckpointError(f"{name}: MXFP4 needs the reduction dim ({C}) to be a multiple of 32")
+    out = torch.empty(shape, dtype=dtype, device=device)
+    for e in range(E):  # one expert at a time keeps the temporaries small
+        blocks = t.get_row(f"{name}_blocks", [E, R, C // 32, 16], e).to(device)
+        scales = t.get_row(f"{name}_scales", [E, R, C // 32], e).to(device)
+        out[e].copy_(dequantize_mxfp4(blocks, scales, dtype)[0])
+    return out
+
+
+def _ignored_key(key: str, cfg: MoEConfig) -> bool:
+    """Tensors HF does not load either: DeepSeek-V3's multi-token-prediction layers after the last layer."""
+    if cfg.architecture != "deepseek_v3":
+        return False
+    m = re.match(r"model\.layers\.(\d+)\.", key)
+    return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
+
+
 def load_model(
     path: str | os.PathLike,
     dtype: str | torch.dtype = "auto",
@@ -168,7 +231,7 @@ def load_model(
     with torch.device("meta"):
         model = MoEForCausalLM(cfg)
     params = list(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens.weight
-    total = sum(p.numel() for _, p in params) * torch.empty((), dtype=tdtype).element_size()
+    total = sum(p.numel() * torch.empty((), dtype=model.param_dtype(n, tdtype)).element_size() for n, p in params)
 
     bar = None
     if progress:
@@ -184,15 +247,20 @@ def load_model(
         tensors = _Tensors(root, stack)
         for name, meta in params:
             shape = tuple(meta.shape)
+            pdtype = model.param_dtype(name, tdtype)
             if ".mlp.experts." in name:
-                value = _load_experts(tensors, cfg, name, shape, tdtype, device)
+                value = _load_experts(tensors, cfg, name, shape, pdtype, device)
             else:
-                value = _load_direct(tensors, cfg, name, shape, tdtype, device)
+                value = _load_direct(tensors, cfg, name, shape, pdtype, device)
             module_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(module_name), attr, nn.Parameter(value, requires_grad=False))
             if bar is not None:
                 bar.update(value.nbytes)
         unused = sorted(set(tensors.key_file) - tensors.used - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
+        ignored = [k for k in unused if _ignored_key(k, cfg)]
+        unused = [k for k in unused if not _ignored_key(k, cfg)]
+        if ignored:
+            log.info("ignored %d tensors of layers >= num_hidden_layers (multi-token prediction), as HF", len(ignored))
     if bar is not None:
         bar.close()
 

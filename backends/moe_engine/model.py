@@ -1,4 +1,4 @@
-"""MoE decoder-only transformer (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), gpt-fast style.
+"""MoE decoder-only transformer (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GPT-OSS), gpt-fast style.
 
 One forward step runs the tokens of all scheduled sequences flattened into one
 dimension T; ``ForwardBatch`` (attention.py) says which sequence and position each
@@ -15,12 +15,14 @@ runs route the same experts for all but near-tied tokens.
 Module and parameter names equal HF's in-memory (v5, fused experts) names, so
 checkpoint keys map one to one (checkpoint.py).
 
-Extending (DeepSeek-V2/V3, GPT-OSS): the router is chosen by ``cfg.router``
-(routing.py); which layers are MoE by ``cfg.moe_layers`` (first_k_dense_replace
-goes in config.py); MLA would be another attention class picked per config, with
-its own ``KVSpec`` (k_dim != v_dim) in ``kv_layout``; sinks and sliding windows
-are ``attend`` arguments already; GPT-OSS experts (biases, clamped interleaved
-SwiGLU) would be another ``Experts`` variant.
+Architecture differences come from config fields, never from the name: the router
+(``cfg.router``, routing.py), the attention (``cfg.attention``: grouped-query, or
+DeepSeek's multi-head latent attention whose cache holds the compressed latent and
+the rotated shared key, expanded by ``kv_b_proj`` every step as HF does), the MoE
+block layout (``cfg.moe_block``: default / DeepSeek shared experts / GPT-OSS biased
+clamped experts), rope style and yarn, sinks and per-layer sliding windows. Dense
+layers (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers) are part of the
+layer dimension; their capture rows are never written.
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import ForwardBatch, LayerKV, attend
+import math
+
+from .attention import ForwardBatch, LayerKV, attend, attend_cached, cached_kv, store_kv
 from .config import MoEConfig
 from .kv_cache import KVCache, KVSpec
 from .routing import make_router
@@ -41,35 +45,59 @@ GATHER_MAX_BYTES = 256 << 20  # ... and only while the gathered weight copies st
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, fp32_weight: bool = False):
         super().__init__()
         self.eps = eps
+        self.fp32_weight = fp32_weight
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_weight:  # GPT-OSS: (weight * normed).to(input dtype), the product in float32
+            return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)  # HF: weight * normed.to(input dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE tables per step: (cos, sin) [T, D] in the model dtype, rotate-half convention."""
+    """RoPE tables per step, as HF computes them: inv_freq for default / linear / yarn (transformers'
+    ``_compute_yarn_parameters``), tables multiplied by the yarn attention factor in float32.
+
+    forward -> (cos, sin) [T, R] in the model dtype (rope_style "half" / "interleave"), or
+    (freqs_cis [T, R/2] complex64, None) for "complex" (DeepSeek-V2). R = rotary dims per head."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
-        self.head_dim, self.theta, self.factor = cfg.head_dim, cfg.rope_theta, cfg.rope_factor
-        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)  # [D/2] float32
+        self.dim = cfg.rope_dim or cfg.head_dim
+        self.cfg = cfg
+        self.style = cfg.rope_style
+        self.attention_factor = cfg.rope_attention_factor
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)  # [R/2] float32
 
     def compute_inv_freq(self, device: torch.device | str | None = None) -> Tensor:
-        dim = self.head_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-        return inv_freq / self.factor  # "linear" scaling; factor 1 for "default"
+        cfg, dim, base = self.cfg, self.dim, self.cfg.rope_theta
+        if cfg.rope_type == "yarn":
+            pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+            inv_freq_extrapolation = 1.0 / pos_freqs
+            inv_freq_interpolation = 1.0 / (cfg.rope_factor * pos_freqs)
+            low, high = cfg.yarn_low, cfg.yarn_high
+            if low == high:
+                high += 0.001  # HF: prevent singularity
+            ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+            extrapolation_factor = 1 - ramp.to(device=device, dtype=torch.float)
+            return (
+                inv_freq_interpolation * (1 - extrapolation_factor) + inv_freq_extrapolation * extrapolation_factor
+            )
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+        return inv_freq / cfg.rope_factor  # "linear" scaling; factor 1 for "default"
 
-    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, R/2]
+        if self.style == "complex":
+            return torch.polar(torch.ones_like(freqs), freqs) * self.attention_factor, None
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -77,20 +105,30 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, D], cos/sin [T, D]."""
-    cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor | None, style: str = "half") -> Tensor:
+    """x [T, heads, R]; (cos, sin) [T, R] or (freqs_cis [T, R/2] complex, None) for the "complex" style."""
+    if style == "complex":  # DeepSeek-V2: consecutive pairs as complex numbers, rotated in float32
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * cos[:, None]).flatten(-2).type_as(x)
+    if style == "interleave":  # DeepSeek-V3 rope_interleave: even/odd pairs in, de-interleaved halves out
+        half = cos.shape[-1] // 2
+        cos, sin = cos[:, None, :half], sin[:, None, :half]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    cos, sin = cos[:, None], sin[:, None]  # [T, 1, R]
     return (x * cos) + (rotate_half(x) * sin)
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with optional q/k RMSNorm (per head: Qwen3; full width: OLMoE) and qkv clipping."""
+    """Grouped-query attention with optional q/k RMSNorm (per head: Qwen3; full width: OLMoE), qkv clipping,
+    and attention sinks (GPT-OSS)."""
 
     def __init__(self, cfg: MoEConfig, layer_idx: int):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
-        self.scale = D**-0.5
+        self.scale = cfg.attention_scale or D**-0.5
+        self.rope_style = cfg.rope_style
         self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
         self.clip_qkv = cfg.clip_qkv
         self.qk_norm = cfg.qk_norm
@@ -104,6 +142,7 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "full":
             self.q_norm = RMSNorm(self.num_heads * D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.num_kv_heads * D, cfg.rms_norm_eps)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if cfg.attention_sinks else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: LayerKV) -> Tensor:
         T = x.shape[0]
@@ -117,19 +156,69 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(q, k, v, cache, batch, self.scale, self.sliding_window)  # [T, Hq, D]
+        q, k = apply_rotary(q, cos, sin, self.rope_style), apply_rotary(k, cos, sin, self.rope_style)
+        out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
 
-class MLP(nn.Module):
-    """SwiGLU MLP: dense layers and the Qwen2-MoE shared expert."""
+class MLAttention(nn.Module):
+    """DeepSeek-V2/V3 multi-head latent attention (HF ``DeepseekV2Attention`` / ``DeepseekV3Attention``).
 
-    def __init__(self, hidden: int, intermediate: int):
+    The cache holds, per token, the normalised kv latent [kv_lora_rank] (as "k") and the rotated shared rope key
+    [qk_rope_head_dim] (as "v"), exactly what HF caches; every step expands the cached latents of the step's
+    sequences with ``kv_b_proj`` into per-head keys (nope part + shared rope part) and values, as HF does."""
+
+    def __init__(self, cfg: MoEConfig, layer_idx: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        H, self.num_heads = cfg.hidden_size, cfg.num_attention_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.qk_head_dim = self.nope + self.rope
+        self.scale = cfg.attention_scale or self.qk_head_dim**-0.5
+        self.rope_style = cfg.rope_style
+        bias = cfg.qkv_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)  # HF: default eps, not rms_norm_eps
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, H, bias=cfg.o_bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor | None, batch: ForwardBatch, cache: LayerKV) -> Tensor:
+        T, Hq = x.shape[0], self.num_heads
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rot = torch.split(q.view(T, Hq, self.qk_head_dim), [self.nope, self.rope], dim=-1)
+        kv_latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.rope], dim=-1)
+        kv_latent = self.kv_a_layernorm(kv_latent)  # [T, r]
+        k_rot = k_rot.view(T, 1, self.rope)  # [T, 1, R]: one rope key shared by all heads
+        q_rot, k_rot = apply_rotary(q_rot, cos, sin, self.rope_style), apply_rotary(k_rot, cos, sin, self.rope_style)
+        query = torch.cat((q_nope, q_rot), dim=-1)  # [T, Hq, nope + R]
+
+        store_kv(kv_latent[:, None], k_rot, cache, batch)
+        latent, rot = cached_kv(cache, batch)  # [B, 1, Lk, r], [B, 1, Lk, R]
+        B, Lk = latent.shape[0], latent.shape[2]
+        kv = self.kv_b_proj(latent[:, 0]).view(B, Lk, Hq, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, values = torch.split(kv, [self.nope, self.v_dim], dim=-1)  # [B, Hq, Lk, nope], [B, Hq, Lk, V]
+        keys = torch.cat((k_nope, rot.expand(B, Hq, Lk, self.rope)), dim=-1)  # [B, Hq, Lk, nope + R]
+        out = attend_cached(query, keys, values, batch, self.scale)  # [T, Hq, V]
+        return self.o_proj(out.reshape(T, Hq * self.v_dim))  # [T, H]
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: dense layers and shared experts (Qwen2-MoE, DeepSeek)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -165,12 +254,7 @@ class Experts(nn.Module):
         tok, slot = order % T, order // T  # [K*T] token index and slot of each grouped row
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync of this layer
         xs = x[tok]  # [K*T, H]
-        outs = []
-        for e, rows in enumerate(torch.split(xs, counts)):
-            if rows.shape[0] == 0:
-                continue
-            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))  # [n, H]
+        outs = [self._expert(e, rows) for e, rows in enumerate(torch.split(xs, counts)) if rows.shape[0]]
         y = (torch.cat(outs) * weights[tok, slot, None]).to(x.dtype)  # [K*T, H]; fp32 weights promote (Mixtral)
         # Back to [T, K, H] with each token's K outputs in ascending expert order, then summed in that order.
         rank = torch.argsort(torch.argsort(ids, dim=-1), dim=-1)  # [T, K] rank of each slot's expert id
@@ -178,10 +262,18 @@ class Experts(nn.Module):
         per_token[tok, rank[tok, slot]] = y
         return self._sum_in_order(per_token)
 
-    def _forward_gather(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    def _expert(self, e: int, rows: Tensor) -> Tensor:
+        """Expert e on its rows [n, H] -> [n, H] (HF's per-expert loop body, before the routing weight)."""
+        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, H]
+
+    def _gathered(self, x: Tensor, ids: Tensor) -> Tensor:
+        """All experts of each token from gathered weights: x [T, H], ids [T, K] -> [T, K, H]."""
         gate, up = torch.einsum("th,tkoh->tko", x, self.gate_up_proj[ids]).chunk(2, dim=-1)  # [T, K, I] each
-        y = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, self.down_proj[ids])  # [T, K, H]
-        y = (y * weights[..., None]).to(x.dtype)
+        return torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, self.down_proj[ids])  # [T, K, H]
+
+    def _forward_gather(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        y = (self._gathered(x, ids) * weights[..., None]).to(x.dtype)
         order = torch.argsort(ids, dim=-1)  # [T, K] slots in ascending expert order
         return self._sum_in_order(y.gather(1, order[..., None].expand_as(y)))
 
@@ -194,6 +286,36 @@ class Experts(nn.Module):
         for j in range(per_token.shape[1]):
             out = out + per_token[:, j]
         return out
+
+
+class GptOssExperts(Experts):
+    """GPT-OSS experts (HF ``GptOssExperts``): gate_up_proj [E, H, 2I] (transposed, gate/up interleaved: even
+    columns gate, odd columns up), gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H];
+    ``gate = gate.clamp(max=limit)``, ``up = up.clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+
+    def __init__(self, cfg: MoEConfig):
+        nn.Module.__init__(self)
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts = E
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+        self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I), requires_grad=False)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, I, H), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
+
+    def _act(self, gate_up: Tensor) -> Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def _expert(self, e: int, rows: Tensor) -> Tensor:
+        gate_up = rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I] (matmul, then bias: as HF)
+        return self._act(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, H]
+
+    def _gathered(self, x: Tensor, ids: Tensor) -> Tensor:
+        gate_up = torch.einsum("th,tkho->tko", x, self.gate_up_proj[ids]) + self.gate_up_proj_bias[ids]
+        return torch.einsum("tki,tkih->tkh", self._act(gate_up), self.down_proj[ids]) + self.down_proj_bias[ids]
 
 
 class MoEBlock(nn.Module):
@@ -219,14 +341,57 @@ class MoEBlock(nn.Module):
         return out
 
 
+class DeepseekMoE(nn.Module):
+    """DeepSeek-V2/V3 (HF ``DeepseekV2Moe`` / ``DeepseekV3MoE``): fp32 router -> routed experts (fp32 weights,
+    outputs cast to the model dtype) + ungated shared experts."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.gate = make_router(cfg)
+        self.experts = Experts(cfg)
+        width = cfg.shared_expert_intermediate_size
+        self.shared_experts = MLP(cfg.hidden_size, width, bias=cfg.mlp_bias) if width else None
+
+    def forward(self, x: Tensor, capture: Tensor | None = None) -> Tensor:
+        ids, weights = self.gate(x)  # [T, K] int64 (unsorted slots, as HF's topk(sorted=False)), [T, K] fp32
+        if capture is not None:
+            capture.copy_(ids)
+        out = self.experts(x, ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class GptOssMoE(nn.Module):
+    """GPT-OSS (HF ``GptOssMLP``): biased router, top-k then softmax in the model dtype -> biased clamped experts."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.router = make_router(cfg)
+        self.experts = GptOssExperts(cfg)
+
+    def forward(self, x: Tensor, capture: Tensor | None = None) -> Tensor:
+        ids, weights = self.router(x)  # [T, K] sorted descending, [T, K] model dtype
+        if capture is not None:
+            capture.copy_(ids)
+        return self.experts(x, ids, weights)
+
+
+MOE_BLOCKS: dict[str, type[nn.Module]] = {"default": MoEBlock, "deepseek": DeepseekMoE, "gpt_oss": GptOssMoE}
+ATTENTIONS: dict[str, type[nn.Module]] = {"gqa": Attention, "mla": MLAttention}
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: MoEConfig, layer_idx: int):
         super().__init__()
         self.is_moe = layer_idx in cfg.moe_layers
-        self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MoEBlock(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = ATTENTIONS[cfg.attention](cfg, layer_idx)
+        if self.is_moe:
+            self.mlp = MOE_BLOCKS[cfg.moe_block](cfg)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: LayerKV, capture: Tensor | None
@@ -241,7 +406,7 @@ class MoEModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
         self.rotary_emb = RotaryEmbedding(cfg)
 
 
@@ -271,7 +436,20 @@ class MoEForCausalLM(nn.Module):
 
     def kv_layout(self) -> list[KVSpec]:
         cfg = self.config
+        if cfg.attention == "mla":  # compressed latent ("k") + shared rotated rope key ("v"), one "head"
+            return [KVSpec(1, cfg.kv_lora_rank, cfg.qk_rope_head_dim) for _ in range(cfg.num_hidden_layers)]
         return [KVSpec(cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+
+    def param_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """dtype a parameter is loaded in when the model runs in ``dtype`` (HF's keep-in-fp32 rules):
+        DeepSeek's router weight and e_score_correction_bias always float32 (``_keep_in_fp32_modules_strict``);
+        GPT-OSS norms float32 when the model runs in float16 (``_keep_in_fp32_modules``)."""
+        cfg = self.config
+        if cfg.router_fp32 and (name.endswith(".mlp.gate.weight") or name.endswith(".e_score_correction_bias")):
+            return torch.float32
+        if cfg.norm_fp32_weight and dtype == torch.float16 and name.endswith("norm.weight"):
+            return torch.float32
+        return dtype
 
     def forward(
         self,
@@ -282,7 +460,7 @@ class MoEForCausalLM(nn.Module):
     ) -> Tensor:  # [T, H] final hidden states (after the final norm)
         T = input_ids.shape[0]
         x = self.model.embed_tokens(input_ids)  # [T, H]
-        cos, sin = self.model.rotary_emb(batch.positions, x.dtype)  # [T, D] each, shared by all layers
+        cos, sin = self.model.rotary_emb(batch.positions, x.dtype)  # [T, R] each (complex style: [T, R/2], None)
         for i, layer in enumerate(self.model.layers):
             layer_capture = capture[:T, i] if capture is not None and layer.is_moe else None  # [T, K]
             x = layer(x, cos, sin, batch, kv[i], layer_capture)

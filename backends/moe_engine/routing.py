@@ -13,9 +13,14 @@ A router returns ``ids`` [T, K] (int64, slot order of the reference) and
 ``weights`` [T, K]; the MoE block captures ``ids`` right here, before anything
 else uses them, so the captured ids are exactly the ids the forward uses.
 
-Adding an architecture: subclass ``Router`` (DeepSeek-V2 grouped top-k with fp32
-logits, DeepSeek-V3 sigmoid + e_score_correction_bias, GPT-OSS bias + top-k then
-softmax), register it in ``ROUTERS`` and set ``MoEConfig.router`` in config.py.
+DeepSeek-V2/V3 compute logits in float32 from a float32 gate weight and use
+``topk(sorted=False)``: their slot order is whatever that top-k returns (the
+reference defines none); the ids captured are still exactly those used below.
+GPT-OSS takes the top-k of its biased logits in the model dtype, then a softmax
+over those k values in the model dtype.
+
+Adding an architecture: subclass ``Router``, register it in ``ROUTERS`` and set
+``MoEConfig.router`` in config.py.
 """
 from __future__ import annotations
 
@@ -62,8 +67,84 @@ class SoftmaxTopKRouter(Router):
         return ids, weights
 
 
+def _group_mask(group_scores: torch.Tensor, topk_group: int, experts_per_group: int) -> torch.Tensor:
+    """[T, G] group scores -> [T, E] bool mask of the experts in each token's topk_group best groups (HF)."""
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    G = group_scores.shape[-1]
+    return group_mask.unsqueeze(-1).expand(-1, G, experts_per_group).reshape(-1, G * experts_per_group).bool()
+
+
+class DeepseekV2Router(Router):
+    """HF ``DeepseekV2TopkRouter``: fp32 logits, softmax, greedy or group_limited_greedy top-k (unsorted),
+    weights (fp32) times routed_scaling_factor. norm_topk_prob is ignored, as HF does."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__(cfg)
+        self.topk_method = cfg.topk_method
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())  # [T, E] float32
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if self.topk_method == "group_limited_greedy":
+            E, G = self.num_experts, self.n_group
+            group_scores = scores.view(-1, G, E // G).max(dim=-1).values  # [T, G]
+            scores = scores.masked_fill(~_group_mask(group_scores, self.topk_group, E // G), 0.0)
+        weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        return ids, weights * self.routed_scaling_factor
+
+
+class DeepseekV3Router(Router):
+    """HF ``DeepseekV3TopkRouter``: fp32 logits, sigmoid; e_score_correction_bias (fp32) is added for choosing
+    groups (sum of each group's top-2) and experts only; weights are the unbiased sigmoid scores, renormalised
+    if norm_topk_prob (+1e-20), times routed_scaling_factor."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__(cfg)
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        E, G = self.num_experts, self.n_group
+        logits = F.linear(x.float(), self.weight.float())  # [T, E] float32
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias  # [T, E] float32
+        group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        choice = choice.masked_fill(~_group_mask(group_scores, self.topk_group, E // G), float("-inf"))
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, K]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.routed_scaling_factor
+
+
+class GptOssRouter(Router):
+    """HF ``GptOssTopKRouter``: logits = linear(x, W, b) in the model dtype, top-k (sorted), then softmax over
+    the k values in the model dtype."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__(cfg)
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, K], sorted descending
+        return ids, torch.softmax(top, dim=1, dtype=top.dtype)
+
+
 ROUTERS: dict[str, type[Router]] = {
     "softmax_topk": SoftmaxTopKRouter,
+    "deepseek_v2": DeepseekV2Router,
+    "deepseek_v3": DeepseekV3Router,
+    "gpt_oss": GptOssRouter,
 }
 
 
