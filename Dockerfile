@@ -4,6 +4,12 @@
 #   docker run --gpus all --shm-size=1g -p 9000:9000 moe-serve                      # tiny model
 #   docker run --gpus all --shm-size=1g -v /path/to/ckpt:/models/x:ro -p 9000:9000 moe-serve --model /models/x
 #
+# --shm-size: Triton's python backend moves every tensor through /dev/shm, starting with a
+# 64 MiB region per model (MOE_SERVE_TRITON_SHM_MB) that grows in 64 MiB steps; Docker's
+# default /dev/shm is 64 MiB in all. The image writes only under /tmp (moe-serve's run
+# directory, which holds a copy of the python backend library): with --read-only, add
+# --tmpfs /tmp:exec (Docker mounts a plain --tmpfs noexec, and the library must be mapped).
+#
 # Needs BuildKit (RUN --mount): DOCKER_BUILDKIT=1 with Docker >= 20.10, or docker buildx.
 # There is deliberately no "# syntax=" line, so no frontend image has to be pulled.
 #
