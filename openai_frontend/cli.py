@@ -20,6 +20,7 @@ from moe_engine.config import UnsupportedModelError, load_config
 
 from .triton_server import (
     DEFAULT_MODEL_REPOSITORY,
+    DEFAULT_MOE_BACKEND,
     TritonError,
     TritonPorts,
     TritonServer,
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--triton-host", default="127.0.0.1", help="tritonserver bind address (0.0.0.0 to expose it)")
     add("--tritonserver", default=None, help="tritonserver binary (default: PATH, else the pytriton wheel's)")
     add("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY), help="Triton model repository")
+    add("--moe-backend", default=str(DEFAULT_MOE_BACKEND), help="directory of the moe backend's model.py")
+    add("--run-dir", default=None, help="where the Triton backend directory is assembled (must allow exec)")
     add("--triton-shm-mb", type=int, default=64, help="python backend shared memory per model (MiB)")
     add("--num-threads", type=int, default=None, help="torch CPU threads in the engine")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -150,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             binary=args.tritonserver,
             shm_bytes=args.triton_shm_mb * 2**20,
             host=args.triton_host,
+            moe_backend=Path(args.moe_backend),
+            run_dir=args.run_dir,
         )
     except TritonError as exc:
         print(f"moe-serve: error: {exc}", file=sys.stderr)

@@ -71,7 +71,11 @@ def assemble_backends(paths: TritonPaths, run_dir: Path, moe_backend: Path = DEF
     py = backends / "python"
     py.mkdir(parents=True, exist_ok=True)
     for f in paths.python_backend.iterdir():
-        if f.name != "__pycache__":
+        if f.name == "__pycache__":
+            continue
+        if f.is_dir():
+            shutil.copytree(f, py / f.name)
+        else:
             shutil.copy2(f, py / f.name)
     if paths.stub is not None:
         shutil.copy2(paths.stub, py / "triton_python_backend_stub")
@@ -97,6 +101,8 @@ class TritonServer:
         shm_bytes: int = 64 * 2**20,
         log_verbose: int = 0,
         host: str = "127.0.0.1",
+        moe_backend: Path = DEFAULT_MOE_BACKEND,
+        run_dir: str | None = None,
     ):
         self.model_repository = Path(model_repository)
         self.ports = ports or TritonPorts()
@@ -104,7 +110,9 @@ class TritonServer:
         self.shm_bytes = shm_bytes
         self.log_verbose = log_verbose
         self.host = host
-        self.run_dir = Path(tempfile.mkdtemp(prefix="moe-serve-"))
+        self.moe_backend = Path(moe_backend)
+        # Holds a copy of libtriton_python.so: the directory must allow exec (not a noexec tmpfs).
+        self.run_dir = Path(tempfile.mkdtemp(prefix="moe-serve-", dir=run_dir))
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -116,7 +124,7 @@ class TritonServer:
         return f"127.0.0.1:{self.ports.grpc}"
 
     def command(self) -> list[str]:
-        backends = assemble_backends(self.paths, self.run_dir)
+        backends = assemble_backends(self.paths, self.run_dir, self.moe_backend)
         # A distinct shm prefix per server lets several run on one host (tests, benchmarks).
         prefix = f"moe_serve_{os.getpid()}_{self.ports.grpc}_"
         cmd = [
