@@ -41,53 +41,55 @@ _COMMON = dict(
 )
 
 
-def hf_config(arch: str):
-    from transformers import (
-        DeepseekV2Config, DeepseekV3Config, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig,
-    )
+_YARN_V3 = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+            "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
 
-    if arch == "mixtral":
-        return MixtralConfig(
-            **_COMMON, num_hidden_layers=3, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
-            sliding_window=16,
-        )
-    if arch == "qwen2_moe":
-        return Qwen2MoeConfig(
-            **_COMMON, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
-            shared_expert_intermediate_size=32, num_experts=60, num_experts_per_tok=4, mlp_only_layers=[1],
-            norm_topk_prob=False,
-        )
-    if arch == "qwen3_moe":
-        return Qwen3MoeConfig(
-            **_COMMON, num_hidden_layers=4, head_dim=32, intermediate_size=48, moe_intermediate_size=16,
-            num_experts=16, num_experts_per_tok=4, decoder_sparse_step=2, norm_topk_prob=True,
-        )
-    if arch == "olmoe":
-        return OlmoeConfig(
-            **_COMMON, num_hidden_layers=2, intermediate_size=16, num_experts=64, num_experts_per_tok=8,
-            clip_qkv=0.3, tie_word_embeddings=True,
-        )
-    if arch == "deepseek_v2":
-        return DeepseekV2Config(
-            **{**_COMMON, **_MLA}, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
-            n_routed_experts=16, n_shared_experts=2, num_experts_per_tok=4, first_k_dense_replace=1,
-            topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0, q_lora_rank=None,
-        )
-    if arch == "deepseek_v3":
-        return DeepseekV3Config(
-            **{**_COMMON, **_MLA}, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
-            n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, first_k_dense_replace=1,
-            n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=24,
-            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                             "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1,
-                             "rope_theta": 10000.0},
-        )
-    if arch == "gpt_oss":
-        return GptOssConfig(
-            **_COMMON, head_dim=16, num_hidden_layers=3, intermediate_size=32, num_local_experts=8,
-            num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.1,
-        )
-    raise ValueError(arch)
+# arch -> (transformers config class name, kwargs)
+_CONFIGS: dict[str, tuple[str, dict]] = {
+    "mixtral": ("MixtralConfig", dict(
+        **_COMMON, num_hidden_layers=3, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=16,
+    )),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        **_COMMON, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32, num_experts=60, num_experts_per_tok=4, mlp_only_layers=[1],
+        norm_topk_prob=False,
+    )),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        **_COMMON, num_hidden_layers=4, head_dim=32, intermediate_size=48, moe_intermediate_size=16,
+        num_experts=16, num_experts_per_tok=4, decoder_sparse_step=2, norm_topk_prob=True,
+    )),
+    "olmoe": ("OlmoeConfig", dict(
+        **_COMMON, num_hidden_layers=2, intermediate_size=16, num_experts=64, num_experts_per_tok=8,
+        clip_qkv=0.3, tie_word_embeddings=True,
+    )),
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        **{**_COMMON, **_MLA}, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
+        n_routed_experts=16, n_shared_experts=2, num_experts_per_tok=4, first_k_dense_replace=1,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0, q_lora_rank=None,
+    )),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        **{**_COMMON, **_MLA}, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
+        n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, first_k_dense_replace=1,
+        n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=24,
+        rope_parameters=_YARN_V3,
+    )),
+    "gpt_oss": ("GptOssConfig", dict(
+        **_COMMON, head_dim=16, num_hidden_layers=3, intermediate_size=32, num_local_experts=8,
+        num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.1,
+    )),
+}
+
+
+def hf_config(arch: str, **overrides):
+    """The tiny transformers config of ``arch`` (``overrides`` replace / add keyword arguments)."""
+    import transformers
+
+    if arch not in _CONFIGS:
+        raise ValueError(arch)
+    cls_name, kwargs = _CONFIGS[arch]
+    kwargs = {k: (dict(v) if isinstance(v, dict) else v) for k, v in kwargs.items()}  # configs mutate dicts
+    return getattr(transformers, cls_name)(**{**kwargs, **overrides})
 
 
 def hf_default_attn(arch: str) -> str:
@@ -97,22 +99,23 @@ def hf_default_attn(arch: str) -> str:
 
 @torch.no_grad()
 def _randomize_zero_inits(model, seed: int) -> None:
-    """Parameters HF initialises to zero get random values, so that they matter in the comparison:
-    DeepSeek-V3's e_score_correction_bias, GPT-OSS expert biases."""
+    """DeepSeek / GPT-OSS: parameters HF initialises to zero get random values, so that they matter in the
+    comparison: DeepSeek-V3's e_score_correction_bias, GPT-OSS expert biases, and every (zero-initialised)
+    Linear bias (GPT-OSS attention, DeepSeek attention_bias / mlp_bias variants)."""
+    if model.config.model_type not in NEW_ARCHS:
+        return
     g = torch.Generator().manual_seed(seed + 1000)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.endswith("e_score_correction_bias"):
-            t.copy_(torch.randn(t.shape, generator=g) * 0.05)
-        elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+        if name.endswith("bias") and not t.any():
             t.copy_(torch.randn(t.shape, generator=g) * 0.05)
 
 
-def make_hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+def make_hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """A random HF model (transformers' own init), eager attention and experts."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = hf_config(arch)
+    cfg = hf_config(arch, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
     _randomize_zero_inits(model, seed)
     return model.to(dtype).eval()
@@ -163,3 +166,58 @@ def hf_forward_with_routing(model, input_ids: torch.Tensor) -> tuple[torch.Tenso
         for h in hooks:
             h.remove()
     return logits, routed
+
+
+# ----------------------------------------------------------------------------- MXFP4 (GPT-OSS)
+
+MXFP4_QUANT_CONFIG = {  # as in openai/gpt-oss-20b's config.json
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+}
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of transformers' MXFP4 dequantisation: w [E, R, C] (C, the reduction dim, a multiple of 32) ->
+    blocks uint8 [E, R, C/32, 16] (low nibble = even column), scales uint8 [E, R, C/32] (exponent + 127).
+    Each group of 32 gets the power-of-two scale that fits its max |w| into 6, values round to the nearest
+    FP4 (e2m1) value."""
+    from moe_engine.checkpoint import FP4_VALUES
+
+    E, R, C = w.shape
+    groups = w.float().reshape(E, R, C // 32, 32)
+    amax = groups.abs().amax(-1)
+    exp = torch.ceil(torch.log2(torch.clamp(amax, min=2.0**-126) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exp)[..., None]
+    idx = (scaled[..., None] - torch.tensor(FP4_VALUES)).abs().argmin(-1)
+    blocks = (idx[..., 0::2] | (idx[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def save_gpt_oss_mxfp4(model, out: Path) -> Path:
+    """save_pretrained, then rewrite the experts as the Hub stores gpt-oss: ``*_blocks`` / ``*_scales`` of the
+    [E, out, in] (transposed) weights, with the mxfp4 quantization_config."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(out)
+    out = Path(out)
+    tensors = load_file(out / "model.safetensors")
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(tensors.pop(key).transpose(1, 2))
+        tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = MXFP4_QUANT_CONFIG
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def load_hf_mxfp4(path: Path, dtype: torch.dtype = torch.float32):
+    """HF's own MXFP4 path on CPU: dequantise at load (integrations/mxfp4.py)."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, quantization_config=Mxfp4Config(dequantize=True), attn_implementation="eager",
+        experts_implementation="eager",
+    ).eval()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -26,7 +27,9 @@ def hf_written(arch, tmp_path) -> dict:
 
 
 def test_supported_list():
-    assert SUPPORTED_ARCHITECTURES == ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+    assert SUPPORTED_ARCHITECTURES == (
+        "deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe",
+    )
     assert set(ARCHS) == set(SUPPORTED_ARCHITECTURES)
 
 
@@ -36,6 +39,9 @@ def test_metadata_and_moe_layers_from_transformers_configs(tmp_path):
         "qwen2_moe": ((0, 2), 60, 4, 16),  # mlp_only_layers=[1]
         "qwen3_moe": ((1, 3), 16, 4, 32),  # decoder_sparse_step=2; explicit head_dim
         "olmoe": ((0, 1), 64, 8, 16),
+        "deepseek_v2": ((1, 2), 16, 4, 24),  # first_k_dense_replace=1; head_dim = qk_nope + qk_rope
+        "deepseek_v3": ((1, 2), 16, 4, 24),
+        "gpt_oss": ((0, 1, 2), 8, 2, 16),
     }
     for arch, (moe_layers, E, K, D) in expect.items():
         d = tmp_path / arch
@@ -92,6 +98,108 @@ def test_legacy_hub_keys():
     assert qwen2.sliding_windows == (8, None)
 
 
+def test_deepseek_and_gpt_oss_fields(tmp_path):
+    cfgs = {}
+    for arch in ("deepseek_v2", "deepseek_v3", "gpt_oss"):
+        (tmp_path / arch).mkdir()
+        cfgs[arch] = config_from_dict(hf_written(arch, tmp_path / arch))
+    v2, v3, go = cfgs["deepseek_v2"], cfgs["deepseek_v3"], cfgs["gpt_oss"]
+    for c in (v2, v3):
+        assert c.attention == "mla" and c.kv_lora_rank == 32 and (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (16, 8, 16)
+        assert c.dense_layers == (0,) and c.intermediate_size == 48 and c.moe_block == "deepseek" and c.router_fp32
+        assert c.num_key_value_heads == c.num_attention_heads and (c.n_group, c.topk_group) == (4, 2)
+    assert v2.q_lora_rank is None and v2.rope_style == "complex" and v2.router == "deepseek_v2"
+    assert v2.topk_method == "group_limited_greedy" and v2.routed_scaling_factor == 2.0 and not v2.norm_topk_prob
+    assert v2.shared_expert_intermediate_size == 32 and v2.rope_type == "default" and v2.attention_scale == 24**-0.5
+    assert v3.q_lora_rank == 24 and v3.rope_style == "interleave" and v3.router == "deepseek_v3" and v3.norm_topk_prob
+    assert v3.routed_scaling_factor == 2.5 and v3.shared_expert_intermediate_size == 16 and v3.rope_type == "yarn"
+    assert v3.attention_scale > 24**-0.5 and v3.rope_attention_factor > 1  # mscale_all_dim / mscale at work
+    assert go.router == "gpt_oss" and go.moe_block == "gpt_oss" and go.attention_sinks and go.norm_fp32_weight
+    assert go.sliding_windows == (8, None, 8) and go.qkv_bias and go.o_bias and go.swiglu_limit == 0.1
+    assert go.rope_type == "yarn" and go.rope_factor == 32.0 and go.rope_theta == 150000.0 and go.expert_quant == "none"
+
+
+# Hub config.json files of the real checkpoints (as published; values abridged to what the engine reads).
+DEEPSEEK_V2_LITE = {
+    "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "n_shared_experts": 2, "n_routed_experts": 64, "routed_scaling_factor": 1.0, "kv_lora_rank": 512,
+    "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "greedy",
+    "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1,
+    "norm_topk_prob": False, "scoring_func": "softmax", "hidden_act": "silu", "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000, "torch_dtype": "bfloat16", "bos_token_id": 100000,
+    "eos_token_id": 100001, "tie_word_embeddings": False, "attention_bias": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-06,
+    "rope_theta": 10000, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+}
+GPT_OSS_20B = {
+    "model_type": "gpt_oss", "attention_bias": True, "eos_token_id": 200002, "experts_per_token": 4,
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "pad_token_id": 199999, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "vocab_size": 201088,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+}
+
+
+def test_real_hub_configs():
+    v2 = config_from_dict(DEEPSEEK_V2_LITE)
+    assert v2.moe_layers == tuple(range(1, 27)) and v2.dense_layers == (0,)  # 27 layers, 26 MoE
+    assert (v2.num_experts, v2.num_experts_per_tok, v2.topk_method) == (64, 6, "greedy")
+    assert v2.head_dim == 192 and v2.q_lora_rank is None and v2.shared_expert_intermediate_size == 2816
+    assert v2.rope_type == "yarn" and v2.rope_factor == 40 and v2.rope_dim == 64
+    mscale = 0.1 * 0.707 * math.log(40) + 1.0
+    assert v2.attention_scale == pytest.approx(192**-0.5 * mscale * mscale, rel=1e-12)
+    assert v2.rope_attention_factor == 1.0  # mscale == mscale_all_dim
+    assert v2.metadata()["moe_layers"] == list(range(1, 27)) and v2.metadata()["num_hidden_layers"] == 27
+
+    with pytest.raises(UnsupportedModelError, match=r"deepseek_v3: quantized checkpoints \(fp8\)"):
+        config_from_dict(DEEPSEEK_V3)
+    v3 = config_from_dict({k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"})  # a bf16 conversion
+    assert v3.moe_layers == tuple(range(3, 61)) and len(v3.moe_layers) == 58 and v3.routed_experts_dtype == "uint8"
+    assert (v3.num_experts, v3.n_group, v3.topk_group, v3.routed_scaling_factor) == (256, 8, 4, 2.5)
+    assert v3.router == "deepseek_v3" and v3.q_lora_rank == 1536 and v3.rope_style == "interleave"
+
+    go = config_from_dict(GPT_OSS_20B)
+    assert go.expert_quant == "mxfp4" and go.moe_layers == tuple(range(24)) and go.num_experts == 32
+    assert go.sliding_windows == (128, None) * 12 and go.head_dim == 64 and go.num_key_value_heads == 8
+    assert go.rope_attention_factor == pytest.approx(0.1 * math.log(32) + 1.0)
+
+
+def test_deepseek_and_gpt_oss_errors():
+    with pytest.raises(UnsupportedModelError, match="topk_method 'noaux_tc' is not supported"):
+        config_from_dict({**DEEPSEEK_V2_LITE, "topk_method": "noaux_tc"})
+    with pytest.raises(UnsupportedModelError, match="moe_layer_freq=2"):
+        config_from_dict({**DEEPSEEK_V2_LITE, "moe_layer_freq": 2})
+    with pytest.raises(UnsupportedModelError, match="multiple of n_group"):
+        config_from_dict({**DEEPSEEK_V2_LITE, "topk_method": "group_limited_greedy", "n_group": 5, "topk_group": 2})
+    with pytest.raises(UnsupportedModelError, match="rope type 'longrope'"):
+        config_from_dict({**DEEPSEEK_V2_LITE, "rope_scaling": {"type": "longrope", "factor": 2.0}})
+    with pytest.raises(UnsupportedModelError, match=r"gpt_oss: quantized checkpoints \(bitsandbytes\)"):
+        config_from_dict({**GPT_OSS_20B, "quantization_config": {"quant_method": "bitsandbytes"}})
+    with pytest.raises(UnsupportedModelError, match="layer_types"):
+        config_from_dict({**GPT_OSS_20B, "layer_types": ["chunked_attention"] * 24})
+
+
 def test_generation_config_eos_merged(tmp_path):
     raw = json.loads(json.dumps(hf_config("mixtral").to_dict()))
     cfg = load_config(write(tmp_path, raw, gen={"eos_token_id": [2, 7]}))
@@ -104,10 +212,10 @@ def test_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_config(tmp_path)
     llama = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 10}
-    with pytest.raises(UnsupportedModelError, match=r"'llama' is not a Mixture-of-Experts model; supported MoE architectures: mixtral, olmoe, qwen2_moe, qwen3_moe"):
+    with pytest.raises(UnsupportedModelError, match=r"'llama' is not a Mixture-of-Experts model; supported MoE architectures: deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe"):
         load_config(write(tmp_path, llama))
-    with pytest.raises(UnsupportedModelError, match=r"model_type 'deepseek_v3' is not supported; supported MoE architectures: mixtral, olmoe, qwen2_moe, qwen3_moe"):
-        config_from_dict({**llama, "model_type": "deepseek_v3"})
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'llama4_text' is not supported; supported MoE architectures: deepseek_v2, "):
+        config_from_dict({**llama, "model_type": "llama4_text"})
     base = hf_config("qwen2_moe").to_dict()
     with pytest.raises(UnsupportedModelError, match="no MoE layers"):
         config_from_dict({**base, "num_experts": 0})

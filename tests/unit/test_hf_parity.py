@@ -5,13 +5,19 @@ fixed seed) and written with ``save_pretrained``; the engine loads the files, HF
 files, and both run the same token ids. HF's expert ids come from forward hooks on HF's router
 modules, never from engine code.
 
-- float32: logits match HF eager to 1e-5 and the routed ids agree for 100% of (token, layer),
-  in HF's slot order, including a two-sequence varlen batch;
+- float32: logits match HF eager to 1e-5 and the routed id sets agree for 100% of (token, layer),
+  including a two-sequence varlen batch; in HF's slot order too where HF defines one (topk sorted=True;
+  DeepSeek's topk(sorted=False) defines none, so there only the sets are asserted);
 - greedy generation (prefill then 1-token decode steps over the KV cache) equals HF ``generate``,
   and the ids captured during decode equal those HF's routers chose during generate;
 - bfloat16: per-layer agreement of the routed id sets, printed (``pytest -s``) and recorded;
-  against HF's default attention (sdpa) the engine is bit-exact, against HF eager attention the
-  bf16 rounding of the attention kernel flips near-tied routers (reported, bounded).
+  against HF's default attention (sdpa; eager for GPT-OSS, which has no sdpa path) the engine is
+  bit-exact, against HF eager attention the bf16 rounding of the attention kernel flips near-tied
+  routers (reported, bounded).
+
+DeepSeek-V2/V3 and GPT-OSS checkpoints cover dense first layers (capture rows stay 0), grouped routing
+with several groups, a non-zero e_score_correction_bias, MLA with and without q_lora_rank, yarn,
+sinks and sliding windows (hf_checkpoints.py lists what each tiny config exercises).
 """
 from __future__ import annotations
 
@@ -23,7 +29,17 @@ from moe_engine.checkpoint import load_model
 from moe_engine.kv_cache import KVCache
 from moe_engine.model import reference_forward
 
-from .hf_checkpoints import ARCHS, hf_forward_with_routing, hf_router_modules, load_hf, make_hf_model, save_hf_checkpoint
+from .hf_checkpoints import (
+    ARCHS,
+    hf_default_attn,
+    hf_forward_with_routing,
+    hf_router_modules,
+    load_hf,
+    make_hf_model,
+    save_hf_checkpoint,
+)
+
+UNSORTED_SLOTS = ("deepseek_v2", "deepseek_v3")  # HF topk(sorted=False): no reference slot order
 
 VOCAB_LO, VOCAB_HI = 3, 256  # random prompt ids avoid pad/bos/eos
 
@@ -92,7 +108,8 @@ def test_float32_logits_and_routing_match_hf(arch, checkpoints, record_property)
     record_property("float32_set_agreement", agree / total)
     print(f"\n[{arch}] float32: routed-id sets agree {agree}/{total}, slot order agrees {ordered}/{total}")
     assert agree == total
-    assert ordered == total  # HF's slot order (topk sorted descending) too
+    if arch not in UNSORTED_SLOTS:
+        assert ordered == total  # HF's slot order (topk sorted descending) too
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -139,10 +156,14 @@ def test_greedy_generation_matches_hf(arch, checkpoints):
         assert torch.equal(capture[:, layer].long().sort(-1).values, ref.sort(-1).values), f"layer {layer}"
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["default", "eager"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bfloat16_routing_agreement(arch, attn, checkpoints, record_property):
     """bf16 checkpoint, loaded in bf16 on both sides ("auto" = the checkpoint's dtype)."""
+    if attn == "default":
+        attn = hf_default_attn(arch)
+    elif hf_default_attn(arch) == "eager":
+        pytest.skip(f"{arch}: HF's default attention is eager already")
     path = checkpoints(arch, torch.bfloat16)
     hf = load_hf(path, torch.bfloat16, attn_implementation=attn)
     model = load_model(path, dtype="auto", progress=False)
@@ -160,7 +181,7 @@ def test_bfloat16_routing_agreement(arch, attn, checkpoints, record_property):
     record_property("bf16_agreement_per_layer", agreement)
     print(f"\n[{arch}] bf16 vs HF {attn}: per-layer routed-set agreement "
           + ", ".join(f"L{l}={a:.2%}" for l, a in agreement.items()) + f" ({B * T} tokens each)")
-    if attn == "sdpa":
+    if attn == hf_default_attn(arch):
         # Same attention kernel as HF's default: everything else follows HF op by op.
         assert min(agreement.values()) >= 0.99, agreement
     else:
@@ -170,10 +191,10 @@ def test_bfloat16_routing_agreement(arch, attn, checkpoints, record_property):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bfloat16_bit_exact_with_hf_sdpa(arch, checkpoints):
-    """With HF's default attention (sdpa), CPU bf16 logits and routed ids (slot order) are identical."""
+def test_bfloat16_bit_exact_with_hf_default_attention(arch, checkpoints):
+    """With HF's default attention (sdpa; GPT-OSS: eager), CPU bf16 logits and routed ids (slot order) are identical."""
     path = checkpoints(arch, torch.bfloat16)
-    hf = load_hf(path, torch.bfloat16, attn_implementation="sdpa")
+    hf = load_hf(path, torch.bfloat16, attn_implementation=hf_default_attn(arch))
     model = load_model(path, progress=False)
     ids = random_ids(48, seed=5)
     hf_logits, hf_routed = hf_forward_with_routing(hf, torch.tensor([ids]))
