@@ -9,6 +9,11 @@ PIP := $(BIN)/pip --disable-pip-version-check
 STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
+# make loadtest: USERS (a number, or a comma list for a concurrency scan), DURATION per user count,
+# LOADTEST_ARGS (more run_loadtest.py flags, e.g. "--model tiny --report-dir loadtest/reports").
+USERS ?= 32
+DURATION ?= 60s
+LOADTEST_ARGS ?=
 
 .PHONY: serve test venv loadtest bench clean-venv
 
@@ -28,6 +33,10 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+
+# Starts moe-serve, runs locust headless, scrapes /metrics, plots; results in loadtest/results/<timestamp>/.
+loadtest: $(STAMP)
+	$(BIN)/python loadtest/run_loadtest.py --users $(USERS) --duration $(DURATION) $(LOADTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
