@@ -101,13 +101,17 @@ def hf_default_attn(arch: str) -> str:
 def _randomize_zero_inits(model, seed: int) -> None:
     """DeepSeek / GPT-OSS: parameters HF initialises to zero get random values, so that they matter in the
     comparison: DeepSeek-V3's e_score_correction_bias, GPT-OSS expert biases, and every (zero-initialised)
-    Linear bias (GPT-OSS attention, DeepSeek attention_bias / mlp_bias variants)."""
+    Linear bias (GPT-OSS attention, DeepSeek attention_bias / mlp_bias variants); RMSNorm weights (all ones
+    at init) get 1 + noise, so that the norm's dtype pipeline (GPT-OSS multiplies the weight in float32)
+    shows."""
     if model.config.model_type not in NEW_ARCHS:
         return
     g = torch.Generator().manual_seed(seed + 1000)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.endswith("bias") and not t.any():
             t.copy_(torch.randn(t.shape, generator=g) * 0.05)
+        elif name.endswith("norm.weight") and bool((t == 1).all()):
+            t.copy_(1 + torch.randn(t.shape, generator=g) * 0.1)
 
 
 def make_hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
