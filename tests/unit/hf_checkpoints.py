@@ -225,3 +225,22 @@ def load_hf_mxfp4(path: Path, dtype: torch.dtype = torch.float32):
         path, dtype=dtype, quantization_config=Mxfp4Config(dequantize=True), attn_implementation="eager",
         experts_implementation="eager",
     ).eval()
+
+
+# ----------------------------------------------------------------------------- servable checkpoints
+
+
+def write_servable_checkpoint(arch: str, out: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """A tiny random ``arch`` checkpoint written by transformers, plus the embedded tiny model's tokenizer
+    (tokenizer.json, tokenizer_config.json with a chat template), so that ``moe-serve --model <out>`` serves
+    it. The vocabulary (512) matches that tokenizer."""
+    import shutil
+
+    from moe_engine.tiny import ensure_tiny_checkpoint
+
+    tok_dir = ensure_tiny_checkpoint()
+    overrides = {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **overrides}
+    out = save_hf_checkpoint(make_hf_model(arch, seed=seed, dtype=dtype, **overrides), Path(out))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tok_dir / name, out / name)
+    return out
