@@ -107,7 +107,7 @@ class MoEConfig:
     router_weights_fp32: bool = False  # Mixtral keeps top-k weights fp32; Qwen/OLMoE cast to the logits' dtype
     router_bias: bool = False  # GPT-OSS router has a bias
     router_fp32: bool = False  # DeepSeek: gate weight (and e_score_correction_bias) kept fp32, logits in fp32
-    topk_method: str = "greedy"  # DeepSeek-V2: "greedy" | "group_limited_greedy"
+    topk_method: str = "greedy"  # DeepSeek-V2: "greedy" | "group_limited_greedy"; DeepSeek-V3: "noaux_tc"
     n_group: int = 1  # DeepSeek expert groups
     topk_group: int = 1  # groups kept per token
     routed_scaling_factor: float = 1.0  # DeepSeek: routed-expert weights multiplied by this
@@ -406,8 +406,9 @@ def _parse_deepseek(raw: dict, arch: str) -> dict:
     num_experts = _num_experts(raw, defaults["n_routed_experts"])
     first_dense = int(get("first_k_dense_replace") or 0)
     n_group, topk_group = get("n_group"), get("topk_group")
-    topk_method = "group_limited_greedy" if v3 else (raw.get("topk_method") or "greedy")
-    if topk_method not in ("greedy", "group_limited_greedy"):
+    # V3 always routes "noaux_tc" (bias-corrected grouped top-k; HF ignores the key), V2 greedy or grouped
+    topk_method = "noaux_tc" if v3 else (raw.get("topk_method") or "greedy")
+    if not v3 and topk_method not in ("greedy", "group_limited_greedy"):
         raise UnsupportedModelError(
             f"{arch}: topk_method {topk_method!r} is not supported (supported: greedy, group_limited_greedy)"
         )
