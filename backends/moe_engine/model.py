@@ -30,8 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import math
-
 from .attention import ForwardBatch, LayerKV, attend, attend_cached, cached_kv, store_kv
 from .config import MoEConfig
 from .kv_cache import KVCache, KVSpec
