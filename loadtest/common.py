@@ -39,11 +39,16 @@ MEDIUM_OVERRIDES = dict(
     hidden_size=256, intermediate_size=256, num_hidden_layers=8, num_local_experts=32,
     num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
 )
-MODEL_PRESETS = {"medium": MEDIUM_OVERRIDES}
+# Routing-heavy: narrow but deep, 48 layers x top-8 (384 bytes of ids per token).
+DEEP_OVERRIDES = dict(
+    hidden_size=64, intermediate_size=64, num_hidden_layers=48, num_local_experts=64,
+    num_experts_per_tok=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+)
+MODEL_PRESETS = {"medium": MEDIUM_OVERRIDES, "deep": DEEP_OVERRIDES}
 
 
 def resolve_model(model: str) -> tuple[str | None, str]:
-    """``tiny`` (embedded default) | ``medium`` (preset, built once and cached) | a checkpoint dir.
+    """``tiny`` (embedded default) | ``medium`` / ``deep`` (presets, built once and cached) | a checkpoint dir.
 
     Returns (path for --model or None, served model name)."""
     if model == "tiny":
