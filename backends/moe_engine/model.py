@@ -74,21 +74,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)  # [R/2] float32
 
     def compute_inv_freq(self, device: torch.device | str | None = None) -> Tensor:
+        """[R/2] float32, computed on the CPU (as HF does at init) and then moved: a GPU ``pow`` can differ from
+        the CPU's by an ulp, and the tables must not depend on the device."""
         cfg, dim, base = self.cfg, self.dim, self.cfg.rope_theta
         if cfg.rope_type == "yarn":
-            pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+            pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
             inv_freq_extrapolation = 1.0 / pos_freqs
             inv_freq_interpolation = 1.0 / (cfg.rope_factor * pos_freqs)
             low, high = cfg.yarn_low, cfg.yarn_high
             if low == high:
                 high += 0.001  # HF: prevent singularity
             ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-            extrapolation_factor = 1 - ramp.to(device=device, dtype=torch.float)
-            return (
-                inv_freq_interpolation * (1 - extrapolation_factor) + inv_freq_extrapolation * extrapolation_factor
-            )
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-        return inv_freq / cfg.rope_factor  # "linear" scaling; factor 1 for "default"
+            extrapolation_factor = 1 - ramp.to(dtype=torch.float)
+            inv_freq = inv_freq_interpolation * (1 - extrapolation_factor) + inv_freq_extrapolation * extrapolation_factor
+        else:
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            inv_freq = inv_freq / cfg.rope_factor  # "linear" scaling; factor 1 for "default"
+        return inv_freq.to(device) if device is not None else inv_freq
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, R/2]
