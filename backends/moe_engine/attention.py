@@ -31,6 +31,12 @@ class ForwardBatch:
     max_query_len: int
     max_kv_len: int
     last_token_index: torch.Tensor  # [B] long: index into T of each sequence's last token
+    # Slots are slot_start..slot_start+B-1 (the engine hands out the lowest free slot and orders a step
+    # by slot, so this is the common case): the cache is then read as a view, with no gather copy.
+    slot_start: int | None = None
+    # Mixed steps: [(token_lo, token_hi, sub-batch)] for the decode rows, then the prefill rows, so that
+    # single decode tokens are not padded to the prefill chunk's length in attention.
+    parts: list | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -63,7 +69,20 @@ class ForwardBatch:
         def t(values):  # one host->device copy per field
             return torch.tensor(values, dtype=torch.long, device=device)
 
+        B = len(slot_ids)
+        slot_start = slot_ids[0] if B and list(slot_ids) == list(range(slot_ids[0], slot_ids[0] + B)) else None
+        parts = None
+        nd = 0  # leading decode rows (the engine plans decodes first)
+        while nd < B and query_lens[nd] == 1:
+            nd += 1
+        if 0 < nd < B:
+            parts = [
+                (0, nd, cls.build(slot_ids[:nd], context_lens[:nd], query_lens[:nd], device)),
+                (nd, offset, cls.build(slot_ids[nd:], context_lens[nd:], query_lens[nd:], device)),
+            ]
         return cls(
+            slot_start=slot_start,
+            parts=parts,
             slot_ids=t(slot_ids),
             positions=t(positions),
             token_seq=t(token_seq),
@@ -119,7 +138,10 @@ def cached_kv(cache: LayerKV, batch: ForwardBatch) -> tuple[torch.Tensor, torch.
     """Each sequence's cached k [B, Hkv, Lk, Dk] and v [B, Hkv, Lk, Dv] (Lk = longest kv length of the step;
     positions past a sequence's own length hold stale values that the mask hides)."""
     Lk = batch.max_kv_len
-    return cache.k[batch.slot_ids, :, :Lk], cache.v[batch.slot_ids, :, :Lk]
+    if batch.slot_start is not None:
+        s0, B = batch.slot_start, len(batch.query_lens)
+        return cache.k[s0 : s0 + B, :, :Lk], cache.v[s0 : s0 + B, :, :Lk]
+    return cache.k[:, :, :Lk].index_select(0, batch.slot_ids), cache.v[:, :, :Lk].index_select(0, batch.slot_ids)
 
 
 def attend_cached(
@@ -177,5 +199,9 @@ def attend(
 ) -> torch.Tensor:  # [T, Hq, Dv]
     """Write this step's k/v into the cache, then attend causally within each sequence."""
     store_kv(k, v, cache, batch)
+    if batch.parts is not None:
+        return torch.cat(
+            [attend_cached(q[a:b], *cached_kv(cache, sub), sub, scale, sliding_window, sinks) for a, b, sub in batch.parts]
+        )
     keys, values = cached_kv(cache, batch)
     return attend_cached(q, keys, values, batch, scale, sliding_window, sinks)

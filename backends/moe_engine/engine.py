@@ -19,6 +19,7 @@ must not block.
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 import logging
 import threading
@@ -129,7 +130,7 @@ class Engine:
             self.device,
             self.dtype,
         )
-        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._free_slots = list(range(num_slots))  # min-heap: the lowest free slot first (contiguous cache views)
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: dict[str, _Sequence] = {}  # insertion order = admission order
         self._inbox: collections.deque = collections.deque()  # ("add", seq) | ("abort", id), from any thread
@@ -280,7 +281,7 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and self._free_slots:
             seq = self._waiting.popleft()
-            seq.slot = self._free_slots.pop()
+            seq.slot = heapq.heappop(self._free_slots)
             self._running[seq.req.request_id] = seq
 
     def _schedule(self) -> list[tuple[_Sequence, int]]:
@@ -291,12 +292,16 @@ class Engine:
             if not seq.in_prefill:
                 plan.append((seq, 1))
                 budget -= 1
+        # Ascending slots within decodes and within prefills: contiguous slots read the cache as a view.
+        plan.sort(key=lambda p: p[0].slot)
+        pre = []
         for seq in self._running.values():
             if seq.in_prefill and budget > 0:
                 n = min(seq.num_prompt - seq.num_computed, budget)
-                plan.append((seq, n))
+                pre.append((seq, n))
                 budget -= n
-        return plan
+        pre.sort(key=lambda p: p[0].slot)
+        return plan + pre
 
     @torch.inference_mode()
     def _run(self, plan: list[tuple[_Sequence, int]]) -> None:
@@ -393,7 +398,7 @@ class Engine:
     def _finish(self, seq: _Sequence, reason: str, last: RequestOutput | None = None, error: str | None = None):
         rid = seq.req.request_id
         if self._running.pop(rid, None) is not None:
-            self._free_slots.append(seq.slot)
+            heapq.heappush(self._free_slots, seq.slot)
         seq.slot = -1
         with self._cv:
             self._known_ids.discard(rid)

@@ -38,7 +38,7 @@ from .routing import make_router
 # Experts: a step with at most this many (token, slot) pairs (a small decode batch) gathers each
 # token's expert weights and runs one batched matmul, with no host sync; larger steps group the
 # token-slots by expert and run one matmul per expert (one host sync per layer for group sizes).
-GATHER_MAX_SLOTS = 8
+GATHER_MAX_SLOTS = 8  # on CUDA; on CPU the copies cost more than the grouped path's sync (measured)
 GATHER_MAX_BYTES = 256 << 20  # ... and only while the gathered weight copies stay this small
 
 
@@ -224,6 +224,28 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+_GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_GMM_SUPPORT: dict = {}
+
+
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch has a grouped GEMM for (device, dtype): probed once with a tiny call, since support
+    varies (CUDA kernels need bf16 on recent GPUs; CPU has a reference kernel)."""
+    key = (device.type, dtype)
+    if key not in _GMM_SUPPORT:
+        ok = _GMM is not None
+        if ok:
+            try:
+                a = torch.ones(4, 16, device=device, dtype=dtype)
+                b = torch.ones(2, 16, 16, device=device, dtype=dtype)
+                offs = torch.tensor([2, 4], device=device, dtype=torch.int32)
+                ok = bool(torch.equal(_GMM(a, b, offs=offs), torch.full((4, 16), 16.0, device=device, dtype=dtype)))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GMM_SUPPORT[key] = ok
+    return _GMM_SUPPORT[key]
+
+
 class Experts(nn.Module):
     """E SwiGLU experts as 3-D weights (HF v5 fused layout): gate_up_proj [E, 2I, H] (gate rows, then up rows),
     down_proj [E, H, I]."""
@@ -241,11 +263,13 @@ class Experts(nn.Module):
         if T == 0:
             return torch.zeros_like(x)
         slot_bytes = self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes
-        if T * K <= GATHER_MAX_SLOTS and T * K * slot_bytes <= GATHER_MAX_BYTES:
+        if x.is_cuda and T * K <= GATHER_MAX_SLOTS and T * K * slot_bytes <= GATHER_MAX_BYTES:
             return self._forward_gather(x, ids, weights)
         return self._forward_grouped(x, ids, weights)
 
     def _forward_grouped(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        if type(self) is Experts and _grouped_mm_works(x.device, x.dtype):
+            return self._forward_grouped_mm(x, ids, weights)
         T, K = ids.shape
         # Token-slots in HF's order: by expert, then slot k, then token (HF loops over experts and takes
         # torch.where(one_hot[e]) of a [K, T] mask), so every expert sees the same rows in the same order.
@@ -258,6 +282,23 @@ class Experts(nn.Module):
         y = (torch.cat(outs) * weights[tok, slot, None]).to(x.dtype)  # [K*T, H]; fp32 weights promote (Mixtral)
         # Back to [T, K, H] with each token's K outputs in ascending expert order, then summed in that order.
         rank = torch.argsort(torch.argsort(ids, dim=-1), dim=-1)  # [T, K] rank of each slot's expert id
+        per_token = torch.empty(T, K, x.shape[1], dtype=x.dtype, device=x.device)
+        per_token[tok, rank[tok, slot]] = y
+        return self._sum_in_order(per_token)
+
+    def _forward_grouped_mm(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """The same rows in the same order as `_forward_grouped`, but each projection is one grouped GEMM over
+        all experts (offsets computed on the device): no per-expert Python loop, no host sync."""
+        T, K = ids.shape
+        flat = ids.t().reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok, slot = order % T, order // T
+        offs = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        xs = x[tok]
+        gate, up = _GMM(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        y = (y * weights[tok, slot, None]).to(x.dtype)
+        rank = torch.argsort(torch.argsort(ids, dim=-1), dim=-1)
         per_token = torch.empty(T, K, x.shape[1], dtype=x.dtype, device=x.device)
         per_token[tok, rank[tok, slot]] = y
         return self._sum_in_order(per_token)
