@@ -218,6 +218,7 @@ class RoutingVerifier:
             with self._lock:
                 self.repeats += 1
                 self.identical += 1
+                self.cells_compared += moe.shape[0] * moe.shape[1]
             return
         # Rows both answers share: every prompt row, and output rows up to the first differing token
         # (row i routes the token at position i; output token j sits at position len(prompt) + j).
