@@ -120,6 +120,13 @@ class Engine:
             if ec.enable_routed_experts
             else None
         )
+        # On CUDA the step's rows go to a pinned host buffer with a non-blocking copy queued right after the
+        # forward, so they ride on the token sync instead of costing a second one.
+        self.capture_host = (
+            torch.empty(self.step_tokens, L, K, dtype=torch.int32, pin_memory=True)
+            if self.capture_buf is not None and self.device.type == "cuda"
+            else None
+        )
         log.info(
             "engine: %d slots x %d tokens, KV cache %.1f MiB, %d tokens/step, routed experts %s, device %s, %s",
             num_slots,
@@ -316,6 +323,10 @@ class Engine:
         capture = self.capture_buf[:T] if want_routing else None
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, batch, self.kv, capture)  # [T, H]
+        routing_host = None
+        if capture is not None and self.capture_host is not None:
+            routing_host = self.capture_host[:T]
+            routing_host.copy_(capture, non_blocking=True)
 
         # Sequences that produce a token this step: decoding, or finishing their prompt now.
         samplers = [i for i, (s, n) in enumerate(plan) if s.num_computed + n >= s.num_prompt]
@@ -330,7 +341,12 @@ class Engine:
             if top_n >= 0:
                 lp = [t.cpu() if t is not None else None for t in compute_logprobs(logits, tokens, top_n)]
             new_tokens = tokens.tolist()  # the step's one host sync for tokens
-        routing = capture.cpu().numpy() if capture is not None else None  # one copy per step
+        if routing_host is not None:
+            if not samplers:  # no token sync happened this step
+                torch.cuda.current_stream(self.device).synchronize()
+            routing = routing_host.numpy()  # rows are copied out per request below, before the next step
+        else:
+            routing = capture.cpu().numpy() if capture is not None else None  # one copy per step
 
         sampled = dict(zip(samplers, range(len(samplers))))
         offset = 0

@@ -5,6 +5,7 @@ exactly what shares a step.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -19,10 +20,14 @@ from moe_engine.model import reference_forward
 from moe_engine.sampling import SamplingParams
 
 
+# CPU in CI; `MOE_TEST_DEVICE=cuda` runs the same checks on a GPU.
+DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoint):
     cfg = load_config(tiny_checkpoint)
-    model = load_model(tiny_checkpoint, dtype="float32", device="cpu", progress=False)
+    model = load_model(tiny_checkpoint, dtype="float32", device=DEVICE, progress=False)
     return cfg, model
 
 
@@ -101,7 +106,7 @@ def test_rows_are_prompt_plus_output_minus_one_and_match_the_router(tiny):
     assert routing.shape == (len(prompt) + len(c.tokens) - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok)
     # Independently: the router's top-k over the same tokens in one reference forward.
     _, ref_ids = reference_forward(model, prompt + c.tokens[:-1])
-    np.testing.assert_array_equal(routing, ref_ids.numpy().astype(np.uint16))
+    np.testing.assert_array_equal(routing, ref_ids.cpu().numpy().astype(np.uint16))
     assert int(routing.max()) < cfg.num_experts
 
 
