@@ -1,7 +1,6 @@
-"""`moe-serve --model <dir>` on a DeepSeek-V3 checkpoint written by transformers (dense first layer, grouped
-sigmoid router with a non-zero e_score_correction_bias, MLA with a latent KV cache): the routed experts the
-API returns are the ids the engine's own forward selects, dense-layer columns stay 0, and /v1/models lists
-only the MoE layers. One server start."""
+"""`moe-serve --model <dir>` on checkpoints written by transformers: the routed experts the API returns are
+the ids the engine's own forward selects, dense-layer columns stay 0, and /v1/models lists only the MoE
+layers. One server start per architecture."""
 from __future__ import annotations
 
 import base64
@@ -22,35 +21,42 @@ def decode(s: str) -> np.ndarray:
     return np.load(io.BytesIO(base64.b64decode(s)))
 
 
-@pytest.fixture(scope="module")
-def dsv3(tmp_path_factory):
-    ckpt = write_servable_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ckpt") / "dsv3")
+# DeepSeek-V3: a dense first layer, grouped sigmoid router with a non-zero correction bias, MLA.
+# Qwen2-MoE: 60 experts top-4, a sigmoid-gated shared expert, a dense layer in the middle (mlp_only_layers).
+SERVED = ["deepseek_v3", "qwen2_moe"]
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def served(request, tmp_path_factory):
+    arch = request.param
+    ckpt = write_servable_checkpoint(arch, tmp_path_factory.mktemp("ckpt") / arch)
     server = start_server(
-        tmp_path_factory.mktemp("moe_serve_dsv3"),
-        ["--model", str(ckpt), "--served-model-name", "dsv3", "--max-model-len", "256"],
-        model_name="dsv3",
+        tmp_path_factory.mktemp(f"moe_serve_{arch}"),
+        ["--model", str(ckpt), "--served-model-name", arch, "--max-model-len", "256"],
+        model_name=arch,
     )
-    yield server, ckpt
+    yield arch, server, ckpt
     code = server.stop()
     assert code == 0, f"moe-serve exited with {code} on SIGTERM:\n{server.log_tail()}"
 
 
-def test_deepseek_v3_served_routed_experts(dsv3):
+def test_served_routed_experts_equal_the_engine_forward(served):
     import openai
 
-    server, ckpt = dsv3
+    arch, server, ckpt = served
     cfg = load_config(ckpt)
-    assert cfg.architecture == "deepseek_v3" and cfg.dense_layers == (0,) and cfg.moe_layers == (1, 2)
+    assert cfg.architecture == arch and cfg.dense_layers  # both checkpoints mix in a dense layer
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
 
     cards = {m.id: m for m in client.models.list().data}
-    card = cards["dsv3"].model_dump()
-    assert card["architecture"] == "deepseek_v3" and card["num_hidden_layers"] == 3
-    assert card["moe_layers"] == [1, 2]  # the dense layer 0 is not listed
-    assert card["num_experts"] == 16 and card["num_experts_per_tok"] == 4
+    card = cards[arch].model_dump()
+    assert card["architecture"] == arch and card["num_hidden_layers"] == cfg.num_hidden_layers
+    assert card["moe_layers"] == list(cfg.moe_layers)  # dense layers are not listed
+    assert not set(card["moe_layers"]) & set(cfg.dense_layers)
+    assert card["num_experts"] == cfg.num_experts and card["num_experts_per_tok"] == cfg.num_experts_per_tok
 
     r = client.completions.create(
-        model="dsv3",
+        model=arch,
         prompt="The router picks the top-k experts",
         max_tokens=12,
         temperature=0,
@@ -64,7 +70,7 @@ def test_deepseek_v3_served_routed_experts(dsv3):
     assert arr.shape == (len(prompt_ids) + len(token_ids) - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok)
 
     # The engine's own forward over the same tokens (one prefill) selects the same expert sets as the server's
-    # chunked prefill + decode steps did; DeepSeek's top-k slot order is unsorted, so sets are compared.
+    # chunked prefill + decode steps did (DeepSeek's top-k slot order is unsorted, so sets are compared).
     model = load_model(ckpt, progress=False)
     logits, ref = reference_forward(model, prompt_ids + token_ids[:-1])
     ref = ref.numpy()
