@@ -7,7 +7,7 @@
 Defaults: --users 32, --duration 60s, --model medium (Mixtral-style, 8 layers, 32
 experts, top-4, built once under loadtest/results/checkpoints/), 64 output tokens
 per request, prompts of 64-192 tokens, server flags as moe-serve's defaults
-(--max-num-seqs 64). ``--host URL`` tests a server that is already running
+(--max-num-seqs 64) except --num-threads 1. ``--host URL`` tests a server that is already running
 (no start/stop, no process sampling).
 
 For each user count it runs ``locust -f loadtest/locustfile.py --headless -u N
@@ -492,7 +492,9 @@ def main() -> int:
     ap.add_argument("--model", default="medium", help="tiny | medium | checkpoint dir (default medium)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--num-threads", type=int, default=None, help="engine torch threads (default: torch's)")
+    ap.add_argument("--num-threads", type=int, default=1,
+                    help="engine torch threads (default 1: on 2 cores, torch's default of 2 threads gave 1.5x less "
+                         "throughput, see loadtest/README.md; 0 = torch's default)")
     ap.add_argument("--server-args", default="", help="more moe-serve flags, quoted")
     ap.add_argument("--host", default="", help="test this running server instead of starting one")
     ap.add_argument("--triton-metrics-url", default="", help="with --host: Triton's /metrics URL (optional)")
