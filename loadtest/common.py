@@ -331,8 +331,10 @@ def expert_counts(prom: dict, num_layers: int, num_experts: int) -> np.ndarray:
 
 
 def prom_value(prom: dict, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` (or ``name_total``: the parser adds it to counters) with these labels."""
     want = set(labels.items())
-    return sum(v for (n, lab), v in prom.items() if n == name and want <= set(lab))
+    names = (name, name + "_total")
+    return sum(v for (n, lab), v in prom.items() if n in names and want <= set(lab))
 
 
 # ----------------------------------------------------------------------------- processes

@@ -230,7 +230,7 @@ def server_deltas(api_b: str, api_a: str, tri_b: str, tri_a: str) -> dict:
         out["triton_success"] = prom_value(ta, "nv_inference_request_success") - prom_value(tb, "nv_inference_request_success")
         out["triton_failures"] = {
             dict(lab)["reason"]: v - tb.get((n, lab), 0.0)
-            for (n, lab), v in ta.items() if n == "nv_inference_request_failure"
+            for (n, lab), v in ta.items() if n in ("nv_inference_request_failure", "nv_inference_request_failure_total")
         }
         out["engine_after"] = {s: prom_value(ta, "moe_engine_requests", state=s) for s in ("running", "waiting", "free_slots")}
     return out
@@ -507,7 +507,11 @@ def main() -> int:
     ap.add_argument("--out", default="", help="results dir (default loadtest/results/<timestamp>)")
     ap.add_argument("--report-dir", default="", help="also copy the PNGs and summary.md here")
     ap.add_argument("--tag", default="", help="suffix for the results dir and plot titles")
+    ap.add_argument("--reanalyze", default="", metavar="DIR",
+                    help="only recompute summary and plots of a finished run's results dir")
     args = ap.parse_args()
+    if args.reanalyze:
+        return reanalyze(args, Path(args.reanalyze))
     users = [int(u) for u in str(args.users).split(",") if u.strip()]
     parse_duration(args.duration)
 
@@ -551,7 +555,41 @@ def main() -> int:
     meta["load_after"] = loadavg()
     meta["top_after"] = top_processes()
     meta["warmup_s"] = args.warmup_s if args.warmup_s is not None else min(10.0, 0.1 * parse_duration(args.duration))
+    return report(args, out, meta, results, counts, info)
 
+
+def reanalyze(args, out: Path):
+    """Recompute summary and plots of a finished run from its files (after a fix in the analysis)."""
+    from common import ModelInfo
+
+    old = json.loads((out / "summary.json").read_text())
+    meta = old["meta"]
+    args.duration, args.max_tokens = meta["duration"], meta["max_tokens"]
+    args.warmup_s = meta.get("warmup_s")
+    info = ModelInfo(**{**meta["model_info"], "moe_layers": tuple(meta["model_info"]["moe_layers"])})
+    results = []
+    for prev in old["results"]:
+        rdir = out / f"u{prev['users']:03d}"
+        rows = []
+        if (rdir / "samples.csv").exists():
+            import csv
+
+            with open(rdir / "samples.csv") as f:
+                rows = [{k: float(v) if v not in ("", None) else 0.0 for k, v in r.items()} for r in csv.DictReader(f)]
+        r = analyze(args, rdir, prev["users"], info, rows)
+        for k in ("locust_exit_code", "load_before", "load_after"):
+            r[k] = prev.get(k)
+        r["server_side"] = server_deltas(*((rdir / f"metrics_{w}.txt").read_text() for w in
+                                           ("api_before", "api_after", "triton_before", "triton_after")))
+        results.append(r)
+    counts = np.load(out / "expert_counts.npy")
+    if not args.tag:
+        args.tag = out.name.split("-", 2)[2] if out.name.count("-") >= 2 else ""
+    return report(args, out, meta, results, counts, info)
+
+
+def report(args, out: Path, meta: dict, results: list[dict], counts: np.ndarray, info) -> int:
+    stop_info = meta.get("server_stop", {})
     tag = f" {args.tag}" if args.tag else ""
     title = f"moe-serve {meta['model'].split(' ')[0]}{tag}: {args.max_tokens} out tok/req, {args.duration}/point"
     pngs = []
@@ -584,10 +622,11 @@ def main() -> int:
     for r in results:
         ss = r["server_side"]
         print(f"u={r['users']}: server saw HTTP {ss['http_status_counts']}, rejected {ss['rejected']:.0f}, "
-              f"disconnects {ss['client_disconnects']:.0f}, Triton failures {ss.get('triton_failures')}; "
-              f"RSS MiB {r.get('rss_mib_start')} -> {r.get('rss_mib_end')}; CPU cores {json.dumps({k: round(v, 2) for k, v in r.get('cpu', {}).items() if isinstance(v, float)})}")
+              f"disconnects {ss['client_disconnects']:.0f}, Triton successes {ss.get('triton_success')}, "
+              f"failures {ss.get('triton_failures')}; RSS MiB {r.get('rss_mib_start')} -> {r.get('rss_mib_end')}; "
+              f"CPU cores {json.dumps({k: round(v, 2) for k, v in r.get('cpu', {}).items() if isinstance(v, float)})}")
     print(f"failed requests: {total_fail}; successful responses not verified: {unverified}")
-    print(f"load average before {meta['load_before']}, after {meta['load_after']}")
+    print(f"load average before {meta['load_before']}, after {meta.get('load_after')}")
     print(f"results: {out}")
     return 0 if total_fail == 0 and unverified == 0 and stop_info.get("exit_code", 0) == 0 else 1
 
