@@ -205,6 +205,8 @@ class GrpcLayer:
             if resp.parameters["triton_final_response"].bool_param:
                 break
         t_end = time.perf_counter()
+        if not self.stream:  # one response: no first token before the end, no inter-token gaps
+            first = last = None
         if self.routed:
             i = self.info
             check_rows(np.concatenate(rows), len(prompt), n, i.num_hidden_layers, i.top_k, i.num_experts, "grpc")
