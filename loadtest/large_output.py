@@ -58,7 +58,7 @@ def main() -> None:
     server = start_server(
         work,
         ["--model", str(ckpt), "--served-model-name", "large", "--max-model-len", str(args.tokens + 1),
-         "--max-num-seqs", "1", "--max-num-batched-tokens", str(args.chunk)],
+         "--max-num-seqs", "1", "--max-num-batched-tokens", str(args.chunk), "--num-threads", "1"],
         model_name="large",
     )
     print(f"server up: {server.base_url} (log {server.log_path})", flush=True)
