@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--moe-backend", default=str(DEFAULT_MOE_BACKEND), help="directory of the moe backend's model.py")
     add("--run-dir", default=None, help="where the Triton backend directory is assembled (must allow exec)")
     add("--triton-shm-mb", type=int, default=64, help="python backend shared memory per model (MiB)")
-    add("--num-threads", type=int, default=None, help="torch CPU threads in the engine")
+    add("--num-threads", type=int, default=None, help="torch CPU threads in the engine (default: cores - 1)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
