@@ -1,7 +1,8 @@
 """Sampling parameters and token selection.
 
-Each request that sets a seed owns a torch.Generator, so the same seed gives
-the same tokens whatever else shares the batch. Greedy rows are an argmax over
+Each request that sets a seed owns a torch.Generator, so its random draws do
+not depend on what else shares the batch (the logits themselves can differ in
+the last bits with the batch's shape, which can flip a near-tie). Greedy rows are an argmax over
 the whole batch at once; sampled rows use the exponential-race trick
 (argmax(p / Exp(1)), as gpt-fast does), which needs no host sync.
 """
