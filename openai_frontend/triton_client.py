@@ -221,8 +221,15 @@ def classify_error(message: str) -> EngineError:
     code, so the code name in the message (if any) or known wordings decide.
     """
     low = message.lower()
-    if low.startswith("internal error"):
-        return EngineError(EngineError.INTERNAL, message)
+    # The moe backend starts every error with its kind; the wording hints below are for other models.
+    for prefix, kind in (
+        ("invalid request:", EngineError.INVALID),
+        ("unavailable:", EngineError.UNAVAILABLE),
+        ("request cancelled", EngineError.CANCELLED),
+        ("internal error", EngineError.INTERNAL),
+    ):
+        if low.startswith(prefix):
+            return EngineError(kind, message.split(": ", 1)[1] if prefix.endswith(":") else message)
     if "cancel" in low:
         return EngineError(EngineError.CANCELLED, message)
     if any(h in low for h in _UNAVAILABLE_HINTS):

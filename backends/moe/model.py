@@ -125,11 +125,13 @@ class TritonPythonModel:
             try:
                 self._submit(request, sender)
             except EngineError as exc:
-                code = pb_utils.TritonError.INVALID_ARG
+                # The message starts with its kind, because Triton's stream responses carry only the text:
+                # clients (our frontend included) can classify it without guessing from the wording.
+                code, kind = pb_utils.TritonError.INVALID_ARG, "invalid request"
                 if isinstance(exc, (EngineOverloadedError, EngineStoppedError)):
-                    code = pb_utils.TritonError.UNAVAILABLE
+                    code, kind = pb_utils.TritonError.UNAVAILABLE, "unavailable"
                 sender.send(
-                    pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), code)),
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{kind}: {exc}", code)),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
             except Exception as exc:  # never let one request take the model down
@@ -257,7 +259,7 @@ class TritonPythonModel:
             if p.cancelled:
                 err = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
             else:
-                err = pb_utils.TritonError(out.error or "engine error", pb_utils.TritonError.INTERNAL)
+                err = pb_utils.TritonError(f"internal error: {out.error or 'engine error'}", pb_utils.TritonError.INTERNAL)
             p.sender.send(pb_utils.InferenceResponse(error=err), flags=flags)
             return
         if p.stream:

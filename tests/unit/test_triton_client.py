@@ -92,6 +92,15 @@ def test_output_mid_stream_without_routing():
     ("top_p: must be in (0, 1]", EngineError.INVALID),
     ("internal error: ValueError('must be')", EngineError.INTERNAL),
     ("something odd", EngineError.INTERNAL),
+    # The moe backend's kind prefixes win over wording (a request id that is "stopped" is still invalid).
+    ("invalid request: request id 'stopped-1' is already in use", EngineError.INVALID),
+    ("unavailable: the engine's waiting queue is full (2 requests); retry later", EngineError.UNAVAILABLE),
+    ("internal error: engine failure: RuntimeError('invalid value')", EngineError.INTERNAL),
 ])
 def test_classify_error(message, kind):
     assert classify_error(message).kind == kind
+
+
+def test_classify_error_strips_the_kind_prefix_from_the_message():
+    err = classify_error("invalid request: input_ids: token id 900 is outside the vocabulary [0, 512)")
+    assert err.message == "input_ids: token id 900 is outside the vocabulary [0, 512)"
