@@ -64,7 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights dtype")
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="engine device")
     add("--max-num-seqs", type=int, default=64, help="sequences decoded together")
-    add("--max-model-len", type=int, default=2048, help="prompt + output tokens per sequence")
+    add(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens per sequence (default: the model's max_position_embeddings, at most 2048)",
+    )
     add("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step (prefill chunk size)")
     add("--kv-cache-memory", type=float, default=None, help="KV cache budget in GiB (default: room for all seqs)")
     add("--max-waiting", type=int, default=1024, help="engine queue bound; beyond it requests get 503")
@@ -117,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-serve: error: --model {checkpoint}: {exc}", file=sys.stderr)
         return 2
     served_name = args.served_model_name or (checkpoint.name if args.model else "tiny-mixtral")
+    if args.max_model_len is None:
+        # Slot KV cache: every sequence reserves max_model_len positions, so the default stays modest.
+        args.max_model_len = min(2048, cfg.max_position_embeddings)
     if args.max_model_len > cfg.max_position_embeddings:
         print(
             f"moe-serve: error: --max-model-len {args.max_model_len} exceeds the model's "
