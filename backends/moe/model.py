@@ -30,6 +30,7 @@ from moe_engine.sampling import SamplingParams
 log = logging.getLogger("moe_backend")
 
 CANCEL_POLL_S = 0.05  # how often the response thread asks Triton about cancellations
+MAX_OUTPUTS_PER_ROUND = 256  # engine outputs the response thread takes from its queue at once
 
 
 @dataclass
@@ -200,12 +201,22 @@ class TritonPythonModel:
         last_poll = time.monotonic()
         while not self._stopping.is_set() or self._pending:
             try:
-                out = self._outputs.get(timeout=CANCEL_POLL_S)
+                batch = [self._outputs.get(timeout=CANCEL_POLL_S)]
             except queue.Empty:
-                out = None
-            if out is not None:
+                batch = []
+            # Take whatever else is queued: when the engine runs ahead of Triton's IPC, a streaming
+            # request's queued steps go out as one response (fewer, larger messages under load).
+            while batch and len(batch) < MAX_OUTPUTS_PER_ROUND:
                 try:
-                    self._on_output(out)
+                    batch.append(self._outputs.get_nowait())
+                except queue.Empty:
+                    break
+            by_request: dict[str, list[RequestOutput]] = {}
+            for out in batch:
+                by_request.setdefault(out.request_id, []).append(out)
+            for outs in by_request.values():
+                try:
+                    self._on_outputs(outs)
                 except Exception:
                     log.exception("sending a response failed")
             if time.monotonic() - last_poll >= CANCEL_POLL_S:
@@ -247,7 +258,9 @@ class TritonPythonModel:
             except Exception:
                 log.exception("cancellation check failed")
 
-    def _on_output(self, out: RequestOutput) -> None:
+    def _on_outputs(self, outs: list[RequestOutput]) -> None:
+        """One request's outputs, in engine order; only the last can be finished."""
+        out = outs[-1]
         with self._lock:
             p = self._pending.get(out.request_id)
             if p is not None and out.finished:
@@ -263,13 +276,16 @@ class TritonPythonModel:
             p.sender.send(pb_utils.InferenceResponse(error=err), flags=flags)
             return
         if p.stream:
-            p.sender.send(self._response(p, out, out.new_token_ids, [out.routed_experts], [out]), flags=flags)
+            tokens = [t for o in outs for t in o.new_token_ids]
+            rows = [o.routed_experts for o in outs]
+            p.sender.send(self._response(p, out, tokens, rows, outs), flags=flags)
             return
-        p.tokens.extend(out.new_token_ids)
-        if out.routed_experts is not None:
-            p.rows.append(out.routed_experts)
-        if out.logprobs is not None:
-            p.logprobs.append(out)
+        for o in outs:
+            p.tokens.extend(o.new_token_ids)
+            if o.routed_experts is not None:
+                p.rows.append(o.routed_experts)
+            if o.logprobs is not None:
+                p.logprobs.append(o)
         if out.finished:
             p.sender.send(self._response(p, out, p.tokens, p.rows, p.logprobs), flags=flags)
 

@@ -89,7 +89,8 @@ def test_streamed_rows_concatenate_to_the_non_streamed_array(stream, moe_server)
     stream.send("n", inputs(ids, max_tokens=8, stream=False, temperature=0.0, ignore_eos=True, logprobs=2))
     out, errors = stream.collect(["s", "n"])
     assert not errors
-    assert len(out["n"]) == 1 and len(out["s"]) >= 8  # one response vs one per step
+    # One response vs several (one per engine step, or fewer when queued steps are sent together).
+    assert len(out["n"]) == 1 and len(out["s"]) >= 2
     s_ids, n_ids = concat(out["s"], "output_ids"), concat(out["n"], "output_ids")
     np.testing.assert_array_equal(s_ids, n_ids)
     s_rows, n_rows = concat(out["s"], "routed_experts"), concat(out["n"], "routed_experts")
