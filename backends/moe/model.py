@@ -50,6 +50,7 @@ class _Pending:
     top_ids: list = field(default_factory=list)
     top_vals: list = field(default_factory=list)
     cancelled: bool = False
+    first_sent: bool = False  # streaming: whether a response went out already
 
 
 def _param(params: dict, key: str, default: str = "") -> str:
@@ -276,6 +277,10 @@ class TritonPythonModel:
             p.sender.send(pb_utils.InferenceResponse(error=err), flags=flags)
             return
         if p.stream:
+            if not p.first_sent and len(outs) > 1:  # the first step always goes out alone (time to first token)
+                first = outs.pop(0)
+                p.sender.send(self._response(p, first, first.new_token_ids, [first.routed_experts], [first]))
+            p.first_sent = True
             tokens = [t for o in outs for t in o.new_token_ids]
             rows = [o.routed_experts for o in outs]
             p.sender.send(self._response(p, out, tokens, rows, outs), flags=flags)

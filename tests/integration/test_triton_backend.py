@@ -187,4 +187,6 @@ def test_http_generate_stream(moe_server):
     assert len(tokens) == 3
     ids = np.concatenate([np.atleast_1d(e["routed_experts"]) for e in events])
     assert ids.size == (4 + 3 - 1) * 4 * 2 and ids.max() < 8
-    assert [e["finish_reason"] for e in events] == ["", "", "length"]
+    # Streamed: the first step alone, later steps possibly sent together when they queue up.
+    reasons = [e["finish_reason"] for e in events]
+    assert len(reasons) >= 2 and set(reasons[:-1]) == {""} and reasons[-1] == "length"
