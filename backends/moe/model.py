@@ -29,7 +29,10 @@ from moe_engine.sampling import SamplingParams
 
 log = logging.getLogger("moe_backend")
 
-CANCEL_POLL_S = 0.05  # how often the response thread asks Triton about cancellations
+# How often the response thread asks Triton about cancellations (one IPC call per open request, so not
+# too often: under load they compete with the engine thread for the stub's GIL) and refreshes the gauges.
+CANCEL_POLL_S = 0.2
+QUEUE_WAIT_S = 0.05  # longest wait for engine outputs before checking the poll timer
 MAX_OUTPUTS_PER_ROUND = 256  # engine outputs the response thread takes from its queue at once
 
 
@@ -202,7 +205,7 @@ class TritonPythonModel:
         last_poll = time.monotonic()
         while not self._stopping.is_set() or self._pending:
             try:
-                batch = [self._outputs.get(timeout=CANCEL_POLL_S)]
+                batch = [self._outputs.get(timeout=QUEUE_WAIT_S)]
             except queue.Empty:
                 batch = []
             # Take whatever else is queued: when the engine runs ahead of Triton's IPC, a streaming
