@@ -299,6 +299,11 @@ class UsageInfo(_Base):
     completion_tokens: int = 0
     total_tokens: int = 0
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
 
 class CompletionLogProbs(_Base):
     text_offset: list[int] = Field(default_factory=list)
@@ -328,15 +333,8 @@ class CompletionResponse(_Base):
     system_fingerprint: str | None = None
 
 
-class CompletionResponseStreamChoice(_Base):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    routed_experts: str | None = None
+class CompletionResponseStreamChoice(CompletionResponseChoice):
+    """A streamed choice carries the same fields (deltas; routed_experts on the choice's last chunk)."""
 
 
 class CompletionStreamResponse(_Base):

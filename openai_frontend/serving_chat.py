@@ -137,8 +137,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 created=created,
                 model=model_name,
                 choices=choices,
-                usage=UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
-                                total_tokens=prompt_len + completion_tokens),
+                usage=UsageInfo.of(prompt_len, completion_tokens),
                 prompt_token_ids=prompt.ids if token_ids_on else None,
             ),
             payloads,
@@ -152,7 +151,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         c = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[choice])
         if continuous:
             g = generated.get(index, 0)
-            c.usage = UsageInfo(prompt_tokens=prompt_len, completion_tokens=g, total_tokens=prompt_len + g)
+            c.usage = UsageInfo.of(prompt_len, g)
         return payloads.sse(c)
 
     def render(d: ChoiceDelta) -> Iterable[bytes]:
@@ -188,7 +187,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         g = sum(generated.values())
         c = ChatCompletionStreamResponse(
             id=request_id, created=created, model=model_name, choices=[],
-            usage=UsageInfo(prompt_tokens=prompt_len, completion_tokens=g, total_tokens=prompt_len + g),
+            usage=UsageInfo.of(prompt_len, g),
         )
         return (sse_event(c.model_dump_json()),)
 

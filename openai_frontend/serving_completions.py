@@ -107,8 +107,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                 created=created,
                 model=model_name,
                 choices=choices,
-                usage=UsageInfo(prompt_tokens=usage_prompt, completion_tokens=completion_tokens,
-                                total_tokens=usage_prompt + completion_tokens),
+                usage=UsageInfo.of(usage_prompt, completion_tokens),
             ),
             payloads,
         )
@@ -150,8 +149,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         )
         if continuous:
             c = generated[d.index]
-            chunk.usage = UsageInfo(prompt_tokens=len(prompt.ids), completion_tokens=c,
-                                    total_tokens=len(prompt.ids) + c)
+            chunk.usage = UsageInfo.of(len(prompt.ids), c)
         return (payloads.sse(chunk),)
 
     def finish() -> Iterable[str]:
@@ -160,7 +158,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         c = sum(generated.values())
         chunk = CompletionStreamResponse(
             id=request_id, created=created, model=model_name, choices=[],
-            usage=UsageInfo(prompt_tokens=usage_prompt, completion_tokens=c, total_tokens=usage_prompt + c),
+            usage=UsageInfo.of(usage_prompt, c),
         )
         return (sse_event(chunk.model_dump_json()),)
 

@@ -75,8 +75,7 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
                     )
                     for r in results
                 ],
-                usage=UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
-                                total_tokens=prompt_len + completion_tokens),
+                usage=UsageInfo.of(prompt_len, completion_tokens),
             ),
             payloads,
         )
@@ -104,7 +103,7 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
         )
         if continuous:
             g = generated[d.index]
-            chunk.usage = UsageInfo(prompt_tokens=prompt_len, completion_tokens=g, total_tokens=prompt_len + g)
+            chunk.usage = UsageInfo.of(prompt_len, g)
         return (payloads.sse(chunk),)
 
     def finish() -> Iterable[str]:
@@ -113,7 +112,7 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
         g = sum(generated.values())
         chunk = GenerateStreamResponse(
             request_id=request_id, choices=[],
-            usage=UsageInfo(prompt_tokens=prompt_len, completion_tokens=g, total_tokens=prompt_len + g),
+            usage=UsageInfo.of(prompt_len, g),
         )
         return (sse_event(chunk.model_dump_json()),)
 
