@@ -65,11 +65,14 @@ class ForwardBatch:
             offset += q
             last.append(offset - 1)
         kv_lens = [c + q for c, q in zip(context_lens, query_lens)]
+        B, T = len(slot_ids), offset
+        # One host->device copy for all fields (each blocking copy waits for the GPU to drain), split as views.
+        packed = torch.tensor(
+            [*slot_ids, *positions, *token_seq, *token_qidx, *kv_lens, *last], dtype=torch.long, device=device
+        )
+        names = ("slot_ids", "positions", "token_seq", "token_qidx", "kv_lens", "last_token_index")
+        fields = dict(zip(names, torch.split(packed, [B, T, T, T, B, B])))
 
-        def t(values):  # one host->device copy per field
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        B = len(slot_ids)
         slot_start = slot_ids[0] if B and list(slot_ids) == list(range(slot_ids[0], slot_ids[0] + B)) else None
         parts = None
         nd = 0  # leading decode rows (the engine plans decodes first)
@@ -83,15 +86,10 @@ class ForwardBatch:
         return cls(
             slot_start=slot_start,
             parts=parts,
-            slot_ids=t(slot_ids),
-            positions=t(positions),
-            token_seq=t(token_seq),
-            token_qidx=t(token_qidx),
-            kv_lens=t(kv_lens),
             query_lens=list(query_lens),
             max_query_len=max(query_lens),
             max_kv_len=max(kv_lens),
-            last_token_index=t(last),
+            **fields,
         )
 
     @classmethod

@@ -32,6 +32,7 @@ import torch
 
 from .attention import ForwardBatch
 from .config import MoEConfig
+from .cuda_graphs import DecodeGraphs
 from .errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
 from .kv_cache import KVCache, slots_for_budget
 from .sampling import SamplingParams, SamplingState, compute_logprobs, make_state, sample
@@ -47,6 +48,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # None: room for max_num_seqs full sequences
     max_waiting: int = 1024  # waiting-queue bound; beyond it add_request raises EngineOverloadedError
     enable_routed_experts: bool = True  # server-wide switch; off = never any capture work
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (debugging, or to save their memory)
 
 
 @dataclass
@@ -108,7 +110,9 @@ class Engine:
             )
         specs = model.kv_layout()
         num_slots = slots_for_budget(specs, ec.max_model_len, self.dtype, ec.max_num_seqs, ec.kv_cache_bytes)
-        self.kv = KVCache(specs, num_slots, ec.max_model_len, self.dtype, self.device)
+        graphs_off = self._graphs_off_reason(model)
+        # CUDA graphs pad a decode step to a bucket size; padding rows write into one spare slot.
+        self.kv = KVCache(specs, num_slots + (graphs_off is None), ec.max_model_len, self.dtype, self.device)
         self.max_running = num_slots
         self.step_tokens = max(ec.max_num_batched_tokens, num_slots)  # every running seq can decode
         self.eos_ids = frozenset(cfg.eos_token_ids)
@@ -127,8 +131,14 @@ class Engine:
             if self.capture_buf is not None and self.device.type == "cuda"
             else None
         )
+        self.graphs = (
+            DecodeGraphs(model, self.kv, num_slots, num_slots, ec.max_model_len, self.capture_buf)
+            if graphs_off is None
+            else None
+        )
         log.info(
-            "engine: %d slots x %d tokens, KV cache %.1f MiB, %d tokens/step, routed experts %s, device %s, %s",
+            "engine: %d slots x %d tokens, KV cache %.1f MiB, %d tokens/step, routed experts %s, device %s, %s, "
+            "CUDA graphs %s",
             num_slots,
             ec.max_model_len,
             self.kv.nbytes / 2**20,
@@ -136,6 +146,7 @@ class Engine:
             "on" if ec.enable_routed_experts else "off",
             self.device,
             self.dtype,
+            f"off ({graphs_off})" if graphs_off else f"for decode batches up to {num_slots}",
         )
         self._free_slots = list(range(num_slots))  # min-heap: the lowest free slot first (contiguous cache views)
         self._waiting: collections.deque[_Sequence] = collections.deque()
@@ -148,6 +159,13 @@ class Engine:
         self._ids = itertools.count()
         self.dead: BaseException | None = None
         self.num_steps = 0
+
+    def _graphs_off_reason(self, model: torch.nn.Module) -> str | None:
+        if self.device.type != "cuda":
+            return "not on CUDA"
+        if self.ecfg.enforce_eager:
+            return "enforce_eager"
+        return model.graph_unsafe_reason()
 
     # ---------------------------------------------------------------- public API (any thread)
 
@@ -316,13 +334,16 @@ class Engine:
         for seq, n in plan:
             ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n])
         T = len(ids)
-        batch = ForwardBatch.build(
-            [s.slot for s, _ in plan], [s.num_computed for s, _ in plan], [n for _, n in plan], self.device
-        )
         want_routing = self.capture_buf is not None and any(s.req.return_routed_experts for s, _ in plan)
         capture = self.capture_buf[:T] if want_routing else None
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, batch, self.kv, capture)  # [T, H]
+        slots, context = [s.slot for s, _ in plan], [s.num_computed for s, _ in plan]
+        graph_logits = None  # [T, V]: a one-token-per-sequence step replayed from a CUDA graph
+        if self.graphs is not None and T == len(plan) and self.graphs.supports(T, max(context) + 1):
+            graph_logits = self.graphs.run(ids, context, slots, want_routing)
+        else:
+            batch = ForwardBatch.build(slots, context, [n for _, n in plan], self.device)
+            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+            hidden = self.model(input_ids, batch, self.kv, capture)  # [T, H]
         routing_host = None
         if capture is not None and self.capture_host is not None:
             routing_host = self.capture_host[:T]
@@ -333,8 +354,10 @@ class Engine:
         new_tokens: list[int] = []
         lp = None
         if samplers:
-            rows = batch.last_token_index[samplers]
-            logits = self.model.compute_logits(hidden[rows])  # [N, V] float32
+            if graph_logits is not None:
+                logits = graph_logits if len(samplers) == T else graph_logits[samplers]
+            else:
+                logits = self.model.compute_logits(hidden[batch.last_token_index[samplers]])  # [N, V] float32
             states = [plan[i][0].sampler for i in samplers]
             tokens = sample(logits, states)
             top_n = max((st.params.logprobs for st in states if st.params.logprobs is not None), default=-1)

@@ -26,6 +26,8 @@ layer dimension; their capture rows are never written.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -246,6 +248,32 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     return _GMM_SUPPORT[key]
 
 
+def _grouped_mm_capturable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the grouped GEMM runs without the host (CUDA-graph capturable): torch's fallback for dtypes
+    without a native kernel (float32 on Hopper, torch 2.11) reads the group offsets back. Probed by capturing
+    one tiny call."""
+    key = ("graph", device.type, dtype)
+    if key not in _GMM_SUPPORT:
+        ok = device.type == "cuda" and _grouped_mm_works(device, dtype)
+        if ok:
+            a = torch.ones(4, 16, device=device, dtype=dtype)
+            b = torch.ones(2, 16, 16, device=device, dtype=dtype)
+            offs = torch.tensor([2, 4], device=device, dtype=torch.int32)
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            try:
+                with torch.cuda.stream(stream), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "the CUDA graph is empty" when the fallback stopped it
+                    _GMM(a, b, offs=offs)  # warm-up outside the capture
+                    with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream, capture_error_mode="thread_local"):
+                        _GMM(a, b, offs=offs)
+            except RuntimeError:
+                ok = False
+            torch.cuda.synchronize(device)
+        _GMM_SUPPORT[key] = ok
+    return _GMM_SUPPORT[key]
+
+
 class Experts(nn.Module):
     """E SwiGLU experts as 3-D weights (HF v5 fused layout): gate_up_proj [E, 2I, H] (gate rows, then up rows),
     down_proj [E, H, I]."""
@@ -293,7 +321,11 @@ class Experts(nn.Module):
         flat = ids.t().reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok, slot = order % T, order // T
-        offs = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        # Counts by scatter_add, not bincount: CUDA's bincount reads the max id back to the host (a sync
+        # that would also break CUDA-graph capture).
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)
         xs = x[tok]
         gate, up = _GMM(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
@@ -480,6 +512,18 @@ class MoEForCausalLM(nn.Module):
         if cfg.attention == "mla":  # compressed latent ("k") + shared rotated rope key ("v"), one "head"
             return [KVSpec(1, cfg.kv_lora_rank, cfg.qk_rope_head_dim) for _ in range(cfg.num_hidden_layers)]
         return [KVSpec(cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+
+    def graph_unsafe_reason(self) -> str | None:
+        """Why a decode step of this model cannot be captured in a CUDA graph (a host sync inside), or None."""
+        for layer in self.model.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is None:
+                continue
+            if type(experts) is not Experts:
+                return f"{type(experts).__name__} group tokens by expert on the host"
+            if not _grouped_mm_capturable(self.device, self.dtype):
+                return f"torch's grouped GEMM syncs with the host for {self.dtype} on this GPU (use bfloat16)"
+        return None
 
     def param_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
         """dtype a parameter is loaded in when the model runs in ``dtype`` (HF's keep-in-fp32 rules):

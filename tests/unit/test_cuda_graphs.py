@@ -1,0 +1,84 @@
+"""CUDA graphs for decode steps: a replayed, padded step gives every request exactly what an eager step gives.
+
+The bucket tests run everywhere; the engine tests need a GPU (run them with ``MOE_TEST_DEVICE=cuda``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moe_engine.checkpoint import load_model
+from moe_engine.config import load_config
+from moe_engine.cuda_graphs import batch_buckets, kv_len_buckets
+from moe_engine.engine import Engine, EngineConfig
+
+from .test_engine import prompt_of, run_all, submit
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 8, 64, 100, 256])
+def test_every_batch_size_has_a_bucket_with_little_padding(max_batch):
+    sizes = batch_buckets(max_batch)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_batch
+    for n in range(1, max_batch + 1):
+        bucket = next(b for b in sizes if b >= n)
+        assert bucket - n <= max(1, n // 4 + 8), (n, bucket)
+
+
+@pytest.mark.parametrize("max_len", [64, 192, 2048, 3000])
+def test_kv_len_buckets_cover_the_model_length_at_most_doubling(max_len):
+    sizes = kv_len_buckets(max_len)
+    assert sizes[-1] == max_len and sizes == sorted(set(sizes))
+    for lo, hi in zip(sizes, sizes[1:]):
+        assert hi <= 2 * lo
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda(tiny_checkpoint):
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a GPU")
+    # bfloat16: the serving dtype, and the one torch's grouped GEMM runs without the host (capturable).
+    return load_config(tiny_checkpoint), load_model(tiny_checkpoint, dtype="bfloat16", device="cuda", progress=False)
+
+
+def run_mixed_batch(tiny, enforce_eager: bool):
+    """Seven requests of different prompt and output lengths (greedy and seeded sampling) arriving over time:
+    decode steps of 1..7 sequences, padded to buckets 1, 2, 4, 8, mixed with prefill steps."""
+    cfg, model = tiny
+    engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_batched_tokens=64, enforce_eager=enforce_eager))
+    out = []
+    for i in range(7):
+        sampling = dict(max_tokens=6 + 5 * i, ignore_eos=True)
+        if i % 2:
+            sampling.update(temperature=0.8, top_p=0.9, seed=1000 + i)
+        out.append(submit(engine, prompt_of(3 + 13 * i, 50 + i), **sampling))
+        engine.step()
+    run_all(engine, out)
+    return engine, out
+
+
+@cuda
+def test_graph_replayed_decode_equals_eager_decode(tiny_cuda):
+    eager, want = run_mixed_batch(tiny_cuda, enforce_eager=True)
+    graphed, got = run_mixed_batch(tiny_cuda, enforce_eager=False)
+    assert eager.graphs is None
+    assert graphed.graphs is not None and len(graphed.graphs._graphs) >= 3  # several buckets were replayed
+    for w, g in zip(want, got):
+        assert g.finish_reason == w.finish_reason == "length"
+        assert g.tokens == w.tokens
+        np.testing.assert_array_equal(g.routing, w.routing)
+
+
+@cuda
+def test_graph_decode_without_routing_requests_skips_capture(tiny_cuda):
+    cfg, model = tiny_cuda
+    engine = Engine(model, cfg, EngineConfig(max_model_len=256))
+    with_rows = submit(engine, prompt_of(11, 5), max_tokens=8, ignore_eos=True)
+    run_all(engine, [with_rows])
+    without = submit(engine, prompt_of(11, 5), routing=False, max_tokens=8, ignore_eos=True)
+    run_all(engine, [without])
+    assert without.routing is None and without.tokens == with_rows.tokens
+    assert {key[2] for key in engine.graphs._graphs} == {True, False}
