@@ -70,7 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="prompt + output tokens per sequence (default: the model's max_position_embeddings, at most 2048)",
     )
-    add("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step (prefill chunk size)")
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step (prefill chunk size); default 2048 on CUDA, 512 on CPU",
+    )
     add("--kv-cache-memory", type=float, default=None, help="KV cache budget in GiB (default: room for all seqs)")
     add("--max-waiting", type=int, default=1024, help="engine queue bound; beyond it requests get 503")
     add(
@@ -84,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=False,
         help="turn routed experts off server-wide (no capture work at all)",
+    )
+    add(
+        "--enforce-eager",
+        action="store_true",
+        default=False,
+        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (debugging; saves the graphs' memory)",
     )
     add("--triton-http-port", type=int, default=8000, help="tritonserver HTTP port")
     add("--triton-grpc-port", type=int, default=8001, help="tritonserver gRPC port")
@@ -146,10 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_batched_tokens": args.max_num_batched_tokens or "",
         "kv_cache_bytes": int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else "",
         "max_waiting": args.max_waiting,
         "enable_routed_experts": "false" if args.disable_routed_experts else "true",
+        "enforce_eager": "true" if args.enforce_eager else "false",
         "num_threads": args.num_threads or "",
         "moe_metadata": json.dumps(metadata),
     }

@@ -93,10 +93,11 @@ class TritonPythonModel:
         ecfg = EngineConfig(
             max_num_seqs=int(_param(params, "max_num_seqs", "64")),
             max_model_len=int(_param(params, "max_model_len", "2048")),
-            max_num_batched_tokens=int(_param(params, "max_num_batched_tokens", "512")),
+            max_num_batched_tokens=int(_param(params, "max_num_batched_tokens", "0")) or None,
             kv_cache_bytes=int(budget) if budget else None,
             max_waiting=int(_param(params, "max_waiting", "1024")),
             enable_routed_experts=_param(params, "enable_routed_experts", "true").lower() in ("1", "true", "yes"),
+            enforce_eager=_param(params, "enforce_eager", "false").lower() in ("1", "true", "yes"),
         )
         num_threads = _param(params, "num_threads")
         if num_threads:

@@ -13,7 +13,11 @@ staging buffer. Padding rows decode token 0 at position 0 of a spare cache slot 
 no sequence owns; their logits and routing rows are dropped.
 
 Per row, a padded step computes what an eager step computes: attention masks hide
-keys past each row's own length, and every other op is row-wise. The captured
+keys past each row's own length, and every other op is row-wise. When the step's
+slots are exactly 0..n-1 (the engine hands out the lowest free slot, so a full or
+fresh batch has them), a separate graph reads the cache as a view of the first B
+slots instead of gathering each row's slot (padding rows then read, never write,
+slots they do not own; their outputs are dropped). The captured
 routing ids are written into the engine's step buffer, as in an eager step; graphs
 that capture routing and graphs that do not are kept apart, so a step with no
 request asking for routing still does no capture work.
@@ -63,7 +67,7 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """Captured decode forwards, keyed by (batch bucket, kv-length bucket, capture on/off)."""
+    """Captured decode forwards, keyed by (batch bucket, kv-length bucket, capture on/off, slots 0..n-1)."""
 
     def __init__(
         self,
@@ -112,14 +116,15 @@ class DecodeGraphs:
             host[3, n:B] = 1
         # Safe to overwrite the staging buffer: the previous step's copy finished before its token sync.
         self._inputs.copy_(host, non_blocking=True)
-        key = (B, Lk, capture)
+        from_zero = slots == list(range(n))
+        key = (B, Lk, capture, from_zero)
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = self._capture(B, Lk, capture)
+            g = self._graphs[key] = self._capture(*key)
         g.graph.replay()
         return g.logits[:n]
 
-    def _forward(self, B: int, Lk: int, capture: bool) -> torch.Tensor:
+    def _forward(self, B: int, Lk: int, capture: bool, from_zero: bool) -> torch.Tensor:
         ids, positions, slots, kv_lens = (self._inputs[i, :B] for i in range(4))
         batch = ForwardBatch(
             slot_ids=slots,
@@ -131,28 +136,30 @@ class DecodeGraphs:
             max_query_len=1,
             max_kv_len=Lk,
             last_token_index=self._arange[:B],
+            slot_start=0 if from_zero else None,  # attention reads cache[0:B] as a view, no gather
         )
         buf = self.capture_buf if capture else None
         hidden = self.model(ids, batch, self.kv, buf)  # [B, H]
         return self.model.compute_logits(hidden)  # [B, V] float32
 
-    def _capture(self, B: int, Lk: int, capture: bool) -> _Graph:
+    def _capture(self, B: int, Lk: int, capture: bool, from_zero: bool) -> _Graph:
         t0 = time.monotonic()
         current = torch.cuda.current_stream()
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             # Warm-up run (lazy kernel and workspace initialisation must not happen during capture). It runs
             # the real step's inputs: the KV it writes is what the replay writes again.
-            self._forward(B, Lk, capture)
+            self._forward(B, Lk, capture, from_zero)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                logits = self._forward(B, Lk, capture)
+                logits = self._forward(B, Lk, capture, from_zero)
         current.wait_stream(self._stream)
         log.info(
-            "captured a CUDA graph for decode steps of %d sequences, %d keys, routing %s (%.0f ms; %d graphs)",
+            "captured a CUDA graph for decode steps of %d sequences, %d keys, routing %s, %s (%.0f ms; %d graphs)",
             B,
             Lk,
             "on" if capture else "off",
+            "slots 0..n-1" if from_zero else "any slots",
             (time.monotonic() - t0) * 1e3,
             len(self._graphs) + 1,
         )

@@ -44,7 +44,10 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int = 2048
-    max_num_batched_tokens: int = 512  # per step: decode tokens + prefill chunk tokens
+    # Per step: decode tokens + prefill chunk tokens. None: 2048 on CUDA (a step costs about the same host time
+    # at any size there, so bigger prefill chunks mean fewer steps), 512 on CPU (a step's time grows with its
+    # tokens, and running requests wait for it).
+    max_num_batched_tokens: int | None = None
     kv_cache_bytes: int | None = None  # None: room for max_num_seqs full sequences
     max_waiting: int = 1024  # waiting-queue bound; beyond it add_request raises EngineOverloadedError
     enable_routed_experts: bool = True  # server-wide switch; off = never any capture work
@@ -114,23 +117,22 @@ class Engine:
         # CUDA graphs pad a decode step to a bucket size; padding rows write into one spare slot.
         self.kv = KVCache(specs, num_slots + (graphs_off is None), ec.max_model_len, self.dtype, self.device)
         self.max_running = num_slots
-        self.step_tokens = max(ec.max_num_batched_tokens, num_slots)  # every running seq can decode
+        step_budget = ec.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
+        self.step_tokens = max(step_budget, num_slots)  # every running seq can decode
         self.eos_ids = frozenset(cfg.eos_token_ids)
         L, K = cfg.num_hidden_layers, cfg.num_experts_per_tok
-        # Preallocated, so a decode step allocates nothing (and can later be graph-captured).
-        # Dense layers are never written and stay 0; metadata says which layers are MoE.
-        self.capture_buf = (
-            torch.zeros(self.step_tokens, L, K, dtype=torch.int32, device=self.device)
-            if ec.enable_routed_experts
-            else None
+        # The step's outputs in one int32 buffer: [step_tokens] sampled tokens, then the capture buffer
+        # [step_tokens, L, K] that each MoE layer writes. Preallocated (a decode step allocates nothing; graphs
+        # capture its address). Dense layers' columns are never written and stay 0; metadata says which layers
+        # are MoE. On CUDA a step's tokens and first T routing rows are one contiguous prefix, fetched with a
+        # single copy into pinned memory: capture adds bytes to the step's one transfer, not a transfer.
+        S = self.step_tokens
+        capture_numel = S * L * K if ec.enable_routed_experts else 0
+        self.step_out = torch.zeros(S + capture_numel, dtype=torch.int32, device=self.device)
+        self.step_out_host = (
+            torch.empty(S + capture_numel, dtype=torch.int32, pin_memory=True) if self.device.type == "cuda" else None
         )
-        # On CUDA the step's rows go to a pinned host buffer with a non-blocking copy queued right after the
-        # forward, so they ride on the token sync instead of costing a second one.
-        self.capture_host = (
-            torch.empty(self.step_tokens, L, K, dtype=torch.int32, pin_memory=True)
-            if self.capture_buf is not None and self.device.type == "cuda"
-            else None
-        )
+        self.capture_buf = self.step_out[S:].view(S, L, K) if ec.enable_routed_experts else None
         self.graphs = (
             DecodeGraphs(model, self.kv, num_slots, num_slots, ec.max_model_len, self.capture_buf)
             if graphs_off is None
@@ -161,6 +163,7 @@ class Engine:
         self.num_steps = 0
 
     def _graphs_off_reason(self, model: torch.nn.Module) -> str | None:
+        """Why decode steps run eagerly, or None when they replay CUDA graphs."""
         if self.device.type != "cuda":
             return "not on CUDA"
         if self.ecfg.enforce_eager:
@@ -344,14 +347,10 @@ class Engine:
             batch = ForwardBatch.build(slots, context, [n for _, n in plan], self.device)
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             hidden = self.model(input_ids, batch, self.kv, capture)  # [T, H]
-        routing_host = None
-        if capture is not None and self.capture_host is not None:
-            routing_host = self.capture_host[:T]
-            routing_host.copy_(capture, non_blocking=True)
 
         # Sequences that produce a token this step: decoding, or finishing their prompt now.
         samplers = [i for i, (s, n) in enumerate(plan) if s.num_computed + n >= s.num_prompt]
-        new_tokens: list[int] = []
+        tokens = None
         lp = None
         if samplers:
             if graph_logits is not None:
@@ -363,13 +362,10 @@ class Engine:
             top_n = max((st.params.logprobs for st in states if st.params.logprobs is not None), default=-1)
             if top_n >= 0:
                 lp = [t.cpu() if t is not None else None for t in compute_logprobs(logits, tokens, top_n)]
-            new_tokens = tokens.tolist()  # the step's one host sync for tokens
-        if routing_host is not None:
-            if not samplers:  # no token sync happened this step
-                torch.cuda.current_stream(self.device).synchronize()
-            routing = routing_host.numpy()  # rows are copied out per request below, before the next step
-        else:
-            routing = capture.cpu().numpy() if capture is not None else None  # one copy per step
+        new_tokens, routing = self._fetch(tokens, T if capture is not None else 0)
+        if routing is not None:
+            # One conversion for the step, a fresh array: requests get views of it (no per-request copy).
+            routing = routing.astype(np.uint16)
 
         sampled = dict(zip(samplers, range(len(samplers))))
         offset = 0
@@ -378,7 +374,7 @@ class Engine:
             if routing is not None and seq.req.return_routed_experts:
                 first = max(seq.num_computed, seq.req.routed_experts_prompt_start)
                 last = seq.num_computed + n
-                rows_np = routing[offset + first - seq.num_computed : offset + n].astype(np.uint16)
+                rows_np = routing[offset + first - seq.num_computed : offset + n]
                 if first >= last:
                     rows_np = rows_np[:0]
             offset += n
@@ -411,6 +407,23 @@ class Engine:
                     self._finish(seq, reason, last=out)
                     continue
             self._emit(seq, out)
+
+    def _fetch(self, tokens: torch.Tensor | None, rows: int) -> tuple[list[int], np.ndarray | None]:
+        """The step's device->host transfer: sampled tokens [N] and the first ``rows`` routing rows
+        [rows, L, K] (a view of a step buffer: copy what you keep before the next step)."""
+        capture = self.capture_buf[:rows] if rows else None
+        host = self.step_out_host
+        if host is None:  # CPU: the buffers are host memory already
+            return (tokens.tolist() if tokens is not None else []), (capture.numpy() if rows else None)
+        S, n = self.step_tokens, 0 if tokens is None else tokens.shape[0]
+        if n:
+            self.step_out[:n].copy_(tokens)
+        end = S + capture.numel() if rows else n
+        if end:
+            host[:end].copy_(self.step_out[:end], non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+        routing = host[S:end].view(capture.shape).numpy() if rows else None
+        return host[:n].tolist(), routing
 
     def _stop_reason(self, seq: _Sequence, token: int) -> str | None:
         p = seq.sampler.params

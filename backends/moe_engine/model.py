@@ -248,6 +248,14 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     return _GMM_SUPPORT[key]
 
 
+def _rank_in_row(ids: Tensor) -> Tensor:
+    """[T, K] -> [T, K]: the rank of each entry within its row (ids in a row are distinct): one sort and a
+    scatter, where argsort(argsort(ids)) takes two sorts."""
+    order = torch.argsort(ids, dim=-1)
+    ranks = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return torch.empty_like(order).scatter_(1, order, ranks)
+
+
 def _grouped_mm_capturable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the grouped GEMM runs without the host (CUDA-graph capturable): torch's fallback for dtypes
     without a native kernel (float32 on Hopper, torch 2.11) reads the group offsets back. Probed by capturing
@@ -309,7 +317,7 @@ class Experts(nn.Module):
         outs = [self._expert(e, rows) for e, rows in enumerate(torch.split(xs, counts)) if rows.shape[0]]
         y = (torch.cat(outs) * weights[tok, slot, None]).to(x.dtype)  # [K*T, H]; fp32 weights promote (Mixtral)
         # Back to [T, K, H] with each token's K outputs in ascending expert order, then summed in that order.
-        rank = torch.argsort(torch.argsort(ids, dim=-1), dim=-1)  # [T, K] rank of each slot's expert id
+        rank = _rank_in_row(ids)  # [T, K] rank of each slot's expert id
         per_token = torch.empty(T, K, x.shape[1], dtype=x.dtype, device=x.device)
         per_token[tok, rank[tok, slot]] = y
         return self._sum_in_order(per_token)
@@ -330,7 +338,7 @@ class Experts(nn.Module):
         gate, up = _GMM(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
         y = (y * weights[tok, slot, None]).to(x.dtype)
-        rank = torch.argsort(torch.argsort(ids, dim=-1), dim=-1)
+        rank = _rank_in_row(ids)
         per_token = torch.empty(T, K, x.shape[1], dtype=x.dtype, device=x.device)
         per_token[tok, rank[tok, slot]] = y
         return self._sum_in_order(per_token)
