@@ -7,6 +7,10 @@ Runs C requests through ``Engine.step()`` on this thread and reports
   * the top host functions of the decode steps (cProfile, cumulative time),
   * the top GPU kernels of a few decode steps (torch.profiler, CUDA only).
 
+``--paired-capture`` instead measures what routing capture costs per decode step: two engines (capture on /
+off) hold the same C sequences and their decode steps alternate, so both see the same machine state; it
+reports the median step time of each and the median of the per-pair ratios.
+
 Usage (see loadtest/README.md):
     .venv/bin/python loadtest/profile_engine_step.py --device cuda --concurrency 16
 """
@@ -34,7 +38,11 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--no-capture", action="store_true", help="routing capture off")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--paired-capture", action="store_true", help="capture on vs off, alternating decode steps")
+    p.add_argument("--pairs", type=int, default=200, help="decode-step pairs for --paired-capture")
     args, rest = p.parse_known_args()
+    if args.paired_capture:
+        args.output_len = max(args.output_len, args.pairs + 8)
     shape = bench_engine.parse_args(["--device", args.device, *rest])
     from moe_engine.checkpoint import load_model
     from moe_engine.config import load_config
@@ -56,6 +64,8 @@ def main() -> int:
     )
     cuda = args.device.startswith("cuda")
     g = torch.Generator().manual_seed(0)
+    if args.paired_capture:
+        return paired_capture(args, cfg, model, engine, cuda)
 
     def submit_all():
         for _ in range(args.concurrency):
@@ -120,6 +130,44 @@ def main() -> int:
         print(f"torch.profiler over {n} steps (all of them):")
         print(tp.key_averages().table(sort_by="cuda_time_total", row_limit=25))
         print(tp.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    return 0
+
+
+def paired_capture(args, cfg, model, on, cuda: bool) -> int:
+    from moe_engine.engine import Engine, EngineConfig, Request
+    from moe_engine.sampling import SamplingParams
+
+    off = Engine(model, cfg, EngineConfig(**{**on.ecfg.__dict__, "enable_routed_experts": False}))
+    max_tokens = args.pairs + 8
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.concurrency)]
+    for engine in (on, off):
+        for prompt in prompts:
+            sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            engine.add_request(Request(engine.new_request_id(), prompt, sampling, on_output=lambda out: None))
+        while any(s.in_prefill for s in list(engine._running.values()) + list(engine._waiting)) or engine._inbox:
+            engine.step()
+
+    def timed_step(engine) -> float:
+        t0 = time.perf_counter()
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for _ in range(5):  # warm-up: graphs captured
+        timed_step(on), timed_step(off)
+    t_on, t_off = [], []
+    for i in range(max_tokens - 8):
+        a, b = (on, off) if i % 2 == 0 else (off, on)  # alternate which goes first
+        ta, tb = timed_step(a), timed_step(b)
+        t_on.append(ta if a is on else tb)
+        t_off.append(tb if a is on else ta)
+    ratio = statistics.median(x / y for x, y in zip(t_on, t_off))
+    print(f"{args.concurrency} sequences decoding (context {args.prompt_len}+), {args.device}, {len(t_on)} step pairs")
+    print(f"capture on:  median {statistics.median(t_on) * 1e3:.3f} ms per decode step")
+    print(f"capture off: median {statistics.median(t_off) * 1e3:.3f} ms per decode step")
+    print(f"on/off per-pair median ratio: {ratio:.4f} (capture costs {100 * (ratio - 1):+.2f}% per decode step)")
     return 0
 
 

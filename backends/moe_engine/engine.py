@@ -120,7 +120,7 @@ class Engine:
         step_budget = ec.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
         self.step_tokens = max(step_budget, num_slots)  # every running seq can decode
         self.eos_ids = frozenset(cfg.eos_token_ids)
-        L, K = cfg.num_hidden_layers, cfg.num_experts_per_tok
+        L, K = self.routing_shape = cfg.num_hidden_layers, cfg.num_experts_per_tok
         # The step's outputs in one int32 buffer: [step_tokens] sampled tokens, then the capture buffer
         # [step_tokens, L, K] that each MoE layer writes. Preallocated (a decode step allocates nothing; graphs
         # capture its address). Dense layers' columns are never written and stay 0; metadata says which layers
@@ -133,6 +133,8 @@ class Engine:
             torch.empty(S + capture_numel, dtype=torch.int32, pin_memory=True) if self.device.type == "cuda" else None
         )
         self.capture_buf = self.step_out[S:].view(S, L, K) if ec.enable_routed_experts else None
+        # numpy views of the host side (slicing numpy costs a fraction of slicing torch, once per step)
+        self._host_np = (self.step_out_host if self.step_out_host is not None else self.step_out).numpy()
         self.graphs = (
             DecodeGraphs(model, self.kv, num_slots, num_slots, ec.max_model_len, self.capture_buf)
             if graphs_off is None
@@ -338,7 +340,6 @@ class Engine:
             ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n])
         T = len(ids)
         want_routing = self.capture_buf is not None and any(s.req.return_routed_experts for s, _ in plan)
-        capture = self.capture_buf[:T] if want_routing else None
         slots, context = [s.slot for s, _ in plan], [s.num_computed for s, _ in plan]
         graph_logits = None  # [T, V]: a one-token-per-sequence step replayed from a CUDA graph
         if self.graphs is not None and T == len(plan) and self.graphs.supports(T, max(context) + 1):
@@ -346,6 +347,7 @@ class Engine:
         else:
             batch = ForwardBatch.build(slots, context, [n for _, n in plan], self.device)
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+            capture = self.capture_buf[:T] if want_routing else None
             hidden = self.model(input_ids, batch, self.kv, capture)  # [T, H]
 
         # Sequences that produce a token this step: decoding, or finishing their prompt now.
@@ -362,7 +364,7 @@ class Engine:
             top_n = max((st.params.logprobs for st in states if st.params.logprobs is not None), default=-1)
             if top_n >= 0:
                 lp = [t.cpu() if t is not None else None for t in compute_logprobs(logits, tokens, top_n)]
-        new_tokens, routing = self._fetch(tokens, T if capture is not None else 0)
+        new_tokens, routing = self._fetch(tokens, T if want_routing else 0)
         if routing is not None:
             # One conversion for the step, a fresh array: requests get views of it (no per-request copy).
             routing = routing.astype(np.uint16)
@@ -411,19 +413,19 @@ class Engine:
     def _fetch(self, tokens: torch.Tensor | None, rows: int) -> tuple[list[int], np.ndarray | None]:
         """The step's device->host transfer: sampled tokens [N] and the first ``rows`` routing rows
         [rows, L, K] (a view of a step buffer: copy what you keep before the next step)."""
-        capture = self.capture_buf[:rows] if rows else None
-        host = self.step_out_host
-        if host is None:  # CPU: the buffers are host memory already
-            return (tokens.tolist() if tokens is not None else []), (capture.numpy() if rows else None)
-        S, n = self.step_tokens, 0 if tokens is None else tokens.shape[0]
+        S, (L, K) = self.step_tokens, self.routing_shape
+        n = 0 if tokens is None else tokens.shape[0]
+        routing_end = S + rows * L * K  # the first `rows` rows of the capture buffer
+        routing = self._host_np[S:routing_end].reshape(rows, L, K) if rows else None
+        if self.step_out_host is None:  # CPU: the buffers are host memory already
+            return (tokens.tolist() if n else []), routing
         if n:
             self.step_out[:n].copy_(tokens)
-        end = S + capture.numel() if rows else n
+        end = routing_end if rows else n
         if end:
-            host[:end].copy_(self.step_out[:end], non_blocking=True)
+            self.step_out_host[:end].copy_(self.step_out[:end], non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
-        routing = host[S:end].view(capture.shape).numpy() if rows else None
-        return host[:n].tolist(), routing
+        return self._host_np[:n].tolist(), routing
 
     def _stop_reason(self, seq: _Sequence, token: int) -> str | None:
         p = seq.sampler.params
