@@ -368,6 +368,8 @@ class Engine:
         if routing is not None:
             # One conversion for the step, a fresh array: requests get views of it (no per-request copy).
             routing = routing.astype(np.uint16)
+        # A step of one token per sequence (decode) hands out one row each: views made in one C-level pass.
+        row_views = list(routing[:, None]) if routing is not None and T == len(plan) else None
 
         sampled = dict(zip(samplers, range(len(samplers))))
         offset = 0
@@ -376,7 +378,10 @@ class Engine:
             if routing is not None and seq.req.return_routed_experts:
                 first = max(seq.num_computed, seq.req.routed_experts_prompt_start)
                 last = seq.num_computed + n
-                rows_np = routing[offset + first - seq.num_computed : offset + n]
+                if row_views is not None:
+                    rows_np = row_views[i]
+                else:
+                    rows_np = routing[offset + first - seq.num_computed : offset + n]
                 if first >= last:
                     rows_np = rows_np[:0]
             offset += n
