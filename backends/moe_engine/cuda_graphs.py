@@ -88,6 +88,7 @@ class DecodeGraphs:
         device = kv[0].k.device
         # Rows: token id, position, slot, kv length. Staged on the host, copied in one transfer.
         self._host = torch.zeros(4, max_batch, dtype=torch.long, pin_memory=True)
+        self._host_np = self._host.numpy()
         self._inputs = torch.zeros(4, max_batch, dtype=torch.long, device=device)
         self._arange = torch.arange(max_batch, dtype=torch.long, device=device)
         self._zeros = torch.zeros(max_batch, dtype=torch.long, device=device)
@@ -107,8 +108,10 @@ class DecodeGraphs:
         n = len(token_ids)
         B = _round_up(self.batch_sizes, n)
         Lk = _round_up(self.kv_lens, max(positions) + 1)
-        host = self._host
-        host[:3, :n] = torch.tensor([token_ids, positions, slots])
+        host = self._host_np  # numpy view of the pinned staging buffer (cheaper to fill than torch indexing)
+        host[0, :n] = token_ids
+        host[1, :n] = positions
+        host[2, :n] = slots
         host[3, :n] = host[1, :n] + 1
         if B > n:  # padding rows: token 0 at position 0 of the spare slot
             host[0:2, n:B] = 0
