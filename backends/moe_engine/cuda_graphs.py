@@ -86,9 +86,11 @@ class DecodeGraphs:
         self.kv_lens = kv_len_buckets(max_model_len)
         self.max_batch = max_batch
         device = kv[0].k.device
-        # Rows: token id, position, slot, kv length. Staged on the host, copied in one transfer.
-        self._host = torch.zeros(4, max_batch, dtype=torch.long, pin_memory=True)
-        self._host_np = self._host.numpy()
+        # Rows: token id, position, slot, kv length. Staged on the host, copied in one transfer. Two staging
+        # buffers, alternating: with overlapped decode the previous step's copy may not have run yet.
+        self._host = [torch.zeros(4, max_batch, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._parity = 0
         self._inputs = torch.zeros(4, max_batch, dtype=torch.long, device=device)
         self._arange = torch.arange(max_batch, dtype=torch.long, device=device)
         self._zeros = torch.zeros(max_batch, dtype=torch.long, device=device)
@@ -101,15 +103,18 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(
-        self, token_ids: list[int], positions: list[int], slots: list[int], capture: bool
+        self, token_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int], capture: bool
     ) -> torch.Tensor:
-        """One decode step of len(token_ids) sequences; returns their logits [B, V] float32 (a view of the
-        graph's output, valid until the next replay). Routing rows land in capture_buf[:B] when capture."""
-        n = len(token_ids)
+        """One decode step of n sequences; returns their logits [n, V] float32 (a view of the graph's output,
+        valid until the next replay). Routing rows land in capture_buf[:n] when capture. ``token_ids``: a list,
+        or a device tensor [n] (overlapped decode: the previous step's samples, never seen by the host)."""
+        n = len(positions)
         B = _round_up(self.batch_sizes, n)
         Lk = _round_up(self.kv_lens, max(positions) + 1)
-        host = self._host_np  # numpy view of the pinned staging buffer (cheaper to fill than torch indexing)
-        host[0, :n] = token_ids
+        self._parity ^= 1
+        host = self._host_np[self._parity]  # numpy view of pinned staging memory (cheaper than torch indexing)
+        on_device = isinstance(token_ids, torch.Tensor)
+        host[0, :n] = 0 if on_device else token_ids
         host[1, :n] = positions
         host[2, :n] = slots
         host[3, :n] = host[1, :n] + 1
@@ -117,8 +122,10 @@ class DecodeGraphs:
             host[0:2, n:B] = 0
             host[2, n:B] = self.pad_slot
             host[3, n:B] = 1
-        # Safe to overwrite the staging buffer: the previous step's copy finished before its token sync.
-        self._inputs.copy_(host, non_blocking=True)
+        # This buffer's previous copy (two steps ago) finished before that step's results were read.
+        self._inputs.copy_(self._host[self._parity], non_blocking=True)
+        if on_device:
+            self._inputs[0, :n].copy_(token_ids)
         from_zero = slots == list(range(n))
         key = (B, Lk, capture, from_zero)
         g = self._graphs.get(key)

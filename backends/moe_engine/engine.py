@@ -52,6 +52,9 @@ class EngineConfig:
     max_waiting: int = 1024  # waiting-queue bound; beyond it add_request raises EngineOverloadedError
     enable_routed_experts: bool = True  # server-wide switch; off = never any capture work
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (debugging, or to save their memory)
+    # Launch decode step i+1 before handing out step i's results (None: on CUDA, where the GPU then works while
+    # the host does; on CPU the forward runs on the host, so there is nothing to overlap).
+    overlap_decode: bool | None = None
 
 
 @dataclass
@@ -98,6 +101,30 @@ class _Sequence:
         return self.num_computed < self.num_prompt
 
 
+@dataclass
+class _Transfer:
+    """A step's tokens and routing rows on their way to the host (CUDA: a pinned buffer + an event)."""
+
+    n: int  # sampled tokens
+    rows: int  # routing rows (0: none fetched)
+    host: np.ndarray | None = None  # CUDA: [S + S*L*K] int32 view of the pinned buffer
+    event: torch.cuda.Event | None = None
+    tokens: list[int] | None = None  # CPU: the results themselves
+    routing: np.ndarray | None = None
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are queued; its results are handed out by ``_complete``."""
+
+    plan: list[tuple[_Sequence, int]]
+    context: list[int]  # tokens in each sequence's cache before the step
+    samplers: list[int]  # plan indices that sample a token this step
+    tokens: torch.Tensor | None  # [N] sampled tokens on the device (input of an overlapped next step)
+    lp: list | None
+    transfer: _Transfer
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, cfg: MoEConfig, engine_cfg: EngineConfig | None = None):
         self.model = model
@@ -129,12 +156,18 @@ class Engine:
         S = self.step_tokens
         capture_numel = S * L * K if ec.enable_routed_experts else 0
         self.step_out = torch.zeros(S + capture_numel, dtype=torch.int32, device=self.device)
-        self.step_out_host = (
-            torch.empty(S + capture_numel, dtype=torch.int32, pin_memory=True) if self.device.type == "cuda" else None
-        )
         self.capture_buf = self.step_out[S:].view(S, L, K) if ec.enable_routed_experts else None
-        # numpy views of the host side (slicing numpy costs a fraction of slicing torch, once per step)
-        self._host_np = (self.step_out_host if self.step_out_host is not None else self.step_out).numpy()
+        cuda = self.device.type == "cuda"
+        # Two pinned host copies (an overlapped step's transfer lands while the previous one is read), with
+        # numpy views (slicing numpy costs a fraction of slicing torch) and an event each.
+        self.step_out_host = (
+            [torch.empty(S + capture_numel, dtype=torch.int32, pin_memory=True) for _ in range(2)] if cuda else None
+        )
+        self._host_np = [h.numpy() for h in self.step_out_host] if cuda else None
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._parity = 0
+        self.overlap = cuda if ec.overlap_decode is None else ec.overlap_decode
+        self._inflight: _Launched | None = None  # a decode step launched, results not yet handed out
         self.graphs = (
             DecodeGraphs(model, self.kv, num_slots, num_slots, ec.max_model_len, self.capture_buf)
             if graphs_off is None
@@ -261,7 +294,10 @@ class Engine:
         try:
             while True:
                 with self._cv:
-                    while not self._stop and not self._inbox and not self._waiting and not self._running:
+                    while (
+                        not self._stop and not self._inbox and not self._waiting and not self._running
+                        and self._inflight is None
+                    ):
                         self._cv.wait()
                     if self._stop:
                         break
@@ -280,18 +316,38 @@ class Engine:
             self._running.clear()
             self._waiting.clear()
             self._inbox.clear()
+            self._inflight = None
         for seq in seqs:
             self._finish(seq, "error", error=message)
 
     def step(self) -> bool:
-        """Run one scheduler step; returns False when there was nothing to do."""
+        """Run one scheduler step; returns False when there was nothing to do.
+
+        Overlapped decode (CUDA by default): a decode step is left in flight, and the next call launches the
+        following decode step from its sampled tokens on the device *before* reading its results, so the
+        GPU runs the next forward while the host hands out this one's tokens and routing rows."""
         self._drain_inbox()
         self._admit()
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            following = self._launch_next_decode(prev)
+            self._complete(prev)
+            if following is not None:
+                self.num_steps += 1
+                if self._can_overlap(following):
+                    self._inflight = following
+                else:
+                    self._complete(following)
+                return True
         plan = self._schedule()
         if not plan:
-            return False
-        self._run(plan)
+            return prev is not None
+        launched = self._launch(plan, [s.num_computed for s, _ in plan])
         self.num_steps += 1
+        if self._can_overlap(launched):
+            self._inflight = launched
+        else:
+            self._complete(launched)
         return True
 
     def _drain_inbox(self) -> None:
@@ -334,24 +390,33 @@ class Engine:
         return plan + pre
 
     @torch.inference_mode()
-    def _run(self, plan: list[tuple[_Sequence, int]]) -> None:
-        ids: list[int] = []
-        for seq, n in plan:
-            ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n])
-        T = len(ids)
+    def _launch(
+        self, plan: list[tuple[_Sequence, int]], context: list[int], input_ids: torch.Tensor | None = None
+    ) -> _Launched:
+        """Queue a step's forward, sampling and device->host transfer; returns before the GPU finishes.
+
+        ``context``: tokens already in each sequence's cache (where its step starts). ``input_ids``: the step's
+        token ids on the device (an overlapped decode step, whose inputs the previous step sampled), else the
+        ids are read from the sequences."""
+        T = sum(n for _, n in plan)
+        if input_ids is None:
+            ids: list[int] = []
+            for (seq, n), c in zip(plan, context):
+                ids.extend(seq.tokens[c : c + n])
         want_routing = self.capture_buf is not None and any(s.req.return_routed_experts for s, _ in plan)
-        slots, context = [s.slot for s, _ in plan], [s.num_computed for s, _ in plan]
+        slots = [s.slot for s, _ in plan]
         graph_logits = None  # [T, V]: a one-token-per-sequence step replayed from a CUDA graph
         if self.graphs is not None and T == len(plan) and self.graphs.supports(T, max(context) + 1):
-            graph_logits = self.graphs.run(ids, context, slots, want_routing)
+            graph_logits = self.graphs.run(ids if input_ids is None else input_ids, context, slots, want_routing)
         else:
             batch = ForwardBatch.build(slots, context, [n for _, n in plan], self.device)
-            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+            if input_ids is None:
+                input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             capture = self.capture_buf[:T] if want_routing else None
             hidden = self.model(input_ids, batch, self.kv, capture)  # [T, H]
 
         # Sequences that produce a token this step: decoding, or finishing their prompt now.
-        samplers = [i for i, (s, n) in enumerate(plan) if s.num_computed + n >= s.num_prompt]
+        samplers = [i for i, ((s, n), c) in enumerate(zip(plan, context)) if c + n >= s.num_prompt]
         tokens = None
         lp = None
         if samplers:
@@ -360,31 +425,66 @@ class Engine:
             else:
                 logits = self.model.compute_logits(hidden[batch.last_token_index[samplers]])  # [N, V] float32
             states = [plan[i][0].sampler for i in samplers]
-            tokens = sample(logits, states)
+            tokens = sample(logits, states)  # [N] long, on the device
             top_n = max((st.params.logprobs for st in states if st.params.logprobs is not None), default=-1)
             if top_n >= 0:
                 lp = [t.cpu() if t is not None else None for t in compute_logprobs(logits, tokens, top_n)]
-        new_tokens, routing = self._fetch(tokens, T if want_routing else 0)
-        if routing is not None:
-            # One conversion for the step, a fresh array: requests get views of it (no per-request copy).
-            routing = routing.astype(np.uint16)
-        # A step of one token per sequence (decode) hands out one row each: views made in one C-level pass.
-        row_views = list(routing[:, None]) if routing is not None and T == len(plan) else None
+        return _Launched(plan, context, samplers, tokens, lp, self._transfer(tokens, T if want_routing else 0))
 
-        sampled = dict(zip(samplers, range(len(samplers))))
+    def _transfer(self, tokens: torch.Tensor | None, rows: int) -> _Transfer:
+        """Queue the step's device->host transfer: sampled tokens [N] and the first ``rows`` routing rows
+        [rows, L, K], one copy into one of two pinned buffers (one step may be in flight while the previous
+        one's results are read)."""
+        n = 0 if tokens is None else tokens.shape[0]
+        S, (L, K) = self.step_tokens, self.routing_shape
+        routing_end = S + rows * L * K  # the first `rows` rows of the capture buffer
+        if self.step_out_host is None:  # CPU: done already; copy out before the next step reuses the buffer
+            routing = self.step_out[S:routing_end].numpy().reshape(rows, L, K).astype(np.uint16) if rows else None
+            return _Transfer(n, rows, tokens=tokens.tolist() if n else [], routing=routing)
+        self._parity ^= 1
+        host, event = self.step_out_host[self._parity], self._events[self._parity]
+        if n:
+            self.step_out[:n].copy_(tokens)
+        end = routing_end if rows else n
+        if end:
+            host[:end].copy_(self.step_out[:end], non_blocking=True)
+        event.record()
+        return _Transfer(n, rows, host=self._host_np[self._parity], event=event)
+
+    def _results(self, tr: _Transfer) -> tuple[list[int], np.ndarray | None]:
+        """Wait for a step's transfer: (tokens, routing rows [rows, L, K] uint16 or None)."""
+        if tr.host is None:
+            return tr.tokens, tr.routing
+        tr.event.synchronize()
+        S, (L, K) = self.step_tokens, self.routing_shape
+        # One conversion for the step, into a fresh array: requests get views of it (no per-request copy).
+        routing = tr.host[S : S + tr.rows * L * K].reshape(tr.rows, L, K).astype(np.uint16) if tr.rows else None
+        return tr.host[: tr.n].tolist(), routing
+
+    def _complete(self, step: _Launched) -> None:
+        """Hand a launched step's results to its sequences: tokens, routing rows, stops, outputs."""
+        plan, context = step.plan, step.context
+        new_tokens, routing = self._results(step.transfer)
+        lp = step.lp
+        # A step of one token per sequence (decode) hands out one row each: views made in one C-level pass.
+        row_views = list(routing[:, None]) if routing is not None and len(routing) == len(plan) else None
+        sampled = dict(zip(step.samplers, range(len(step.samplers))))
         offset = 0
         for i, (seq, n) in enumerate(plan):
+            c = context[i]
+            offset += n
+            if seq.slot < 0 or seq.num_computed != c:
+                continue  # finished (or aborted) while this overlapped step was in flight: its row is dropped
             rows_np = None
             if routing is not None and seq.req.return_routed_experts:
-                first = max(seq.num_computed, seq.req.routed_experts_prompt_start)
-                last = seq.num_computed + n
+                first = max(c, seq.req.routed_experts_prompt_start)
+                last = c + n
                 if row_views is not None:
                     rows_np = row_views[i]
                 else:
-                    rows_np = routing[offset + first - seq.num_computed : offset + n]
+                    rows_np = routing[offset - n + first - c : offset]
                 if first >= last:
                     rows_np = rows_np[:0]
-            offset += n
             seq.num_computed += n
             tok: list[int] = []
             out = RequestOutput(
@@ -415,22 +515,28 @@ class Engine:
                     continue
             self._emit(seq, out)
 
-    def _fetch(self, tokens: torch.Tensor | None, rows: int) -> tuple[list[int], np.ndarray | None]:
-        """The step's device->host transfer: sampled tokens [N] and the first ``rows`` routing rows
-        [rows, L, K] (a view of a step buffer: copy what you keep before the next step)."""
-        S, (L, K) = self.step_tokens, self.routing_shape
-        n = 0 if tokens is None else tokens.shape[0]
-        routing_end = S + rows * L * K  # the first `rows` rows of the capture buffer
-        routing = self._host_np[S:routing_end].reshape(rows, L, K) if rows else None
-        if self.step_out_host is None:  # CPU: the buffers are host memory already
-            return (tokens.tolist() if n else []), routing
-        if n:
-            self.step_out[:n].copy_(tokens)
-        end = routing_end if rows else n
-        if end:
-            self.step_out_host[:end].copy_(self.step_out[:end], non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-        return self._host_np[:n].tolist(), routing
+    # ---------------------------------------------------------------- overlapped decode
+
+    def _can_overlap(self, step: _Launched) -> bool:
+        """Whether the next step may be launched from this one's sampled tokens before its results are read:
+        a decode step (every sequence samples one token, no logprobs) in which no sequence can reach a length
+        limit, so every one of them would decode again unless it stops on a token."""
+        if not self.overlap or step.lp is not None or len(step.samplers) != len(step.plan):
+            return False
+        limit = self.ecfg.max_model_len
+        for (seq, n), c in zip(step.plan, step.context):
+            if n != 1 or seq.num_output + 1 >= seq.sampler.params.max_tokens or c + 2 >= limit:
+                return False
+        return True
+
+    def _launch_next_decode(self, prev: _Launched) -> _Launched | None:
+        """Launch the decode step that follows ``prev`` (not yet completed), fed by its sampled tokens on the
+        device, if the running batch is still exactly prev's sequences (no arrival, no abort). A sequence that
+        stops on prev's token has computed one wasted row in it, dropped when the step completes; its KV
+        write lands in its own slot, past its end."""
+        if len(self._running) != len(prev.plan) or any(seq.slot < 0 for seq, _ in prev.plan):
+            return None
+        return self._launch(prev.plan, [c + 1 for c in prev.context], input_ids=prev.tokens)
 
     def _stop_reason(self, seq: _Sequence, token: int) -> str | None:
         p = seq.sampler.params

@@ -179,7 +179,9 @@ def test_abort_frees_the_slot_for_the_next_request(tiny):
     engine = make_engine(tiny, max_num_seqs=1)
     long = submit(engine, prompt_of(5, 8), rid="long", max_tokens=200, ignore_eos=True)
     waiting = submit(engine, prompt_of(5, 9), rid="next", max_tokens=3)
-    for _ in range(5):
+    for _ in range(50):
+        if len(long.tokens) >= 5:
+            break
         engine.step()
     assert len(long.tokens) == 5 and not waiting.tokens  # one slot: the second waits
     engine.abort("long")
@@ -238,3 +240,64 @@ def test_sixty_four_concurrent_requests_all_finish_on_the_engine_thread(tiny):
     finally:
         engine.shutdown()
     assert engine.stats()["free_slots"] == engine.max_running
+
+
+def overlap_workload(engine, stop_token: int | None = None) -> list[Collector]:
+    """Requests that arrive while others decode, stop on a token, stop on length, opt out of routing, cut
+    prompt rows and sample with a seed: every way the running batch changes between decode steps."""
+    out = [
+        submit(engine, prompt_of(9, 21), max_tokens=14, ignore_eos=True),
+        submit(engine, prompt_of(17, 22), max_tokens=9, ignore_eos=True, routing=False),
+    ]
+    for _ in range(4):
+        engine.step()
+    out.append(submit(engine, prompt_of(5, 23), max_tokens=12, ignore_eos=True, prompt_start=3))
+    out.append(submit(engine, prompt_of(11, 24), max_tokens=16, temperature=0.9, seed=7, ignore_eos=True))
+    if stop_token is not None:
+        out.append(submit(engine, prompt_of(9, 21), max_tokens=14, ignore_eos=True, stop_token_ids=(stop_token,)))
+    for _ in range(3):
+        engine.step()
+    out.append(submit(engine, prompt_of(40, 25), max_tokens=24, ignore_eos=True))  # ends at max_model_len
+    run_all(engine, out)
+    return out
+
+
+def test_overlapped_decode_hands_out_exactly_what_sequential_steps_do(tiny):
+    """Overlapped decode (the CUDA default) launches step i+1 from step i's samples before step i's results
+    are read; a sequence that stops meanwhile has one wasted row that must never reach its output."""
+    plain = overlap_workload(make_engine(tiny, max_model_len=64, overlap_decode=False))
+    stop_token = plain[0].tokens[6]
+    plain = overlap_workload(make_engine(tiny, max_model_len=64, overlap_decode=False), stop_token)
+    overlapped_engine = make_engine(tiny, max_model_len=64, overlap_decode=True)
+    overlapped = overlap_workload(overlapped_engine, stop_token)
+    assert plain[4].finish_reason == "stop" and len(plain[4].tokens) < 14  # stopped mid-batch
+    assert plain[5].finish_reason == "length" and 40 + len(plain[5].tokens) == 64
+    for a, b in zip(plain, overlapped):
+        assert (b.finish_reason, b.tokens, b.num_outputs) == (a.finish_reason, a.tokens, a.num_outputs)
+        if a.routing is None:
+            assert b.routing is None
+        else:
+            np.testing.assert_array_equal(b.routing, a.routing)
+    assert overlapped_engine._inflight is None and overlapped_engine.stats()["free_slots"] == 64
+
+
+def test_overlapped_decode_abort_and_refill(tiny):
+    engine = make_engine(tiny, max_num_seqs=2, overlap_decode=True)
+    long = submit(engine, prompt_of(6, 31), rid="long", max_tokens=100, ignore_eos=True)
+    other = submit(engine, prompt_of(8, 32), max_tokens=30, ignore_eos=True)
+    while len(long.tokens) < 4:
+        engine.step()
+    assert engine._inflight is not None  # a decode step is in flight when the abort arrives
+    engine.abort("long")
+    after = submit(engine, prompt_of(7, 33), max_tokens=10, ignore_eos=True)  # takes the freed slot
+    run_all(engine, [long, other, after])
+    assert long.finish_reason == "abort" and len(long.tokens) < 100
+    assert long.routing.shape[0] == 6 + len(long.tokens) - 1  # rows stay aligned with the tokens handed out
+
+    ref = make_engine(tiny, overlap_decode=False)
+    alone = [submit(ref, prompt_of(8, 32), max_tokens=30, ignore_eos=True),
+             submit(ref, prompt_of(7, 33), max_tokens=10, ignore_eos=True)]
+    run_all(ref, alone)
+    for got, want in zip([other, after], alone):
+        assert got.tokens == want.tokens
+        np.testing.assert_array_equal(got.routing, want.routing)
