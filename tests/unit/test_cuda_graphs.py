@@ -44,11 +44,12 @@ def tiny_cuda(tiny_checkpoint):
     return load_config(tiny_checkpoint), load_model(tiny_checkpoint, dtype="bfloat16", device="cuda", progress=False)
 
 
-def run_mixed_batch(tiny, enforce_eager: bool):
+def run_mixed_batch(tiny, enforce_eager: bool, overlap: bool = True):
     """Seven requests of different prompt and output lengths (greedy and seeded sampling) arriving over time:
     decode steps of 1..7 sequences, padded to buckets 1, 2, 4, 8, mixed with prefill steps."""
     cfg, model = tiny
-    engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_batched_tokens=64, enforce_eager=enforce_eager))
+    ecfg = EngineConfig(max_model_len=256, max_num_batched_tokens=64, enforce_eager=enforce_eager, overlap_decode=overlap)
+    engine = Engine(model, cfg, ecfg)
     out = []
     for i in range(7):
         sampling = dict(max_tokens=6 + 5 * i, ignore_eos=True)
@@ -84,3 +85,15 @@ def test_graph_decode_without_routing_requests_skips_capture(tiny_cuda):
     run_all(engine, [without])
     assert without.routing is None and without.tokens == with_rows.tokens
     assert {key[2] for key in engine.graphs._graphs} == {True, False}
+
+
+@cuda
+def test_overlapped_graph_decode_equals_sequential_graph_decode(tiny_cuda):
+    """Overlap feeds each graph step the previous step's samples on the device and double-buffers the host
+    staging and transfers; the results must be those of steps run one after another."""
+    _, want = run_mixed_batch(tiny_cuda, enforce_eager=False, overlap=False)
+    engine, got = run_mixed_batch(tiny_cuda, enforce_eager=False, overlap=True)
+    assert engine.overlap and engine._inflight is None
+    for w, g in zip(want, got):
+        assert (g.finish_reason, g.tokens, g.num_outputs) == (w.finish_reason, w.tokens, w.num_outputs)
+        np.testing.assert_array_equal(g.routing, w.routing)
