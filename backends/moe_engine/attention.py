@@ -103,6 +103,13 @@ class ForwardBatch:
         if key not in self._masks:
             B, Tq, Lk = len(self.query_lens), self.max_query_len, self.max_kv_len
             device = self.positions.device
+            if Tq == 1:  # decode: each query is its sequence's last token, so causal = inside its length
+                k_pos = torch.arange(Lk, device=device)  # [Lk]
+                allowed = k_pos[None, :] < self.kv_lens[:, None]  # [B, Lk]
+                if sliding_window is not None:
+                    allowed &= k_pos[None, :] > (self.positions[:, None] - sliding_window)
+                self._masks[key] = allowed[:, None, None, :]
+                return self._masks[key]
             q_pos = torch.full((B, Tq), -1, dtype=torch.long, device=device)
             q_pos[self.token_seq, self.token_qidx] = self.positions  # [B, Tq], -1 = padding
             k_pos = torch.arange(Lk, device=device)  # [Lk]

@@ -363,8 +363,13 @@ class Experts(nn.Module):
         """[T, K, H] -> [T, H], adding the K outputs one at a time in the model dtype. HF accumulates with one
         index_add_ per expert in ascending expert order (rounding after each add); a single index_add_ or a
         sum() would round differently in bf16."""
-        out = torch.zeros_like(per_token[:, 0])
-        for j in range(per_token.shape[1]):
+        K = per_token.shape[1]
+        if K == 1:
+            return torch.zeros_like(per_token[:, 0]) + per_token[:, 0]
+        # Starting from the first two terms instead of from zeros adds the same values in the same order
+        # (0 + a == a; only a zero's sign could differ), with two kernels fewer per layer.
+        out = per_token[:, 0] + per_token[:, 1]
+        for j in range(2, K):
             out = out + per_token[:, j]
         return out
 
