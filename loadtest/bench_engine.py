@@ -440,12 +440,14 @@ def main(argv=None) -> int:
     }
 
     try:
-        # Warm-up: every concurrency once with a few output tokens, so that first-use costs (allocator growth,
-        # kernel selection / autotuning per shape, lazy CUDA init) fall outside the timed trials.
+        # Warm-up: one full trial of every concurrency and system, so that first-use costs (allocator growth,
+        # kernel selection and plan caches per shape, e.g. cuDNN attention per key length in HF's decode, CUDA
+        # graph capture per bucket in the engine, lazy CUDA init) fall outside the timed trials. (A warm-up of
+        # 4 output tokens left HF's first timed repetition 5-8x slower on the H200.)
         log("warm-up ...")
         for c in args.concurrency:
             for s in systems:
-                runners[s].run(prompts[c], min(args.output_len, 4))
+                runners[s].run(prompts[c], args.output_len)
 
         trials: list[dict] = []
         total = args.reps * len(args.concurrency) * len(systems)
