@@ -7,9 +7,14 @@ sequence owns a KV-cache slot for its whole life.
 
 Routing capture: the model writes each MoE layer's top-k ids into a step
 buffer ``[max_num_batched_tokens, num_hidden_layers, top_k]``; after the
-forward the used rows are copied to the host once and sliced per request.
-With no request wanting routing in a step, the model gets no buffer and does
-no capture work.
+forward the used rows travel to the host in the step's one transfer, with the
+sampled tokens, and are sliced per request. With no request wanting routing in
+a step, the model gets no buffer and does no capture work.
+
+On CUDA, decode-only steps replay CUDA graphs (cuda_graphs.py), and decode is
+overlapped: step i+1 is launched from step i's samples on the device before
+step i's results are handed out (``step``), so the host's per-step work runs
+while the GPU computes.
 
 Outputs: each request has a callback that receives a ``RequestOutput`` per
 step it took part in (new tokens, new routing rows), the last one with
@@ -333,22 +338,21 @@ class Engine:
             following = self._launch_next_decode(prev)
             self._complete(prev)
             if following is not None:
-                self.num_steps += 1
-                if self._can_overlap(following):
-                    self._inflight = following
-                else:
-                    self._complete(following)
+                self._keep_or_complete(following)
                 return True
         plan = self._schedule()
         if not plan:
             return prev is not None
-        launched = self._launch(plan, [s.num_computed for s, _ in plan])
+        self._keep_or_complete(self._launch(plan, [s.num_computed for s, _ in plan]))
+        return True
+
+    def _keep_or_complete(self, launched: _Launched) -> None:
+        """Leave a launched step in flight when the next one can follow it on the device, else finish it now."""
         self.num_steps += 1
         if self._can_overlap(launched):
             self._inflight = launched
         else:
             self._complete(launched)
-        return True
 
     def _drain_inbox(self) -> None:
         with self._cv:
