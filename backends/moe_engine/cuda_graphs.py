@@ -22,9 +22,9 @@ routing ids are written into the engine's step buffer, as in an eager step; grap
 that capture routing and graphs that do not are kept apart, so a step with no
 request asking for routing still does no capture work.
 
-Graphs are captured lazily, the first time a bucket is needed, and share one memory
-pool: they never run concurrently, and a step's outputs are consumed (token sync)
-before the next replay.
+Graphs are captured lazily, the first time a bucket is needed, share one memory
+pool and write their logits into one buffer: they never run concurrently, and a
+step's logits are sampled (on the same stream) before the next replay.
 """
 from __future__ import annotations
 
@@ -60,12 +60,6 @@ def _round_up(sizes: list[int], n: int) -> int:
     return sizes[bisect.bisect_left(sizes, n)]
 
 
-class _Graph:
-    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor):
-        self.graph = graph
-        self.logits = logits  # [B, V] float32, overwritten by each replay
-
-
 class DecodeGraphs:
     """Captured decode forwards, keyed by (batch bucket, kv-length bucket, capture on/off, slots 0..n-1)."""
 
@@ -94,7 +88,10 @@ class DecodeGraphs:
         self._inputs = torch.zeros(4, max_batch, dtype=torch.long, device=device)
         self._arange = torch.arange(max_batch, dtype=torch.long, device=device)
         self._zeros = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self._graphs: dict[tuple[int, int, bool], _Graph] = {}
+        # Every graph writes its logits into this one buffer (a per-graph output would hold [B, V] float32
+        # for each of up to hundreds of graphs: 150 MB each at B=256 and a 150k vocabulary).
+        self.logits = torch.empty(max_batch, model.config.vocab_size, dtype=torch.float32, device=device)
+        self._graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=device)  # capture and warm-up run off the default stream
 
@@ -105,8 +102,8 @@ class DecodeGraphs:
     def run(
         self, token_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int], capture: bool
     ) -> torch.Tensor:
-        """One decode step of n sequences; returns their logits [n, V] float32 (a view of the graph's output,
-        valid until the next replay). Routing rows land in capture_buf[:n] when capture. ``token_ids``: a list,
+        """One decode step of n sequences; returns their logits [n, V] float32 (a view of the buffer every
+        graph writes, valid until the next replay). Routing rows land in capture_buf[:n] when capture. ``token_ids``: a list,
         or a device tensor [n] (overlapped decode: the previous step's samples, never seen by the host)."""
         n = len(positions)
         B = _round_up(self.batch_sizes, n)
@@ -131,10 +128,10 @@ class DecodeGraphs:
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(*key)
-        g.graph.replay()
-        return g.logits[:n]
+        g.replay()
+        return self.logits[:n]
 
-    def _forward(self, B: int, Lk: int, capture: bool, from_zero: bool) -> torch.Tensor:
+    def _forward(self, B: int, Lk: int, capture: bool, from_zero: bool) -> None:
         ids, positions, slots, kv_lens = (self._inputs[i, :B] for i in range(4))
         batch = ForwardBatch(
             slot_ids=slots,
@@ -150,9 +147,9 @@ class DecodeGraphs:
         )
         buf = self.capture_buf if capture else None
         hidden = self.model(ids, batch, self.kv, buf)  # [B, H]
-        return self.model.compute_logits(hidden)  # [B, V] float32
+        self.model.compute_logits(hidden, out=self.logits[:B])  # [B, V] float32
 
-    def _capture(self, B: int, Lk: int, capture: bool, from_zero: bool) -> _Graph:
+    def _capture(self, B: int, Lk: int, capture: bool, from_zero: bool) -> torch.cuda.CUDAGraph:
         t0 = time.monotonic()
         current = torch.cuda.current_stream()
         self._stream.wait_stream(current)
@@ -162,7 +159,7 @@ class DecodeGraphs:
             self._forward(B, Lk, capture, from_zero)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                logits = self._forward(B, Lk, capture, from_zero)
+                self._forward(B, Lk, capture, from_zero)
         current.wait_stream(self._stream)
         log.info(
             "captured a CUDA graph for decode steps of %d sequences, %d keys, routing %s, %s (%.0f ms; %d graphs)",
@@ -173,4 +170,4 @@ class DecodeGraphs:
             (time.monotonic() - t0) * 1e3,
             len(self._graphs) + 1,
         )
-        return _Graph(graph, logits)
+        return graph

@@ -564,9 +564,10 @@ class MoEForCausalLM(nn.Module):
             x = layer(x, cos, sin, batch, kv[i], layer_capture)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[N, H] -> [N, V] float32 (the matmul runs in the model dtype, as HF)."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
+        """[N, H] -> [N, V] float32 (the matmul runs in the model dtype, as HF), into ``out`` when given."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
 
 
 @torch.inference_mode()
