@@ -41,6 +41,7 @@ def main() -> int:
     p.add_argument("--no-overlap", action="store_true", help="no overlapped decode (each step completes in turn)")
     p.add_argument("--paired-capture", action="store_true", help="capture on vs off, alternating decode steps")
     p.add_argument("--pairs", type=int, default=200, help="decode-step pairs for --paired-capture")
+    p.add_argument("--steps-only", action="store_true", help="step times only (no cProfile / torch.profiler)")
     args, rest = p.parse_known_args()
     if args.paired_capture:
         args.output_len = max(args.output_len, args.pairs + 8)
@@ -114,6 +115,8 @@ def main() -> int:
     print(f"steps with prefill: {len(pre)}, total {sum(pre) * 1e3:.1f} ms, median {statistics.median(pre) * 1e3:.2f} ms")
     print(f"decode-only steps: {len(dec)}, total {sum(dec) * 1e3:.1f} ms, median {statistics.median(dec) * 1e3:.3f} ms")
     print(f"=> {args.concurrency * args.output_len / sum(t for _, t in timed):.0f} output tok/s (steps only)")
+    if args.steps_only:
+        return 0
 
     for decode in (True, False):
         submit_all()
