@@ -17,10 +17,11 @@ keys past each row's own length, and every other op is row-wise. When the step's
 slots are exactly 0..n-1 (the engine hands out the lowest free slot, so a full or
 fresh batch has them), a separate graph reads the cache as a view of the first B
 slots instead of gathering each row's slot (padding rows then read, never write,
-slots they do not own; their outputs are dropped). The captured
-routing ids are written into the engine's step buffer, as in an eager step; graphs
-that capture routing and graphs that do not are kept apart, so a step with no
-request asking for routing still does no capture work.
+slots they do not own; their outputs are dropped).
+
+The captured routing ids are written into the engine's step buffer, as in an eager
+step; graphs that capture routing and graphs that do not are kept apart, so a step
+with no request asking for routing still does no capture work.
 
 Graphs are captured lazily, the first time a bucket is needed, share one memory
 pool and write their logits into one buffer: they never run concurrently, and a
