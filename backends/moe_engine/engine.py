@@ -174,7 +174,8 @@ class Engine:
         self.overlap = cuda if ec.overlap_decode is None else ec.overlap_decode
         self._inflight: _Launched | None = None  # a decode step launched, results not yet handed out
         self.graphs = (
-            DecodeGraphs(model, self.kv, num_slots, num_slots, ec.max_model_len, self.capture_buf)
+            DecodeGraphs(model, self.kv, pad_slot=num_slots, max_batch=num_slots, max_model_len=ec.max_model_len,
+                         capture_buf=self.capture_buf)
             if graphs_off is None
             else None
         )
