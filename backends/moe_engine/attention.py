@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+
 
 @dataclass
 class ForwardBatch:
@@ -132,8 +134,11 @@ class LayerKV:
     v: torch.Tensor
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: ForwardBatch) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: ForwardBatch, fused: bool = False) -> None:
     """Write this step's k [T, Hkv, Dk] / v [T, Hkv, Dv] into the cache at each token's (slot, position)."""
+    if fused:  # one kernel (kernels.py) instead of an index, two index_puts and their copies
+        kernels.store_kv(k, v, cache.k, cache.v, batch.slot_ids, batch.token_seq, batch.positions)
+        return
     token_slot = batch.slot_ids[batch.token_seq]  # [T]
     cache.k[token_slot, :, batch.positions] = k.to(cache.k.dtype)
     cache.v[token_slot, :, batch.positions] = v.to(cache.v.dtype)
@@ -201,9 +206,10 @@ def attend(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq] per-head sink logits (GPT-OSS), or None
+    fused: bool = False,  # write the cache with the fused kernel (kernels.py)
 ) -> torch.Tensor:  # [T, Hq, Dv]
     """Write this step's k/v into the cache, then attend causally within each sequence."""
-    store_kv(k, v, cache, batch)
+    store_kv(k, v, cache, batch, fused)
     if batch.parts is not None:
         return torch.cat(
             [attend_cached(q[a:b], *cached_kv(cache, sub), sub, scale, sliding_window, sinks) for a, b, sub in batch.parts]

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels
 from .attention import ForwardBatch, LayerKV, attend, attend_cached, cached_kv, store_kv
 from .config import MoEConfig
 from .kv_cache import KVCache, KVSpec
@@ -50,14 +51,32 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fp32_weight = fp32_weight
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.fused = False  # kernels.py (set by MoEForCausalLM.use_fused_kernels)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused and x.is_contiguous():
+            _, squares, _ = kernels.add_square(x)
+            return self._fused_tail(x, squares)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.fp32_weight:  # GPT-OSS: (weight * normed).to(input dtype), the product in float32
             return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)  # HF: weight * normed.to(input dtype)
+
+    def add_forward(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(x + delta, norm(x + delta)): the residual add before a norm (one kernel with it when fused)."""
+        if delta is None:
+            return x, self(x)
+        if self.fused and x.is_contiguous() and delta.is_contiguous():
+            s, squares, _ = kernels.add_square(x, delta)
+            return s, self._fused_tail(s, squares)
+        s = x + delta
+        return s, self(s)
+
+    def _fused_tail(self, x: Tensor, squares: Tensor) -> Tensor:
+        # torch's own mean over the same float32 squares: the summation order of the op-by-op path
+        return kernels.rms_norm_tail(x, squares.mean(-1, keepdim=True), self.weight, self.eps, self.fp32_weight)
 
 
 class RotaryEmbedding(nn.Module):
@@ -145,10 +164,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.num_heads * D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.num_kv_heads * D, cfg.rms_norm_eps)
         self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if cfg.attention_sinks else None
+        self.eps = cfg.rms_norm_eps
+        self.fused = False  # kernels.py (set by MoEForCausalLM.use_fused_kernels)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: LayerKV) -> Tensor:
         T = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        if self.fused and self.rope_style == "half" and self.clip_qkv is None and cos.shape[-1] == self.head_dim:
+            q, k = self._fused_norm_rope(q, k, cos, sin)  # [T, Hq, D], [T, Hkv, D]
+            v = v.view(T, self.num_kv_heads, self.head_dim)
+            out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks, fused=True)
+            return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -161,6 +187,19 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin, self.rope_style), apply_rotary(k, cos, sin, self.rope_style)
         out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
+
+    def _fused_norm_rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """The q/k norms (if any) and the rotary of both in three launches (squares, torch's means, the rest)."""
+        if self.qk_norm == "none":
+            return kernels.qk_norm_rope(q, k, cos, sin, self.head_dim)
+        T, D = q.shape[0], self.head_dim
+        _, q_sq, k_sq = kernels.add_square(q, x2=k)  # [T, Hq*D], [T, Hkv*D] float32
+        if self.qk_norm == "head":
+            q_sq, k_sq = q_sq.view(T, self.num_heads, D), k_sq.view(T, self.num_kv_heads, D)
+        return kernels.qk_norm_rope(
+            q, k, cos, sin, D, self.qk_norm, q_sq.mean(-1, keepdim=True), k_sq.mean(-1, keepdim=True),
+            self.q_norm.weight, self.k_norm.weight, self.eps,
+        )
 
 
 class MLAttention(nn.Module):
@@ -292,6 +331,7 @@ class Experts(nn.Module):
         self.num_experts = E
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
+        self.fused = False  # kernels.py (set by MoEForCausalLM.use_fused_kernels)
 
     def forward(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """x [T, H], ids [T, K], weights [T, K] -> sum_k weights[t, k] * expert_{ids[t, k]}(x[t])  [T, H]."""
@@ -325,6 +365,8 @@ class Experts(nn.Module):
     def _forward_grouped_mm(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """The same rows in the same order as `_forward_grouped`, but each projection is one grouped GEMM over
         all experts (offsets computed on the device): no per-expert Python loop, no host sync."""
+        if self.fused:
+            return self._forward_fused(x, ids, weights)
         T, K = ids.shape
         flat = ids.t().reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -342,6 +384,22 @@ class Experts(nn.Module):
         per_token = torch.empty(T, K, x.shape[1], dtype=x.dtype, device=x.device)
         per_token[tok, rank[tok, slot]] = y
         return self._sum_in_order(per_token)
+
+    def _forward_fused(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """`_forward_grouped_mm` with the bookkeeping in two kernels: `route` (the expert-grouped order,
+        offsets) before the grouped GEMMs and `combine` (weights, HF-order sum) after them."""
+        routed = kernels.route(ids, self.num_experts)
+        if routed is None:  # a large step (prefill): sort with torch
+            T, K = ids.shape
+            order = torch.argsort(ids.t().reshape(-1), stable=True)  # [K*T] pairs grouped by expert
+            counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+            counts.scatter_add_(0, ids.reshape(-1), torch.ones_like(order))
+            pos = torch.empty_like(order).scatter_(0, order, torch.arange(K * T, device=x.device))
+            routed = pos.view(K, T).t(), order % T, torch.cumsum(counts, 0).to(torch.int32)
+        pos, tok, offs = routed  # [T, K] grouped row of each pair, [K*T] token of each row, [E] row ends
+        gate, up = _GMM(x[tok], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [K*T, I] each
+        y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [K*T, H]
+        return kernels.combine(y, ids, pos, weights, x.dtype)
 
     def _expert(self, e: int, rows: Tensor) -> Tensor:
         """Expert e on its rows [n, H] -> [n, H] (HF's per-expert loop body, before the routing weight)."""
@@ -480,11 +538,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: LayerKV, capture: Tensor | None
-    ) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
-        normed = self.post_attention_layernorm(h)
-        return h + (self.mlp(normed, capture) if self.is_moe else self.mlp(normed))
+        self,
+        x: Tensor,  # [T, H] residual stream
+        delta: Tensor | None,  # [T, H] previous layer's output, not yet added to x (None before layer 0)
+        cos: Tensor,
+        sin: Tensor,
+        batch: ForwardBatch,
+        cache: LayerKV,
+        capture: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:  # (residual stream, this layer's MLP output to add to it)
+        # x + delta and x + attention are each added right before the norm that reads them (same values as
+        # HF's adds at the end of a layer; the fused norm does the add in its first kernel).
+        x, normed = self.input_layernorm.add_forward(x, delta)
+        h, normed = self.post_attention_layernorm.add_forward(x, self.self_attn(normed, cos, sin, batch, cache))
+        return h, (self.mlp(normed, capture) if self.is_moe else self.mlp(normed))
 
 
 class MoEModel(nn.Module):
@@ -526,6 +593,15 @@ class MoEForCausalLM(nn.Module):
             return [KVSpec(1, cfg.kv_lora_rank, cfg.qk_rope_head_dim) for _ in range(cfg.num_hidden_layers)]
         return [KVSpec(cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
 
+    def use_fused_kernels(self, enabled: bool) -> bool:
+        """Switch the fused Triton kernels (kernels.py; same results bit for bit) on or off for every module
+        that has them. Returns whether they are on: only where Triton runs for this model's device and dtype."""
+        enabled = enabled and kernels.available(self.device) and kernels.supports(self.dtype)
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention)) or type(m) is Experts:
+                m.fused = enabled
+        return enabled
+
     def graph_unsafe_reason(self) -> str | None:
         """Why a decode step of this model cannot be captured in a CUDA graph (a host sync inside), or None."""
         for layer in self.model.layers:
@@ -559,10 +635,11 @@ class MoEForCausalLM(nn.Module):
         T = input_ids.shape[0]
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.model.rotary_emb(batch.positions, x.dtype)  # [T, R] each (complex style: [T, R/2], None)
+        delta = None
         for i, layer in enumerate(self.model.layers):
             layer_capture = capture[:T, i] if capture is not None and layer.is_moe else None  # [T, K]
-            x = layer(x, cos, sin, batch, kv[i], layer_capture)
-        return self.model.norm(x)
+            x, delta = layer(x, delta, cos, sin, batch, kv[i], layer_capture)
+        return self.model.norm.add_forward(x, delta)[1]
 
     def compute_logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
         """[N, H] -> [N, V] float32 (the matmul runs in the model dtype, as HF), into ``out`` when given."""

@@ -1,0 +1,390 @@
+"""Fused Triton kernels for the GPU forward, bit-identical to the op-by-op path in model.py.
+
+A decode step of a small MoE model is a few hundred tiny kernels (an RMSNorm alone is eight: cast,
+square, mean, add, rsqrt, multiply, cast, weight), so on a GPU its time is the kernel count, not the
+arithmetic. These kernels merge runs of elementwise ops without changing a single rounding:
+
+* every intermediate that torch rounds to the model dtype is rounded here too, to nearest even
+  (``_round``), and products are never contracted into FMAs (``enable_fp_fusion=False``);
+* reductions stay torch's: a norm's mean of squares is ``torch.mean`` of the very float32 squares the
+  op-by-op path builds, so its summation order is unchanged;
+* the routed experts' outputs are weighted and summed one by one in ascending expert order, as HF's
+  per-expert ``index_add_`` loop does.
+
+So the fused path returns the same bits as the op-by-op one (tests/unit/test_kernels.py compares them), and
+the op-by-op path is what agrees with Hugging Face transformers. What is merged:
+
+==========================  =================================================================  ==========
+kernel                      replaces                                                           launches
+==========================  =================================================================  ==========
+``add_square``              residual add, cast to float32, square (for one or two tensors)     3 -> 1
+``rms_norm_tail``           + eps, rsqrt, scale, cast, weight (after torch's mean)             5 -> 1
+``qk_norm_rope``            q/k norm tails + rotary (``x*cos + rotate_half(x)*sin``) of q and k  ~20 -> 1
+``route``                   stable sort of (token, slot) pairs by expert, counts, offsets      ~11 -> 1
+``combine``                 routing weight x expert output, HF-order sum over the k experts    ~14 -> 1
+``store_kv``                the step's k and v written into the cache at (slot, position)      ~6 -> 1
+==========================  =================================================================  ==========
+
+Triton ships with CUDA builds of torch. Without it (CPU wheels) ``available()`` is False and the model
+keeps the op-by-op path. Tests run the kernels on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1``), which is why rounding is done with integer ops rather than a cast: the
+interpreter truncates float32 -> bfloat16 casts.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU wheels of torch do not bring Triton
+    triton = None
+
+# dtype codes passed to the kernels (a constexpr int is simpler to branch on than a Triton dtype)
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Fused routing bookkeeping runs as one program holding a [pairs, experts] one-hot table: for steps up to this
+# size (decode batches); larger steps (prefill) sort with torch.
+ROUTE_MAX_TABLE = 1 << 16
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the fused kernels can run on tensors of this device: Triton importable, and a CUDA device (or
+    any device under the interpreter, which tests use)."""
+    if triton is None:
+        return False
+    return interpreting() or torch.device(device).type == "cuda"
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _DT
+
+
+def _launch(kernel, grid, *args, **meta):
+    # enable_fp_fusion=False: torch computes a*b + c as two roundings; an FMA would round once.
+    if interpreting():
+        return kernel[grid](*args, **meta)
+    return kernel[grid](*args, enable_fp_fusion=False, **meta)
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round(x, DT: tl.constexpr):
+        """float32 -> the nearest value of the model dtype (ties to even, as torch's casts), kept in float32."""
+        if DT == 1:  # bfloat16: keep the top 16 bits, rounding on the 17th
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        elif DT == 2:
+            return x.to(tl.float16).to(tl.float32)
+        else:
+            return x
+
+    @triton.jit
+    def _add_square_kernel(
+        x_ptr, d_ptr, s_ptr, sq_ptr, N, sx, sd, ss,  # first tensor
+        x2_ptr, sq2_ptr, N2, sx2,  # optional second tensor (no residual add)
+        BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, DT: tl.constexpr,
+    ):
+        """Row r: s = x + d (rounded; when HAS_ADD), sq = float32(s)^2. program_id(1) == 1: the second tensor."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        if tl.program_id(1) == 0:
+            m = cols < N
+            x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_ADD:
+                x = _round(x + tl.load(d_ptr + row * sd + cols, mask=m, other=0.0).to(tl.float32), DT)
+                tl.store(s_ptr + row * ss + cols, x.to(s_ptr.dtype.element_ty), mask=m)
+            tl.store(sq_ptr + row * N + cols, x * x, mask=m)
+        else:
+            m = cols < N2
+            x = tl.load(x2_ptr + row * sx2 + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(sq2_ptr + row * N2 + cols, x * x, mask=m)
+
+    @triton.jit
+    def _rms_norm_tail_kernel(
+        x_ptr, var_ptr, w_ptr, out_ptr, N, sx, eps,
+        BLOCK: tl.constexpr, DT: tl.constexpr, FP32_WEIGHT: tl.constexpr,
+    ):
+        """out = weight * (x * rsqrt(var + eps)).to(dtype)   (or (weight * x * rsqrt(..)).to(dtype))."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        m = cols < N
+        x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.load(var_ptr + row) + eps)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if FP32_WEIGHT:
+            y = _round(w * (x * rstd), DT)
+        else:
+            y = _round(w * _round(x * rstd, DT), DT)
+        tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _normed_rotated(
+        x_ptr, var_ptr, w_ptr, cos_ptr, sin_ptr, row, sx, H, eps,
+        HEAD_NORM: tl.constexpr, HAS_NORM: tl.constexpr, D: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr,
+    ):
+        """[BLOCK_H, BLOCK_D] of one token: RMSNorm tail (full width or per head), then rotary (half style)."""
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        m = (h < H) & (d < D)
+        half: tl.constexpr = D // 2
+        partner = tl.where(d < half, d + half, d - half)  # rotate_half: [-x2, x1]
+        x = tl.load(x_ptr + row * sx + h * D + d, mask=m, other=0.0).to(tl.float32)
+        xp = tl.load(x_ptr + row * sx + h * D + partner, mask=m, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            if HEAD_NORM:
+                rstd = tl.math.rsqrt(tl.load(var_ptr + row * H + h, mask=h < H, other=1.0) + eps)  # [BLOCK_H, 1]
+                w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+                wp = tl.load(w_ptr + partner, mask=d < D, other=0.0).to(tl.float32)
+            else:
+                rstd = tl.math.rsqrt(tl.load(var_ptr + row) + eps)
+                w = tl.load(w_ptr + h * D + d, mask=m, other=0.0).to(tl.float32)
+                wp = tl.load(w_ptr + h * D + partner, mask=m, other=0.0).to(tl.float32)
+            x = _round(w * _round(x * rstd, DT), DT)
+            xp = _round(wp * _round(xp * rstd, DT), DT)
+        cos = tl.load(cos_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
+        rot = tl.where(d < half, -xp, xp)
+        return _round(_round(x * cos, DT) + _round(rot * sin, DT), DT), h, d, m
+
+    @triton.jit
+    def _qk_norm_rope_kernel(
+        q_ptr, qvar_ptr, qw_ptr, qout_ptr, sq, Hq,
+        k_ptr, kvar_ptr, kw_ptr, kout_ptr, sk, Hk,
+        cos_ptr, sin_ptr, eps,
+        HEAD_NORM: tl.constexpr, HAS_NORM: tl.constexpr, D: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr,
+    ):
+        """Token program_id(0): q (program_id(1) == 0) or k -> normed (optional) and rotated, [H, D] out."""
+        row = tl.program_id(0)
+        if tl.program_id(1) == 0:
+            y, h, d, m = _normed_rotated(q_ptr, qvar_ptr, qw_ptr, cos_ptr, sin_ptr, row, sq, Hq, eps,
+                                         HEAD_NORM, HAS_NORM, D, BLOCK_H, BLOCK_D, DT)
+            tl.store(qout_ptr + row * Hq * D + h * D + d, y.to(qout_ptr.dtype.element_ty), mask=m)
+        else:
+            y, h, d, m = _normed_rotated(k_ptr, kvar_ptr, kw_ptr, cos_ptr, sin_ptr, row, sk, Hk, eps,
+                                         HEAD_NORM, HAS_NORM, D, BLOCK_H, BLOCK_D, DT)
+            tl.store(kout_ptr + row * Hk * D + h * D + d, y.to(kout_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _route_kernel(
+        ids_ptr, pos_ptr, tok_ptr, offs_ptr, T, K, E,
+        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):
+        """One program. Pairs i = slot * T + token (slot-major, HF's order) sorted stably by expert id:
+        pos[token, slot] = the pair's row in expert-grouped order, tok[row] = its token, offs[e] = end row of
+        expert e (int32, the grouped GEMM's offsets)."""
+        i = tl.arange(0, BLOCK_N)
+        valid = i < T * K
+        t, s = i % T, i // T
+        e = tl.arange(0, BLOCK_E)
+        ids = tl.load(ids_ptr + t * K + s, mask=valid, other=-1)
+        onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [N, E]
+        before = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)  # same expert, earlier pair
+        counts = tl.sum(onehot, axis=0)  # [E]
+        ends = tl.cumsum(counts, axis=0)
+        start = tl.sum(onehot * (ends - counts)[None, :], axis=1)  # [N] first row of the pair's expert
+        row = start + before
+        tl.store(pos_ptr + t * K + s, row, mask=valid)
+        tl.store(tok_ptr + row, t, mask=valid)
+        tl.store(offs_ptr + e, ends, mask=e < E)
+
+    @triton.jit
+    def _combine_kernel(
+        y_ptr, ids_ptr, pos_ptr, w_ptr, out_ptr, N,
+        K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
+    ):
+        """out[t] = sum over token t's experts in ascending id order of round(y[row] * weight), rounding after
+        every add (HF's per-expert index_add_ loop). y: [pairs, N] expert outputs in grouped order."""
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < N
+        j = tl.arange(0, BLOCK_K)
+        jm = j < K
+        ids = tl.load(ids_ptr + t * K + j, mask=jm, other=0)
+        pos = tl.load(pos_ptr + t * K + j, mask=jm, other=0)
+        w = tl.load(w_ptr + t * K + j, mask=jm, other=0.0).to(tl.float32)
+        # rank of each slot's expert within the token's (distinct) experts
+        rank = tl.sum(((ids[None, :] < ids[:, None]) & jm[None, :]).to(tl.int32), axis=1)
+        rank = tl.where(jm, rank, BLOCK_K)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(K):
+            row = tl.sum(tl.where(rank == r, pos, 0))
+            wr = tl.sum(tl.where(rank == r, w, 0.0))
+            p = _round(tl.load(y_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32) * wr, DT)
+            if r == 0:
+                acc = p
+            else:
+                acc = _round(acc + p, DT)
+        tl.store(out_ptr + t * N + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _store_kv_kernel(
+        k_ptr, v_ptr, ck_ptr, cv_ptr, slot_ids_ptr, token_seq_ptr, positions_ptr,
+        sk_t, sk_h, sv_t, sv_h,  # source strides (token, head); last dim contiguous
+        sck_s, sck_h, sck_m, scv_s, scv_h, scv_m,  # cache strides (slot, head, position)
+        H, DK: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        slot = tl.load(slot_ids_ptr + tl.load(token_seq_ptr + t))
+        p = tl.load(positions_ptr + t)
+        h = tl.arange(0, BLOCK_H)[:, None]
+        dk = tl.arange(0, BLOCK_DK)[None, :]
+        mk = (h < H) & (dk < DK)
+        k = tl.load(k_ptr + t * sk_t + h * sk_h + dk, mask=mk)
+        tl.store(ck_ptr + slot * sck_s + h * sck_h + p * sck_m + dk, k.to(ck_ptr.dtype.element_ty), mask=mk)
+        dv = tl.arange(0, BLOCK_DV)[None, :]
+        mv = (h < H) & (dv < DV)
+        v = tl.load(v_ptr + t * sv_t + h * sv_h + dv, mask=mv)
+        tl.store(cv_ptr + slot * scv_s + h * scv_h + p * scv_m + dv, v.to(cv_ptr.dtype.element_ty), mask=mv)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """A 2-D view [rows, N] with a unit last stride (no copy for the layouts the model produces)."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def add_square(
+    x: torch.Tensor, delta: torch.Tensor | None = None, x2: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(s, s.float()**2, x2.float()**2) with s = x + delta (or x): the inputs of torch's mean in RMSNorm, for
+    one tensor (plus the residual add) or two (q and k). Squares are [..., N] float32, contiguous."""
+    xr = _rows(x)
+    R, N = xr.shape
+    s = xr
+    if delta is not None:
+        dr = _rows(delta)
+        s = torch.empty_like(xr)
+    sq = torch.empty(R, N, dtype=torch.float32, device=x.device)
+    sq2, N2, x2r = None, 1, xr
+    if x2 is not None:
+        x2r = _rows(x2)
+        N2 = x2r.shape[1]
+        sq2 = torch.empty(R, N2, dtype=torch.float32, device=x.device)
+    if R:
+        _launch(
+            _add_square_kernel, (R, 2 if x2 is not None else 1),
+            xr, dr if delta is not None else xr, s, sq, N, xr.stride(0),
+            dr.stride(0) if delta is not None else 0, s.stride(0),
+            x2r, sq2 if sq2 is not None else sq, N2, x2r.stride(0),
+            BLOCK=_pow2(max(N, N2)), HAS_ADD=delta is not None, DT=_DT[x.dtype],
+        )
+    return s.view(x.shape), sq.view(*x.shape[:-1], N), None if sq2 is None else sq2.view(*x2.shape[:-1], N2)
+
+
+def rms_norm_tail(x: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool) -> torch.Tensor:
+    """RMSNorm after the mean: x [..., N], var [..., 1] float32 (torch's mean of add_square's squares)."""
+    xr = _rows(x)
+    R, N = xr.shape
+    out = torch.empty(R, N, dtype=x.dtype, device=x.device)
+    if R:
+        _launch(
+            _rms_norm_tail_kernel, (R,), xr, var.contiguous(), weight, out, N, xr.stride(0), eps,
+            BLOCK=_pow2(N), DT=_DT[x.dtype], FP32_WEIGHT=fp32_weight,
+        )
+    return out.view(x.shape)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,  # [T, Hq*D] (or [T, Hq, D])
+    k: torch.Tensor,  # [T, Hk*D]
+    cos: torch.Tensor,  # [T, D] model dtype
+    sin: torch.Tensor,  # [T, D]
+    head_dim: int,
+    norm: str = "none",  # "none", "full" (one norm over all heads) or "head" (per head)
+    q_var: torch.Tensor | None = None,  # [T, 1] or [T, Hq, 1] float32: torch's mean of the squares
+    k_var: torch.Tensor | None = None,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hk, D]
+    """Optional q/k RMSNorm tails, then half-style rotary, for q and k in one launch."""
+    T, D = q.shape[0], head_dim
+    qr, kr = q.reshape(T, -1), k.reshape(T, -1)
+    if qr.stride(-1) != 1:
+        qr = qr.contiguous()
+    if kr.stride(-1) != 1:
+        kr = kr.contiguous()
+    Hq, Hk = qr.shape[1] // D, kr.shape[1] // D
+    q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(T, Hk, D, dtype=k.dtype, device=k.device)
+    if T:
+        has_norm = norm != "none"
+        _launch(
+            _qk_norm_rope_kernel, (T, 2),
+            qr, q_var.contiguous() if has_norm else qr, q_weight if has_norm else qr, q_out, qr.stride(0), Hq,
+            kr, k_var.contiguous() if has_norm else kr, k_weight if has_norm else kr, k_out, kr.stride(0), Hk,
+            cos.contiguous(), sin.contiguous(), eps,
+            HEAD_NORM=norm == "head", HAS_NORM=has_norm, D=D,
+            BLOCK_H=_pow2(max(Hq, Hk)), BLOCK_D=_pow2(D), DT=_DT[q.dtype],
+        )
+    return q_out, k_out
+
+
+def route(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """ids [T, K] -> (pos [T, K] long, tok [T*K] long, offs [E] int32) as described in ``_route_kernel``, or
+    None when the step is too large for the one-program table (the caller sorts with torch)."""
+    T, K = ids.shape
+    n = T * K
+    if _pow2(n) * _pow2(num_experts) > ROUTE_MAX_TABLE:
+        return None
+    ids = ids.contiguous()
+    pos = torch.empty(T, K, dtype=torch.long, device=ids.device)
+    tok = torch.empty(n, dtype=torch.long, device=ids.device)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    _launch(_route_kernel, (1,), ids, pos, tok, offs, T, K, num_experts, BLOCK_N=_pow2(n), BLOCK_E=_pow2(num_experts))
+    return pos, tok, offs
+
+
+def combine(y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [T*K, H] expert outputs in grouped order, ids/pos/weights [T, K] -> [T, H] in ``dtype``: each
+    weighted output rounded to ``dtype``, then summed in ascending expert order, rounding after each add."""
+    T, K = ids.shape
+    N = y.shape[1]
+    out = torch.empty(T, N, dtype=dtype, device=y.device)
+    if T:
+        block = min(_pow2(N), 1024)
+        _launch(
+            _combine_kernel, (T, triton.cdiv(N, block)),
+            y.contiguous(), ids.contiguous(), pos.contiguous(), weights.contiguous(), out, N,
+            K=K, BLOCK_K=_pow2(K), BLOCK=block, DT=_DT[dtype],
+        )
+    return out
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, H, Dk]
+    v: torch.Tensor,  # [T, H, Dv]
+    cache_k: torch.Tensor,  # [S, H, M, Dk]
+    cache_v: torch.Tensor,  # [S, H, M, Dv]
+    slot_ids: torch.Tensor,  # [B] long
+    token_seq: torch.Tensor,  # [T] long
+    positions: torch.Tensor,  # [T] long
+) -> None:
+    T, H, DK = k.shape
+    DV = v.shape[-1]
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if T:
+        _launch(
+            _store_kv_kernel, (T,), k, v, cache_k, cache_v, slot_ids, token_seq, positions,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+            cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),
+            H, DK=DK, DV=DV, BLOCK_H=_pow2(H), BLOCK_DK=_pow2(DK), BLOCK_DV=_pow2(DV),
+        )
