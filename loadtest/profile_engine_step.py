@@ -38,6 +38,7 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--no-capture", action="store_true", help="routing capture off")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-fused", action="store_true", help="no fused Triton kernels (op-by-op forward)")
     p.add_argument("--no-overlap", action="store_true", help="no overlapped decode (each step completes in turn)")
     p.add_argument("--paired-capture", action="store_true", help="capture on vs off, alternating decode steps")
     p.add_argument("--pairs", type=int, default=200, help="decode-step pairs for --paired-capture")
@@ -62,6 +63,7 @@ def main() -> int:
             max_model_len=args.prompt_len + args.output_len,
             enable_routed_experts=not args.no_capture,
             enforce_eager=args.enforce_eager,
+            fused_kernels=False if args.no_fused else None,
             # Paired steps of two engines must each finish before the other's starts.
             overlap_decode=False if (args.no_overlap or args.paired_capture) else None,
         ),
@@ -111,7 +113,7 @@ def main() -> int:
     dec = [t for d, t in timed if d]
     print(f"{args.concurrency} sequences, prompt {args.prompt_len}, output {args.output_len}, {args.device} {dtype}, "
           f"capture {'off' if args.no_capture else 'on'}, graphs {'on' if engine.graphs is not None else 'off'}, "
-          f"overlap {'on' if engine.overlap else 'off'}")
+          f"overlap {'on' if engine.overlap else 'off'}, fused kernels {'on' if engine.fused else 'off'}")
     print(f"steps with prefill: {len(pre)}, total {sum(pre) * 1e3:.1f} ms, median {statistics.median(pre) * 1e3:.2f} ms")
     print(f"decode-only steps: {len(dec)}, total {sum(dec) * 1e3:.1f} ms, median {statistics.median(dec) * 1e3:.3f} ms")
     print(f"=> {args.concurrency * args.output_len / sum(t for _, t in timed):.0f} output tok/s (steps only)")

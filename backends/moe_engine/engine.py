@@ -60,6 +60,10 @@ class EngineConfig:
     # Launch decode step i+1 before handing out step i's results (None: on CUDA, where the GPU then works while
     # the host does; on CPU the forward runs on the host, so there is nothing to overlap).
     overlap_decode: bool | None = None
+    # Fused Triton kernels for norms, rotary, expert bookkeeping and the KV write (kernels.py): same results bit
+    # for bit, a third of the kernel launches. None: on CUDA when Triton is installed (CUDA builds of torch).
+    # The switch is the model's: engines sharing a model share it.
+    fused_kernels: bool | None = None
 
 
 @dataclass
@@ -145,6 +149,7 @@ class Engine:
             )
         specs = model.kv_layout()
         num_slots = slots_for_budget(specs, ec.max_model_len, self.dtype, ec.max_num_seqs, ec.kv_cache_bytes)
+        self.fused = model.use_fused_kernels(self.device.type == "cuda" if ec.fused_kernels is None else ec.fused_kernels)
         graphs_off = self._graphs_off_reason(model)
         # CUDA graphs pad a decode step to a bucket size; padding rows write into one spare slot.
         self.kv = KVCache(specs, num_slots + (graphs_off is None), ec.max_model_len, self.dtype, self.device)
@@ -181,7 +186,7 @@ class Engine:
         )
         log.info(
             "engine: %d slots x %d tokens, KV cache %.1f MiB, %d tokens/step, routed experts %s, device %s, %s, "
-            "CUDA graphs %s",
+            "CUDA graphs %s, fused kernels %s",
             num_slots,
             ec.max_model_len,
             self.kv.nbytes / 2**20,
@@ -190,6 +195,7 @@ class Engine:
             self.device,
             self.dtype,
             f"off ({graphs_off})" if graphs_off else f"for decode batches up to {num_slots}",
+            "on" if self.fused else "off",
         )
         self._free_slots = list(range(num_slots))  # min-heap: the lowest free slot first (contiguous cache views)
         self._waiting: collections.deque[_Sequence] = collections.deque()
