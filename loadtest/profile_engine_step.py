@@ -42,6 +42,8 @@ def main() -> int:
     p.add_argument("--no-overlap", action="store_true", help="no overlapped decode (each step completes in turn)")
     p.add_argument("--paired-capture", action="store_true", help="capture on vs off, alternating decode steps")
     p.add_argument("--pairs", type=int, default=200, help="decode-step pairs for --paired-capture")
+    p.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumulative)")
+    p.add_argument("--top", type=int, default=20, help="cProfile rows to print")
     p.add_argument("--steps-only", action="store_true", help="step times only (no cProfile / torch.profiler)")
     args, rest = p.parse_known_args()
     if args.paired_capture:
@@ -125,7 +127,7 @@ def main() -> int:
         prof = cProfile.Profile()
         steps(prof, decode)
         print(f"cProfile of the {'decode-only steps' if decode else 'steps with prefill'}:")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
 
     if cuda:
         from torch.profiler import ProfilerActivity, profile

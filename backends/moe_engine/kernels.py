@@ -228,6 +228,8 @@ if triton is not None:
                 acc = p
             else:
                 acc = _round(acc + p, DT)
+        if K == 1:  # the op-by-op path adds its one term to zeros: -0.0 comes out as +0.0
+            acc = acc + 0.0
         tl.store(out_ptr + t * N + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
