@@ -44,9 +44,9 @@ except ImportError:  # CPU wheels of torch do not bring Triton
 
 # dtype codes passed to the kernels (a constexpr int is simpler to branch on than a Triton dtype)
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Fused routing bookkeeping runs as one program holding a [pairs, experts] one-hot table: for steps up to this
-# size (decode batches); larger steps (prefill) sort with torch.
-ROUTE_MAX_TABLE = 1 << 16
+# Fused routing bookkeeping compares every (token, slot) pair with every other: for steps of up to this many
+# pairs (decode batches; 4096 = 512 tokens x top-8); larger steps (prefill) sort with torch.
+ROUTE_MAX_PAIRS = 4096
 
 
 def interpreting() -> bool:
@@ -181,25 +181,39 @@ if triton is not None:
     @triton.jit
     def _route_kernel(
         ids_ptr, pos_ptr, tok_ptr, offs_ptr, T, K, E,
-        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
     ):
-        """One program. Pairs i = slot * T + token (slot-major, HF's order) sorted stably by expert id:
-        pos[token, slot] = the pair's row in expert-grouped order, tok[row] = its token, offs[e] = end row of
-        expert e (int32, the grouped GEMM's offsets)."""
-        i = tl.arange(0, BLOCK_N)
-        valid = i < T * K
-        t, s = i % T, i // T
-        e = tl.arange(0, BLOCK_E)
-        ids = tl.load(ids_ptr + t * K + s, mask=valid, other=-1)
-        onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [N, E]
-        before = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)  # same expert, earlier pair
-        counts = tl.sum(onehot, axis=0)  # [E]
-        ends = tl.cumsum(counts, axis=0)
-        start = tl.sum(onehot * (ends - counts)[None, :], axis=1)  # [N] first row of the pair's expert
-        row = start + before
-        tl.store(pos_ptr + t * K + s, row, mask=valid)
-        tl.store(tok_ptr + row, t, mask=valid)
-        tl.store(offs_ptr + e, ends, mask=e < E)
+        """Pairs i = slot * T + token (slot-major, HF's order) sorted stably by expert id, by counting: a pair's
+        row is the number of pairs with a smaller id, or the same id and a smaller i. Programs 0..n-1 place a
+        block of pairs each: pos[token, slot] = the pair's row in expert-grouped order, tok[row] = its token.
+        The last program writes offs[e] = end row of expert e (int32, the grouped GEMM's offsets)."""
+        pid = tl.program_id(0)
+        N = T * K
+        jj = tl.arange(0, BLOCK_J)
+        if pid * BLOCK_I < N:
+            i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
+            vi = i < N
+            ti = i % T
+            id_i = tl.load(ids_ptr + ti * K + i // T, mask=vi, other=0)
+            row = tl.zeros([BLOCK_I], dtype=tl.int32)
+            for j0 in range(0, N, BLOCK_J):
+                j = j0 + jj
+                vj = j < N
+                id_j = tl.load(ids_ptr + (j % T) * K + j // T, mask=vj, other=0)
+                first = (id_j[None, :] < id_i[:, None]) | ((id_j[None, :] == id_i[:, None]) & (j[None, :] < i[:, None]))
+                row += tl.sum((first & vj[None, :]).to(tl.int32), axis=1)
+            tl.store(pos_ptr + ti * K + i // T, row.to(tl.int64), mask=vi)
+            tl.store(tok_ptr + row, ti.to(tl.int64), mask=vi)
+        else:
+            for e0 in range(0, E, BLOCK_E):
+                e = e0 + tl.arange(0, BLOCK_E)
+                ends = tl.zeros([BLOCK_E], dtype=tl.int32)
+                for j0 in range(0, N, BLOCK_J):
+                    j = j0 + jj
+                    vj = j < N
+                    id_j = tl.load(ids_ptr + (j % T) * K + j // T, mask=vj, other=0)
+                    ends += tl.sum(((id_j[None, :] <= e[:, None]) & vj[None, :]).to(tl.int32), axis=1)
+                tl.store(offs_ptr + e, ends, mask=e < E)
 
     @triton.jit
     def _combine_kernel(
@@ -338,16 +352,19 @@ def qk_norm_rope(
 
 def route(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """ids [T, K] -> (pos [T, K] long, tok [T*K] long, offs [E] int32) as described in ``_route_kernel``, or
-    None when the step is too large for the one-program table (the caller sorts with torch)."""
+    None for a step of more than ROUTE_MAX_PAIRS pairs (the caller sorts with torch)."""
     T, K = ids.shape
     n = T * K
-    if _pow2(n) * _pow2(num_experts) > ROUTE_MAX_TABLE:
+    if n > ROUTE_MAX_PAIRS:
         return None
     ids = ids.contiguous()
     pos = torch.empty(T, K, dtype=torch.long, device=ids.device)
     tok = torch.empty(n, dtype=torch.long, device=ids.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    _launch(_route_kernel, (1,), ids, pos, tok, offs, T, K, num_experts, BLOCK_N=_pow2(n), BLOCK_E=_pow2(num_experts))
+    if n:
+        block = 64
+        _launch(_route_kernel, (triton.cdiv(n, block) + 1,), ids, pos, tok, offs, T, K, num_experts,
+                BLOCK_I=block, BLOCK_J=block, BLOCK_E=block)
     return pos, tok, offs
 
 

@@ -77,11 +77,11 @@ def forward_both_ways(model, ids):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_forward_is_bit_identical_for_every_architecture(arch, bf16_checkpoints, monkeypatch):
     """bf16 (the serving dtype): logits and routed ids (slot order) equal to the last bit, with the expert
-    bookkeeping done by the one-program `route` kernel (a decode-sized step) and by torch's sort (larger)."""
+    bookkeeping done by the `route` kernel (a decode-sized step) and by torch's sort (larger)."""
     model = load_model(bf16_checkpoints(arch), device=DEVICE, progress=False)
     counter = LaunchCounter(monkeypatch)
-    for n, table in ((6, kernels.ROUTE_MAX_TABLE), (20, 256)):  # 256: forces torch's sort at 20 tokens
-        monkeypatch.setattr(kernels, "ROUTE_MAX_TABLE", table)
+    for n, max_pairs in ((6, kernels.ROUTE_MAX_PAIRS), (20, 16)):  # 16: forces torch's sort at 20 tokens
+        monkeypatch.setattr(kernels, "ROUTE_MAX_PAIRS", max_pairs)
         counter.calls.clear()
         (ref_logits, ref_routed), (logits, routed) = forward_both_ways(model, prompt_of(n, seed=n))
         assert torch.equal(logits, ref_logits), (arch, n, (logits - ref_logits).abs().max())
@@ -106,15 +106,16 @@ def test_fused_forward_is_bit_identical_in_other_dtypes(dtype, bf16_checkpoints)
 def test_route_orders_pairs_like_a_stable_sort_by_expert():
     """pos/tok/offs of the `route` kernel against torch's stable argsort of the slot-major pairs."""
     g = torch.Generator().manual_seed(0)
-    T, K, E = 13, 4, 16
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEVICE)
-    pos, tok, offs = kernels.route(ids, E)
-    order = torch.argsort(ids.t().reshape(-1), stable=True)
-    assert torch.equal(tok, order % T)
-    assert torch.equal(offs.long(), torch.cumsum(torch.bincount(ids.reshape(-1).cpu(), minlength=E), 0).to(DEVICE))
-    flat_pos = pos.t().reshape(-1)  # slot-major like the pairs
-    assert torch.equal(order[flat_pos], torch.arange(T * K, device=ids.device))
-    assert kernels.route(torch.zeros(4096, 8, dtype=torch.long, device=DEVICE), 64) is None  # too big: fallback
+    # several blocks of 64 pairs, experts beyond one block of 64, experts left without a pair
+    for T, K, E in ((13, 4, 16), (45, 6, 150)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEVICE)
+        pos, tok, offs = kernels.route(ids, E)
+        order = torch.argsort(ids.t().reshape(-1), stable=True)
+        assert torch.equal(tok, order % T)
+        assert torch.equal(offs.cpu().long(), torch.cumsum(torch.bincount(ids.reshape(-1).cpu(), minlength=E), 0))
+        flat_pos = pos.t().reshape(-1)  # slot-major like the pairs
+        assert torch.equal(order[flat_pos], torch.arange(T * K, device=ids.device))
+    assert kernels.route(torch.zeros(4097, 1, dtype=torch.long, device=DEVICE), 64) is None  # too big: fallback
 
 
 def test_engine_with_fused_kernels_hands_out_what_the_op_by_op_engine_does(bf16_checkpoints):
