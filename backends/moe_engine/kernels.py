@@ -20,7 +20,8 @@ kernel                      replaces                                            
 ``add_square``              residual add, cast to float32, square (for one or two tensors)     3 -> 1
 ``rms_norm_tail``           + eps, rsqrt, scale, cast, weight (after torch's mean)             5 -> 1
 ``qk_norm_rope``            q/k norm tails + rotary (``x*cos + rotate_half(x)*sin``) of q and k  ~20 -> 1
-``route``                   stable sort of (token, slot) pairs by expert, counts, offsets      ~11 -> 1
+``route``                   stable sort of (token, slot) pairs by expert, counts, offsets,     ~12 -> 1
+                            and the copy of the ids into the routing capture buffer
 ``combine``                 routing weight x expert output, HF-order sum over the k experts    ~14 -> 1
 ``store_kv``                the step's k and v written into the cache at (slot, position)      ~6 -> 1
 ==========================  =================================================================  ==========
@@ -180,13 +181,14 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(
-        ids_ptr, pos_ptr, tok_ptr, offs_ptr, T, K, E,
-        BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
+        ids_ptr, pos_ptr, tok_ptr, offs_ptr, cap_ptr, cap_stride, T, K, E,
+        BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, CAPTURE: tl.constexpr,
     ):
         """Pairs i = slot * T + token (slot-major, HF's order) sorted stably by expert id, by counting: a pair's
         row is the number of pairs with a smaller id, or the same id and a smaller i. Programs 0..n-1 place a
         block of pairs each: pos[token, slot] = the pair's row in expert-grouped order, tok[row] = its token.
-        The last program writes offs[e] = end row of expert e (int32, the grouped GEMM's offsets)."""
+        The last program writes offs[e] = end row of expert e (int32, the grouped GEMM's offsets).
+        CAPTURE: each pair's id is also written to the routing capture buffer (int32 [T, K] rows)."""
         pid = tl.program_id(0)
         N = T * K
         jj = tl.arange(0, BLOCK_J)
@@ -204,6 +206,8 @@ if triton is not None:
                 row += tl.sum((first & vj[None, :]).to(tl.int32), axis=1)
             tl.store(pos_ptr + ti * K + i // T, row.to(tl.int64), mask=vi)
             tl.store(tok_ptr + row, ti.to(tl.int64), mask=vi)
+            if CAPTURE:
+                tl.store(cap_ptr + ti * cap_stride + i // T, id_i.to(tl.int32), mask=vi)
         else:
             for e0 in range(0, E, BLOCK_E):
                 e = e0 + tl.arange(0, BLOCK_E)
@@ -350,9 +354,12 @@ def qk_norm_rope(
     return q_out, k_out
 
 
-def route(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """ids [T, K] -> (pos [T, K] long, tok [T*K] long, offs [E] int32) as described in ``_route_kernel``, or
-    None for a step of more than ROUTE_MAX_PAIRS pairs (the caller sorts with torch)."""
+def route(
+    ids: torch.Tensor, num_experts: int, capture: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """ids [T, K] -> (pos [T, K] long, tok [T*K] long, offs [E] int32) as described in ``_route_kernel``, and
+    the ids copied into ``capture`` ([T, K] int32, unit last stride) when given; or None for a step of more
+    than ROUTE_MAX_PAIRS pairs (the caller sorts with torch, and captures)."""
     T, K = ids.shape
     n = T * K
     if n > ROUTE_MAX_PAIRS:
@@ -363,8 +370,9 @@ def route(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tens
     offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     if n:
         block = 64
-        _launch(_route_kernel, (triton.cdiv(n, block) + 1,), ids, pos, tok, offs, T, K, num_experts,
-                BLOCK_I=block, BLOCK_J=block, BLOCK_E=block)
+        _launch(_route_kernel, (triton.cdiv(n, block) + 1,), ids, pos, tok, offs,
+                ids if capture is None else capture, 0 if capture is None else capture.stride(0), T, K, num_experts,
+                BLOCK_I=block, BLOCK_J=block, BLOCK_E=block, CAPTURE=capture is not None)
     return pos, tok, offs
 
 

@@ -325,21 +325,29 @@ class Experts(nn.Module):
     """E SwiGLU experts as 3-D weights (HF v5 fused layout): gate_up_proj [E, 2I, H] (gate rows, then up rows),
     down_proj [E, H, I]."""
 
+    fused = False  # kernels.py (set on instances of this class only by MoEForCausalLM.use_fused_kernels)
+
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts = E
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
-        self.fused = False  # kernels.py (set by MoEForCausalLM.use_fused_kernels)
 
-    def forward(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        """x [T, H], ids [T, K], weights [T, K] -> sum_k weights[t, k] * expert_{ids[t, k]}(x[t])  [T, H]."""
+    def forward(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None) -> Tensor:
+        """x [T, H], ids [T, K], weights [T, K] -> sum_k weights[t, k] * expert_{ids[t, k]}(x[t])  [T, H].
+        capture [T, K] int32 (a view of the step's routing buffer): receives exactly ``ids``, before the experts
+        run (on the fused path, by the kernel that reads them to group the pairs)."""
         T, K = ids.shape
+        slot_bytes = self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes
+        gather = x.is_cuda and T * K <= GATHER_MAX_SLOTS and T * K * slot_bytes <= GATHER_MAX_BYTES
+        if self.fused and T and not gather and _grouped_mm_works(x.device, x.dtype):
+            return self._forward_fused(x, ids, weights, capture)
+        if capture is not None:
+            capture.copy_(ids)
         if T == 0:
             return torch.zeros_like(x)
-        slot_bytes = self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes
-        if x.is_cuda and T * K <= GATHER_MAX_SLOTS and T * K * slot_bytes <= GATHER_MAX_BYTES:
+        if gather:
             return self._forward_gather(x, ids, weights)
         return self._forward_grouped(x, ids, weights)
 
@@ -365,8 +373,6 @@ class Experts(nn.Module):
     def _forward_grouped_mm(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """The same rows in the same order as `_forward_grouped`, but each projection is one grouped GEMM over
         all experts (offsets computed on the device): no per-expert Python loop, no host sync."""
-        if self.fused:
-            return self._forward_fused(x, ids, weights)
         T, K = ids.shape
         flat = ids.t().reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -385,11 +391,13 @@ class Experts(nn.Module):
         per_token[tok, rank[tok, slot]] = y
         return self._sum_in_order(per_token)
 
-    def _forward_fused(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    def _forward_fused(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None) -> Tensor:
         """`_forward_grouped_mm` with the bookkeeping in two kernels: `route` (the expert-grouped order,
-        offsets) before the grouped GEMMs and `combine` (weights, HF-order sum) after them."""
-        routed = kernels.route(ids, self.num_experts)
+        offsets, the capture copy) before the grouped GEMMs and `combine` (weights, HF-order sum) after them."""
+        routed = kernels.route(ids, self.num_experts, capture)
         if routed is None:  # a large step (prefill): sort with torch
+            if capture is not None:
+                capture.copy_(ids)
             T, K = ids.shape
             order = torch.argsort(ids.t().reshape(-1), stable=True)  # [K*T] pairs grouped by expert
             counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
@@ -474,9 +482,8 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: Tensor, capture: Tensor | None = None) -> Tensor:
         ids, weights = self.gate(x)  # [T, K] int64, [T, K]
-        if capture is not None:
-            capture.copy_(ids)  # [T, K] int32 view of the step buffer: exactly the ids used below
-        out = self.experts(x, ids, weights)
+        # capture: [T, K] int32 view of the step buffer; the experts write exactly the ids they use into it
+        out = self.experts(x, ids, weights, capture)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -498,9 +505,7 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: Tensor, capture: Tensor | None = None) -> Tensor:
         ids, weights = self.gate(x)  # [T, K] int64 (unsorted slots, as HF's topk(sorted=False)), [T, K] fp32
-        if capture is not None:
-            capture.copy_(ids)
-        out = self.experts(x, ids, weights)
+        out = self.experts(x, ids, weights, capture)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
