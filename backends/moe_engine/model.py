@@ -341,7 +341,9 @@ class Experts(nn.Module):
         T, K = ids.shape
         slot_bytes = self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes
         gather = x.is_cuda and T * K <= GATHER_MAX_SLOTS and T * K * slot_bytes <= GATHER_MAX_BYTES
-        if self.fused and T and not gather and _grouped_mm_works(x.device, x.dtype):
+        # Fused, the grouped path is faster than gathering weights even for one token (H200, C=1 decode step:
+        # 0.41 vs 0.46 ms), and its route kernel does the capture copy.
+        if self.fused and T and _grouped_mm_works(x.device, x.dtype):
             return self._forward_fused(x, ids, weights, capture)
         if capture is not None:
             capture.copy_(ids)
