@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (debugging; saves the graphs' memory)",
     )
+    add(
+        "--disable-fused-kernels",
+        action="store_true",
+        default=False,
+        help="CUDA: op-by-op forward instead of the fused Triton kernels (same results; debugging)",
+    )
     add("--triton-http-port", type=int, default=8000, help="tritonserver HTTP port")
     add("--triton-grpc-port", type=int, default=8001, help="tritonserver gRPC port")
     add("--triton-metrics-port", type=int, default=8002, help="tritonserver metrics port")
@@ -162,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_waiting": args.max_waiting,
         "enable_routed_experts": "false" if args.disable_routed_experts else "true",
         "enforce_eager": "true" if args.enforce_eager else "false",
+        "fused_kernels": "false" if args.disable_fused_kernels else "auto",
         "num_threads": args.num_threads or "",
         "moe_metadata": json.dumps(metadata),
     }

@@ -98,6 +98,8 @@ class TritonPythonModel:
             max_waiting=int(_param(params, "max_waiting", "1024")),
             enable_routed_experts=_param(params, "enable_routed_experts", "true").lower() in ("1", "true", "yes"),
             enforce_eager=_param(params, "enforce_eager", "false").lower() in ("1", "true", "yes"),
+            # "auto": on CUDA when Triton is installed; "false": op-by-op forward
+            fused_kernels=None if _param(params, "fused_kernels", "auto").lower() == "auto" else False,
         )
         num_threads = _param(params, "num_threads")
         if num_threads:
