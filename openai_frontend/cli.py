@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 from moe_engine.config import UnsupportedModelError, load_config
+from moe_engine.engine_config import EngineConfig
 
 from .triton_server import (
     DEFAULT_MODEL_REPOSITORY,
@@ -63,12 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every request")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights dtype")
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="engine device")
-    add("--max-num-seqs", type=int, default=64, help="sequences decoded together")
+    add("--max-num-seqs", type=int, default=None, help="sequences running at once (default: 256 on CUDA, 64 on CPU)")
     add(
         "--max-model-len",
         type=int,
         default=None,
-        help="prompt + output tokens per sequence (default: the model's max_position_embeddings, at most 2048)",
+        help="prompt + output tokens of one sequence (default: the model's max_position_embeddings)",
     )
     add(
         "--max-num-batched-tokens",
@@ -76,7 +77,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="tokens per engine step (prefill chunk size); default 2048 on CUDA, 512 on CPU",
     )
-    add("--kv-cache-memory", type=float, default=None, help="KV cache budget in GiB (default: room for all seqs)")
+    add("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128], help="tokens per KV-cache block")
+    add(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="CUDA: share of GPU memory for weights, activations and the KV cache (the KV cache gets the rest)",
+    )
+    add(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        help="KV cache size in GiB (overrides --gpu-memory-utilization; CPU default 2 GiB)",
+    )
+    add(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks and routed experts of shared prompt prefixes (--no-enable-prefix-caching: off)",
+    )
     add("--max-waiting", type=int, default=1024, help="engine queue bound; beyond it requests get 503")
     add(
         "--max-pending-requests",
@@ -140,14 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     served_name = args.served_model_name or (checkpoint.name if args.model else "tiny-mixtral")
     if args.max_model_len is None:
-        # Slot KV cache: every sequence reserves max_model_len positions, so the default stays modest.
-        args.max_model_len = min(2048, cfg.max_position_embeddings)
+        args.max_model_len = cfg.max_position_embeddings
     if args.max_model_len > cfg.max_position_embeddings:
         print(
             f"moe-serve: error: --max-model-len {args.max_model_len} exceeds the model's "
             f"max_position_embeddings ({cfg.max_position_embeddings})",
             file=sys.stderr,
         )
+        return 2
+    if not 0 < args.gpu_memory_utilization <= 1:
+        print("moe-serve: error: --gpu-memory-utilization must be in (0, 1]", file=sys.stderr)
         return 2
 
     metadata = dict(
@@ -156,19 +177,26 @@ def main(argv: list[str] | None = None) -> int:
         eos_token_ids=list(cfg.eos_token_ids),
         vocab_size=cfg.vocab_size,
         served_model_name=served_name,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    engine_config = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_waiting=args.max_waiting,
+        enable_routed_experts=not args.disable_routed_experts,
+        enforce_eager=args.enforce_eager,
+        fused_kernels=False if args.disable_fused_kernels else None,
     )
     parameters = {
         "checkpoint": str(checkpoint),
         "dtype": args.dtype,
         "device": args.device,
-        "max_num_seqs": args.max_num_seqs,
-        "max_model_len": args.max_model_len,
-        "max_num_batched_tokens": args.max_num_batched_tokens or "",
-        "kv_cache_bytes": int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else "",
-        "max_waiting": args.max_waiting,
-        "enable_routed_experts": "false" if args.disable_routed_experts else "true",
-        "enforce_eager": "true" if args.enforce_eager else "false",
-        "fused_kernels": "false" if args.disable_fused_kernels else "auto",
+        "engine_config": engine_config.to_json(),
         "num_threads": args.num_threads or "",
         "moe_metadata": json.dumps(metadata),
     }

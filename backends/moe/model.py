@@ -89,18 +89,9 @@ class TritonPythonModel:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = _param(params, "dtype", "auto")
-        budget = _param(params, "kv_cache_bytes")
-        ecfg = EngineConfig(
-            max_num_seqs=int(_param(params, "max_num_seqs", "64")),
-            max_model_len=int(_param(params, "max_model_len", "2048")),
-            max_num_batched_tokens=int(_param(params, "max_num_batched_tokens", "0")) or None,
-            kv_cache_bytes=int(budget) if budget else None,
-            max_waiting=int(_param(params, "max_waiting", "1024")),
-            enable_routed_experts=_param(params, "enable_routed_experts", "true").lower() in ("1", "true", "yes"),
-            enforce_eager=_param(params, "enforce_eager", "false").lower() in ("1", "true", "yes"),
-            # "auto": on CUDA when Triton is installed; "false": op-by-op forward
-            fused_kernels=None if _param(params, "fused_kernels", "auto").lower() == "auto" else False,
-        )
+        # Every engine setting arrives as one JSON object (as Triton's vllm_backend takes its engine args);
+        # EngineConfig holds the defaults.
+        ecfg = EngineConfig.from_json(_param(params, "engine_config", "{}"))
         num_threads = _param(params, "num_threads")
         if num_threads:
             torch.set_num_threads(int(num_threads))

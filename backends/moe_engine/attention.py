@@ -1,14 +1,21 @@
-"""Batched attention over a slot-indexed KV cache.
+"""Batched attention over the paged KV cache.
 
-One forward step carries the tokens of several sequences flattened into one
-dimension T (prefill chunks and single decode tokens mixed). Each sequence owns
-a cache *slot*; its keys and values live at ``cache[slot, :, position]``.
+One forward step carries the tokens of several sequences flattened into one dimension T (prefill chunks and
+single decode tokens mixed). Each sequence's keys and values live in the blocks of its block table
+(kv_cache.py); the token at position p is in block ``block_tables[b, p // block_size]`` at offset
+``p % block_size``.
 
-``ForwardBatch`` describes one step; it is built once per step on the host and
-shared by all layers. ``attend`` is what a model's attention layer calls: it
-writes the step's k/v into the cache and attends each query to the keys of its
-own sequence, causally (and inside a sliding window when the layer has one).
-Models never see slots, padding or masks.
+``ForwardBatch`` describes one step; it is built once per step on the host (one host->device copy) and shared by
+all layers. ``attend`` is what a model's attention layer calls: it writes the step's k/v into the cache and
+attends each query to the keys of its own sequence, causally (and inside a sliding window when the layer has one).
+Models never see blocks, padding or masks.
+
+Two implementations of the same attention:
+- the reference (every device; what CPU serving and the parity tests run): gathers each sequence's blocks into a
+  dense [B, Hkv, Lk, D] tensor and runs torch's SDPA with a mask, operation by operation as Hugging Face does, so
+  that float32 agrees with transformers to rounding and bfloat16 bit for bit;
+- on CUDA, the Triton kernels of paged_attention.py (when present): they read only the blocks a sequence owns,
+  grouped-query heads share each K/V tile, long decode contexts are split over several programs.
 """
 from __future__ import annotations
 
@@ -19,27 +26,42 @@ import torch.nn.functional as F
 
 from . import kernels
 
+try:  # Triton kernels over the paged cache (CUDA; tests run them under Triton's interpreter)
+    from . import paged_attention
+except ImportError:  # pragma: no cover - the module is optional until it lands
+    paged_attention = None
+
+
+@dataclass
+class LayerKV:
+    """One layer's cache: k [num_blocks, block_size, Hkv, Dk], v [num_blocks, block_size, Hkv, Dv]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
 
 @dataclass
 class ForwardBatch:
-    """Layout of one forward step. T = total tokens, B = sequences."""
+    """Layout of one forward step. T = total tokens, B = sequences, nb = block-table width."""
 
-    slot_ids: torch.Tensor  # [B] long: cache slot of each sequence
     positions: torch.Tensor  # [T] long: absolute position of each token
+    slot_mapping: torch.Tensor  # [T] long: flat cache slot (block * block_size + offset) each token's k/v goes to
+    block_tables: torch.Tensor  # [B, nb] long: each sequence's blocks (padded with the null block)
+    seq_lens: torch.Tensor  # [B] long: tokens in cache after this step (context + chunk)
+    cu_seqlens_q: torch.Tensor  # [B+1] long: where each sequence's tokens start in T
     token_seq: torch.Tensor  # [T] long: which sequence (0..B-1) each token belongs to
     token_qidx: torch.Tensor  # [T] long: index of the token inside its sequence's chunk
-    kv_lens: torch.Tensor  # [B] long: tokens in cache after this step (context + chunk)
+    last_token_index: torch.Tensor  # [B] long: index into T of each sequence's last token
     query_lens: list[int]  # [B] host copy: tokens of each sequence in this step
     max_query_len: int
-    max_kv_len: int
-    last_token_index: torch.Tensor  # [B] long: index into T of each sequence's last token
-    # Slots are slot_start..slot_start+B-1 (the engine hands out the lowest free slot and orders a step
-    # by slot, so this is the common case): the cache is then read as a view, with no gather copy.
-    slot_start: int | None = None
-    # Mixed steps: [(token_lo, token_hi, sub-batch)] for the decode rows, then the prefill rows, so that
-    # single decode tokens are not padded to the prefill chunk's length in attention.
+    max_seq_len: int  # host upper bound of seq_lens (exact for eager steps, a bucket for graphs)
+    block_size: int
+    # Mixed steps: [(token_lo, token_hi, sub-batch)] for the decode rows, then the prefill rows, so that the
+    # reference path does not pad single decode tokens to the prefill chunk's length.
     parts: list | None = None
+    use_kernels: bool = False  # attention through paged_attention.py's kernels (set by the runner)
     _masks: dict = field(default_factory=dict, repr=False)
+    _int32: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -52,71 +74,86 @@ class ForwardBatch:
     @classmethod
     def build(
         cls,
-        slot_ids: list[int],
+        block_tables: list[list[int]],
         context_lens: list[int],
         query_lens: list[int],
         device: torch.device | str,
+        block_size: int,
+        null_block: int = 0,
+        split_parts: bool = True,
     ) -> "ForwardBatch":
-        """Host-side construction from per-sequence (slot, tokens already cached, new tokens)."""
-        positions, token_seq, token_qidx, last = [], [], [], []
-        offset = 0
-        for b, (ctx, q) in enumerate(zip(context_lens, query_lens)):
+        """Host-side construction from per-sequence (blocks, tokens already cached, new tokens). Each table
+        must cover the sequence's context + new tokens."""
+        positions, slots, token_seq, token_qidx, last, cu = [], [], [], [], [], [0]
+        for b, (table, ctx, q) in enumerate(zip(block_tables, context_lens, query_lens)):
+            for p in range(ctx, ctx + q):
+                slots.append(table[p // block_size] * block_size + p % block_size)
             positions.extend(range(ctx, ctx + q))
             token_seq.extend([b] * q)
             token_qidx.extend(range(q))
-            offset += q
-            last.append(offset - 1)
-        kv_lens = [c + q for c, q in zip(context_lens, query_lens)]
-        B, T = len(slot_ids), offset
+            cu.append(cu[-1] + q)
+            last.append(cu[-1] - 1)
+        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+        B, T = len(block_tables), cu[-1]
+        max_seq_len = max(seq_lens) if seq_lens else 0
+        nb = max(1, -(-max_seq_len // block_size))
+        tables = []
+        for table in block_tables:
+            row = list(table[:nb])
+            tables.extend(row + [null_block] * (nb - len(row)))
         # One host->device copy for all fields (each blocking copy waits for the GPU to drain), split as views.
         packed = torch.tensor(
-            [*slot_ids, *positions, *token_seq, *token_qidx, *kv_lens, *last], dtype=torch.long, device=device
+            [*positions, *slots, *tables, *seq_lens, *cu, *token_seq, *token_qidx, *last], dtype=torch.long,
+            device=device,
         )
-        names = ("slot_ids", "positions", "token_seq", "token_qidx", "kv_lens", "last_token_index")
-        fields = dict(zip(names, torch.split(packed, [B, T, T, T, B, B])))
-
-        slot_start = slot_ids[0] if B and list(slot_ids) == list(range(slot_ids[0], slot_ids[0] + B)) else None
+        names = ("positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "token_seq", "token_qidx",
+                 "last_token_index")
+        fields = dict(zip(names, torch.split(packed, [T, T, B * nb, B, B + 1, T, T, B])))
+        fields["block_tables"] = fields["block_tables"].view(B, nb)
         parts = None
-        nd = 0  # leading decode rows (the engine plans decodes first)
+        nd = 0  # leading decode rows (the scheduler plans decodes first)
         while nd < B and query_lens[nd] == 1:
             nd += 1
-        if 0 < nd < B:
+        if split_parts and 0 < nd < B:
+            sub = [(block_tables[:nd], context_lens[:nd], query_lens[:nd]),
+                   (block_tables[nd:], context_lens[nd:], query_lens[nd:])]
             parts = [
-                (0, nd, cls.build(slot_ids[:nd], context_lens[:nd], query_lens[:nd], device)),
-                (nd, offset, cls.build(slot_ids[nd:], context_lens[nd:], query_lens[nd:], device)),
+                (lo, hi, cls.build(*args, device, block_size, null_block, split_parts=False))
+                for (lo, hi), args in zip(((0, nd), (nd, T)), sub)
             ]
         return cls(
-            slot_start=slot_start,
-            parts=parts,
             query_lens=list(query_lens),
-            max_query_len=max(query_lens),
-            max_kv_len=max(kv_lens),
+            max_query_len=max(query_lens) if query_lens else 0,
+            max_seq_len=max_seq_len,
+            block_size=block_size,
+            parts=parts,
             **fields,
         )
 
-    @classmethod
-    def single(cls, num_tokens: int, device: torch.device | str = "cpu", slot: int = 0) -> "ForwardBatch":
-        """A whole fresh sequence in one step (reference runs, tests)."""
-        return cls.build([slot], [0], [num_tokens], device)
+    def int32(self, name: str) -> torch.Tensor:
+        """An int32 copy of a field, for the kernels (made once per step)."""
+        if name not in self._int32:
+            self._int32[name] = getattr(self, name).to(torch.int32)
+        return self._int32[name]
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[B, 1, Tq, Lk] bool, True = may attend. Cached per window size for the step."""
+        """[B, 1, Tq, Lk] bool, True = may attend (reference path). Cached per window size for the step."""
         key = sliding_window
         if key not in self._masks:
-            B, Tq, Lk = len(self.query_lens), self.max_query_len, self.max_kv_len
+            B, Tq = len(self.query_lens), self.max_query_len
+            Lk = self.max_seq_len
             device = self.positions.device
+            k_pos = torch.arange(Lk, device=device)  # [Lk]
             if Tq == 1:  # decode: each query is its sequence's last token, so causal = inside its length
-                k_pos = torch.arange(Lk, device=device)  # [Lk]
-                allowed = k_pos[None, :] < self.kv_lens[:, None]  # [B, Lk]
+                allowed = k_pos[None, :] < self.seq_lens[:, None]  # [B, Lk]
                 if sliding_window is not None:
                     allowed &= k_pos[None, :] > (self.positions[:, None] - sliding_window)
                 self._masks[key] = allowed[:, None, None, :]
                 return self._masks[key]
             q_pos = torch.full((B, Tq), -1, dtype=torch.long, device=device)
             q_pos[self.token_seq, self.token_qidx] = self.positions  # [B, Tq], -1 = padding
-            k_pos = torch.arange(Lk, device=device)  # [Lk]
             allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # causal
-            allowed &= k_pos[None, None, :] < self.kv_lens[:, None, None]
+            allowed &= k_pos[None, None, :] < self.seq_lens[:, None, None]
             if sliding_window is not None:
                 allowed &= k_pos[None, None, :] > (q_pos[:, :, None] - sliding_window)
             # Padding query rows attend to key 0 so that no softmax row is empty (NaN);
@@ -126,32 +163,25 @@ class ForwardBatch:
         return self._masks[key]
 
 
-@dataclass
-class LayerKV:
-    """One layer's cache: k [S, Hkv, M, Dk], v [S, Hkv, M, Dv] (S slots, M max_model_len)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-
 def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: ForwardBatch, fused: bool = False) -> None:
-    """Write this step's k [T, Hkv, Dk] / v [T, Hkv, Dv] into the cache at each token's (slot, position)."""
-    if fused:  # one kernel (kernels.py) instead of an index, two index_puts and their copies
-        kernels.store_kv(k, v, cache.k, cache.v, batch.slot_ids, batch.token_seq, batch.positions)
+    """Write this step's k [T, Hkv, Dk] / v [T, Hkv, Dv] into the cache at each token's slot."""
+    if fused or batch.use_kernels:  # one kernel (kernels.py) instead of two index_puts and their copies
+        kernels.store_kv(k, v, cache.k, cache.v, batch.slot_mapping)
         return
-    token_slot = batch.slot_ids[batch.token_seq]  # [T]
-    cache.k[token_slot, :, batch.positions] = k.to(cache.k.dtype)
-    cache.v[token_slot, :, batch.positions] = v.to(cache.v.dtype)
+    nb, bs = cache.k.shape[0], cache.k.shape[1]
+    cache.k.view(nb * bs, *cache.k.shape[2:])[batch.slot_mapping] = k.to(cache.k.dtype)
+    cache.v.view(nb * bs, *cache.v.shape[2:])[batch.slot_mapping] = v.to(cache.v.dtype)
 
 
 def cached_kv(cache: LayerKV, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's cached k [B, Hkv, Lk, Dk] and v [B, Hkv, Lk, Dv] (Lk = longest kv length of the step;
-    positions past a sequence's own length hold stale values that the mask hides)."""
-    Lk = batch.max_kv_len
-    if batch.slot_start is not None:
-        s0, B = batch.slot_start, len(batch.query_lens)
-        return cache.k[s0 : s0 + B, :, :Lk], cache.v[s0 : s0 + B, :, :Lk]
-    return cache.k[:, :, :Lk].index_select(0, batch.slot_ids), cache.v[:, :, :Lk].index_select(0, batch.slot_ids)
+    """Each sequence's cached k [B, Hkv, Lk, Dk] and v [B, Hkv, Lk, Dv], gathered from its blocks (Lk = the step's
+    max_seq_len, exactly the longest sequence's keys as HF would hold them; positions past a sequence's own length
+    hold stale values the mask hides)."""
+    B, Lk = batch.block_tables.shape[0], batch.max_seq_len
+    nb = -(-Lk // cache.k.shape[1])
+    k = cache.k[batch.block_tables[:, :nb]].flatten(1, 2)[:, :Lk]  # [B, Lk, Hkv, Dk]
+    v = cache.v[batch.block_tables[:, :nb]].flatten(1, 2)[:, :Lk]
+    return k.transpose(1, 2), v.transpose(1, 2)
 
 
 def attend_cached(
@@ -163,7 +193,7 @@ def attend_cached(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, Dv]
-    """Attention of the step's queries over already gathered keys/values (MLA expands its latent cache first)."""
+    """Reference attention of the step's queries over gathered keys/values (MLA expands its latent cache first)."""
     B, Tq = len(batch.query_lens), batch.max_query_len
     Hq, Dk, Dv = q.shape[1], q.shape[2], values.shape[-1]
     Hkv = keys.shape[1]
@@ -173,7 +203,7 @@ def attend_cached(
         q_pad = q.new_zeros(B, Tq, Hq, Dk)
         q_pad[batch.token_seq, batch.token_qidx] = q
         q_pad = q_pad.transpose(1, 2)  # [B, Hq, Tq, Dk]
-    if Hkv != Hq:  # grouped-query attention: each kv head serves Hq/Hkv query heads
+    if Hkv != Hq:  # grouped-query attention: each kv head serves Hq/Hkv query heads (as HF's repeat_kv)
         keys = keys.repeat_interleave(Hq // Hkv, dim=1)
         values = values.repeat_interleave(Hq // Hkv, dim=1)
     mask = batch.mask(sliding_window)  # [B, 1, Tq, Lk]
@@ -206,10 +236,16 @@ def attend(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq] per-head sink logits (GPT-OSS), or None
-    fused: bool = False,  # write the cache with the fused kernel (kernels.py)
+    fused: bool = False,  # write the cache with the fused kernel
 ) -> torch.Tensor:  # [T, Hq, Dv]
     """Write this step's k/v into the cache, then attend causally within each sequence."""
     store_kv(k, v, cache, batch, fused)
+    if batch.use_kernels:
+        return paged_attention.paged_attention(
+            q, cache.k, cache.v, batch.int32("block_tables"), batch.int32("cu_seqlens_q"), batch.int32("seq_lens"),
+            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len, scale=scale,
+            sliding_window=sliding_window, sinks=sinks,
+        )
     if batch.parts is not None:
         return torch.cat(
             [attend_cached(q[a:b], *cached_kv(cache, sub), sub, scale, sliding_window, sinks) for a, b, sub in batch.parts]

@@ -23,7 +23,7 @@ kernel                      replaces                                            
 ``route``                   stable sort of (token, slot) pairs by expert, counts, offsets,     ~12 -> 1
                             and the copy of the ids into the routing capture buffer
 ``combine``                 routing weight x expert output, HF-order sum over the k experts    ~14 -> 1
-``store_kv``                the step's k and v written into the cache at (slot, position)      ~6 -> 1
+``store_kv``                the step's k and v written into the paged cache at their slots      ~4 -> 1
 ==========================  =================================================================  ==========
 
 Triton ships with CUDA builds of torch. Without it (CPU wheels) ``available()`` is False and the model
@@ -252,23 +252,22 @@ if triton is not None:
 
     @triton.jit
     def _store_kv_kernel(
-        k_ptr, v_ptr, ck_ptr, cv_ptr, slot_ids_ptr, token_seq_ptr, positions_ptr,
+        k_ptr, v_ptr, ck_ptr, cv_ptr, slot_ptr,
         sk_t, sk_h, sv_t, sv_h,  # source strides (token, head); last dim contiguous
-        sck_s, sck_h, sck_m, scv_s, scv_h, scv_m,  # cache strides (slot, head, position)
+        sck, sck_h, scv, scv_h,  # cache strides (slot, head): [num_blocks * block_size, H, D] views
         H, DK: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         t = tl.program_id(0)
-        slot = tl.load(slot_ids_ptr + tl.load(token_seq_ptr + t))
-        p = tl.load(positions_ptr + t)
+        slot = tl.load(slot_ptr + t)
         h = tl.arange(0, BLOCK_H)[:, None]
         dk = tl.arange(0, BLOCK_DK)[None, :]
         mk = (h < H) & (dk < DK)
         k = tl.load(k_ptr + t * sk_t + h * sk_h + dk, mask=mk)
-        tl.store(ck_ptr + slot * sck_s + h * sck_h + p * sck_m + dk, k.to(ck_ptr.dtype.element_ty), mask=mk)
+        tl.store(ck_ptr + slot * sck + h * sck_h + dk, k.to(ck_ptr.dtype.element_ty), mask=mk)
         dv = tl.arange(0, BLOCK_DV)[None, :]
         mv = (h < H) & (dv < DV)
         v = tl.load(v_ptr + t * sv_t + h * sv_h + dv, mask=mv)
-        tl.store(cv_ptr + slot * scv_s + h * scv_h + p * scv_m + dv, v.to(cv_ptr.dtype.element_ty), mask=mv)
+        tl.store(cv_ptr + slot * scv + h * scv_h + dv, v.to(cv_ptr.dtype.element_ty), mask=mv)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -395,11 +394,9 @@ def combine(y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torc
 def store_kv(
     k: torch.Tensor,  # [T, H, Dk]
     v: torch.Tensor,  # [T, H, Dv]
-    cache_k: torch.Tensor,  # [S, H, M, Dk]
-    cache_v: torch.Tensor,  # [S, H, M, Dv]
-    slot_ids: torch.Tensor,  # [B] long
-    token_seq: torch.Tensor,  # [T] long
-    positions: torch.Tensor,  # [T] long
+    cache_k: torch.Tensor,  # [num_blocks, block_size, H, Dk]
+    cache_v: torch.Tensor,  # [num_blocks, block_size, H, Dv]
+    slot_mapping: torch.Tensor,  # [T] long: flat slot (block * block_size + offset) of each token
 ) -> None:
     T, H, DK = k.shape
     DV = v.shape[-1]
@@ -409,9 +406,8 @@ def store_kv(
         v = v.contiguous()
     if T:
         _launch(
-            _store_kv_kernel, (T,), k, v, cache_k, cache_v, slot_ids, token_seq, positions,
+            _store_kv_kernel, (T,), k, v, cache_k, cache_v, slot_mapping,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-            cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),
+            cache_k.stride(1), cache_k.stride(2), cache_v.stride(1), cache_v.stride(2),
             H, DK=DK, DV=DV, BLOCK_H=_pow2(H), BLOCK_DK=_pow2(DK), BLOCK_DV=_pow2(DV),
         )

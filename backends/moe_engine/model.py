@@ -3,7 +3,7 @@
 One forward step runs the tokens of all scheduled sequences flattened into one
 dimension T; ``ForwardBatch`` (attention.py) says which sequence and position each
 token has, and ``attend`` handles the per-sequence causal attention over the
-slot-indexed KV cache. Shapes are given in comments: T tokens, H hidden size,
+paged KV cache. Shapes are given in comments: T tokens, H hidden size,
 Hq/Hkv query/kv heads, D head dim, E experts, K experts per token, I expert width.
 
 Numerics follow Hugging Face transformers 5.24 operation by operation (norm in
@@ -655,10 +655,10 @@ class MoEForCausalLM(nn.Module):
 
 @torch.inference_mode()
 def reference_forward(model: MoEForCausalLM, token_ids: list[int]) -> tuple[Tensor, Tensor]:
-    """Whole sequence in one step on a fresh 1-slot cache: (logits [T, V] float32, routed ids [T, L, K] int32)."""
+    """Whole sequence in one step on a fresh cache: (logits [T, V] float32, routed ids [T, L, K] int32)."""
     cfg, device, T = model.config, model.device, len(token_ids)
-    cache = KVCache(model.kv_layout(), num_slots=1, max_model_len=T, dtype=model.dtype, device=device)
-    batch = ForwardBatch.single(T, device)
+    cache = KVCache.for_sequences(model.kv_layout(), num_seqs=1, max_len=T, dtype=model.dtype, device=device)
+    batch = ForwardBatch.build([cache.sequence_blocks(0)], [0], [T], device, cache.block_size)
     capture = torch.zeros(T, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.int32, device=device)
     hidden = model(torch.tensor(token_ids, dtype=torch.long, device=device), batch, cache, capture)
     return model.compute_logits(hidden), capture

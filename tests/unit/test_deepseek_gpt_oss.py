@@ -184,11 +184,11 @@ def test_config_variants_match_hf(variant, tmp_path):
     from moe_engine.attention import ForwardBatch
     from moe_engine.kv_cache import KVCache
 
-    cache = KVCache(model.kv_layout(), 1, len(prompt) + 10, model.dtype, "cpu")
+    cache = KVCache.for_sequences(model.kv_layout(), 1, len(prompt) + 10, model.dtype, "cpu", block_size=4)
     tokens, context, step = [], 0, prompt
     with torch.inference_mode():
         while len(tokens) < 10:
-            batch = ForwardBatch.build([0], [context], [len(step)], "cpu")
+            batch = ForwardBatch.build([cache.sequence_blocks(0)], [context], [len(step)], "cpu", 4)
             hidden = model(torch.tensor(step), batch, cache)
             context += len(step)
             tokens.append(int(model.compute_logits(hidden[batch.last_token_index]).argmax(-1)))

@@ -175,7 +175,7 @@ def test_seed_reproduces_whatever_shares_the_batch(tiny):
     assert a.tokens != c.tokens
 
 
-def test_abort_frees_the_slot_for_the_next_request(tiny):
+def test_abort_frees_the_blocks_for_the_next_request(tiny):
     engine = make_engine(tiny, max_num_seqs=1)
     long = submit(engine, prompt_of(5, 8), rid="long", max_tokens=200, ignore_eos=True)
     waiting = submit(engine, prompt_of(5, 9), rid="next", max_tokens=3)
@@ -183,12 +183,13 @@ def test_abort_frees_the_slot_for_the_next_request(tiny):
         if len(long.tokens) >= 5:
             break
         engine.step()
-    assert len(long.tokens) == 5 and not waiting.tokens  # one slot: the second waits
+    assert len(long.tokens) == 5 and not waiting.tokens  # max_num_seqs=1: the second waits
     engine.abort("long")
     run_all(engine, [long, waiting])
     assert long.finish_reason == "abort" and 5 <= len(long.tokens) < 200
     assert len(waiting.tokens) == 3
-    assert engine.stats()["free_slots"] == 1
+    stats = engine.stats()
+    assert stats["free_blocks"] == stats["num_blocks"] and stats["running"] == 0  # every block came back
 
 
 def test_limits_are_rejected_with_clear_errors(tiny):
@@ -239,7 +240,8 @@ def test_sixty_four_concurrent_requests_all_finish_on_the_engine_thread(tiny):
             assert c.routing.shape[0] == len(p) + len(c.tokens) - 1
     finally:
         engine.shutdown()
-    assert engine.stats()["free_slots"] == engine.max_running
+    stats = engine.stats()
+    assert stats["free_blocks"] == stats["num_blocks"] and stats["running"] == 0
 
 
 def overlap_workload(engine, stop_token: int | None = None) -> list[Collector]:
@@ -278,7 +280,8 @@ def test_overlapped_decode_hands_out_exactly_what_sequential_steps_do(tiny):
             assert b.routing is None
         else:
             np.testing.assert_array_equal(b.routing, a.routing)
-    assert overlapped_engine._inflight is None and overlapped_engine.stats()["free_slots"] == 64
+    stats = overlapped_engine.stats()
+    assert overlapped_engine._inflight is None and stats["free_blocks"] == stats["num_blocks"]
 
 
 def test_overlapped_decode_abort_and_refill(tiny):

@@ -79,9 +79,9 @@ def test_float32_logits_and_routing_match_hf(arch, checkpoints, record_property)
     assert moe_layers == set(cfg.moe_layers)
 
     seqs = [random_ids(40, seed=1), random_ids(23, seed=2)]
-    # Both sequences in one step (varlen batch, slots 1 and 0 of a 2-slot cache) ...
-    cache = KVCache(model.kv_layout(), num_slots=2, max_model_len=64, dtype=model.dtype, device="cpu")
-    batch = ForwardBatch.build([1, 0], [0, 0], [len(s) for s in seqs], "cpu")
+    # Both sequences in one step (varlen batch) in interleaved, out-of-order blocks of a paged cache ...
+    cache = KVCache(model.kv_layout(), num_blocks=12, block_size=8, dtype=model.dtype, device="cpu")
+    batch = ForwardBatch.build([[9, 2, 7, 0, 4], [5, 1, 8]], [0, 0], [len(s) for s in seqs], "cpu", block_size=8)
     flat = torch.tensor(seqs[0] + seqs[1])
     capture = torch.zeros(len(flat) + 5, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.int32)
     with torch.inference_mode():
@@ -136,12 +136,12 @@ def test_greedy_generation_matches_hf(arch, checkpoints):
     assert len(hf_tokens) == new
 
     L, K = cfg.num_hidden_layers, cfg.num_experts_per_tok
-    cache = KVCache(model.kv_layout(), num_slots=2, max_model_len=len(prompt) + new, dtype=model.dtype, device="cpu")
+    cache = KVCache.for_sequences(model.kv_layout(), 2, len(prompt) + new, model.dtype, "cpu", block_size=4)
     capture = torch.zeros(len(prompt) + new - 1, L, K, dtype=torch.int32)
     tokens, context, step_ids = [], 0, prompt
     with torch.inference_mode():
         while len(tokens) < new:
-            batch = ForwardBatch.build([1], [context], [len(step_ids)], "cpu")
+            batch = ForwardBatch.build([cache.sequence_blocks(1)], [context], [len(step_ids)], "cpu", 4)
             hidden = model(torch.tensor(step_ids), batch, cache, capture[context:])
             logits = model.compute_logits(hidden[batch.last_token_index])  # [1, V]
             context += len(step_ids)
@@ -212,9 +212,10 @@ def test_capture_off_changes_nothing(checkpoints):
     ids = torch.tensor(random_ids(12, seed=6))
     outs = []
     for capture in (None, torch.zeros(12, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.int32)):
-        cache = KVCache(model.kv_layout(), 1, 12, model.dtype, "cpu")
+        cache = KVCache.for_sequences(model.kv_layout(), 1, 12, model.dtype, "cpu")
+        batch = ForwardBatch.build([cache.sequence_blocks(0)], [0], [12], "cpu", cache.block_size)
         with torch.inference_mode():
-            outs.append(model(ids, ForwardBatch.single(12), cache, capture))
+            outs.append(model(ids, batch, cache, capture))
     assert torch.equal(outs[0], outs[1])
 
     experts = model.model.layers[0].mlp.experts

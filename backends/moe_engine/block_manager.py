@@ -1,0 +1,203 @@
+"""KV blocks: who owns which, which are free, and which hold a cached prefix (with its routing rows).
+
+A sequence's ``block_table`` lists the blocks that hold its tokens' keys and values, in position order. Blocks are
+handed out as a sequence grows (``allocate``) and taken back when it ends or is preempted (``free``). Nothing here
+touches the device: the cache memory is kv_cache.py's, the block ids are plain ints.
+
+Prefix caching (on by default, as vLLM): a block whose ``block_size`` tokens are all computed gets a hash of
+(parent block's hash, its tokens, the sequence's cache key) and is registered; a later sequence whose tokens begin
+with the same blocks takes them (reference counted) instead of computing them again. The cache key holds
+everything else that changes the keys and values of those tokens (e.g. forced routing): sequences with different
+keys never share blocks. A freed block keeps its hash and contents until it is handed out again: free blocks are
+reused least-recently-freed first, so the most recently used prefixes stay longest.
+
+Routing rows travel with the cached blocks: when a block is registered, its tokens' routed experts
+[block_size, num_hidden_layers, top_k] are stored beside it (host memory, sized with the KV cache), so that a
+request whose prompt hits the cache returns exactly the rows a cold run returns. A block's rows live and die with
+its registration: an evicted (re-used) block loses its hash before anyone could read stale rows.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class NoFreeBlocks(Exception):
+    """Raised inside the block manager when an allocation cannot be satisfied (callers get False)."""
+
+
+@dataclass
+class BlockTable:
+    """A sequence's blocks and what of them is registered in the prefix cache."""
+
+    blocks: list[int] = field(default_factory=list)
+    cache_key: object = None  # sequences share cached blocks only with equal keys
+    hashes: list[int] = field(default_factory=list)  # hash of each registered (full, computed) block, in order
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        routing_shape: tuple[int, int] | None = None,  # (num_hidden_layers, top_k): store rows with cached blocks
+        routing_dtype: type = np.uint16,
+        watermark: float = 0.01,
+    ):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # guards against hash collisions
+        self.cached: dict[int, int] = {}  # hash -> block id (registered blocks, in use or free)
+        # Free blocks, least recently freed first (OrderedDict: O(1) removal when a cached free block is hit).
+        self.free: collections.OrderedDict[int, None] = collections.OrderedDict((b, None) for b in range(num_blocks))
+        self.watermark_blocks = max(1, int(watermark * num_blocks)) if num_blocks > 8 else 0
+        self.rows = (
+            np.zeros((num_blocks, block_size, *routing_shape), dtype=routing_dtype)
+            if enable_prefix_caching and routing_shape is not None
+            else None
+        )
+        # Prefix-cache counters (tokens), for /metrics.
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a registered prefix (in use or free)."""
+        return len(self.cached)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _hash(self, parent: int | None, tokens: tuple[int, ...], key: object) -> int:
+        return hash((parent, tokens, key))
+
+    def match_prefix(self, tokens: list[int], cache_key: object) -> list[int]:
+        """The cached blocks that hold a prefix of ``tokens`` (whole blocks; at least one token is left to
+        compute, so that the last token's logits come from a forward). Counts the query for the hit rate."""
+        self.query_tokens += len(tokens)
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        parent = None
+        for j in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[j * bs : (j + 1) * bs])
+            h = self._hash(parent, chunk, cache_key)
+            b = self.cached.get(h)
+            if b is None or self.block_tokens[b] != chunk:
+                break
+            hits.append(b)
+            parent = h
+        self.hit_tokens += len(hits) * bs
+        return hits
+
+    def can_allocate(self, num_new_blocks: int, hits: list[int] = (), watermark: bool = False) -> bool:
+        """Whether ``num_new_blocks`` fresh blocks (plus taking ``hits`` out of the free list) fit."""
+        taken_free = sum(1 for b in hits if self.ref_count[b] == 0)
+        reserve = self.watermark_blocks if watermark else 0
+        return self.num_free - taken_free - num_new_blocks >= reserve
+
+    # ------------------------------------------------------------------ ownership
+
+    def take_hits(self, table: BlockTable, hits: list[int]) -> None:
+        """Give a new (empty) table the cached blocks of its prefix."""
+        assert not table.blocks
+        for b in hits:
+            if self.ref_count[b] == 0:
+                del self.free[b]
+            self.ref_count[b] += 1
+            table.blocks.append(b)
+            table.hashes.append(self.block_hash[b])
+
+    def allocate(self, table: BlockTable, num_tokens: int) -> bool:
+        """Grow ``table`` to cover ``num_tokens`` tokens; False (and nothing taken) if the blocks are not free."""
+        need = self.blocks_for(num_tokens) - len(table.blocks)
+        if need <= 0:
+            return True
+        if need > self.num_free:
+            return False
+        for _ in range(need):
+            b, _ = self.free.popitem(last=False)  # least recently freed: the coldest cached prefix goes first
+            self._evict(b)
+            self.ref_count[b] = 1
+            table.blocks.append(b)
+        return True
+
+    def free_table(self, table: BlockTable) -> None:
+        """Release a table's blocks; registered ones stay cached until their block is handed out again.
+        The tail is freed first, so that a prefix's first blocks are the last to be evicted."""
+        for b in reversed(table.blocks):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free[b] = None
+        table.blocks.clear()
+        table.hashes.clear()
+
+    def _evict(self, b: int) -> None:
+        h = self.block_hash[b]
+        if h is not None:
+            if self.cached.get(h) == b:
+                del self.cached[h]
+            self.block_hash[b] = None
+            self.block_tokens[b] = None
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def register(self, table: BlockTable, tokens: list[int], num_computed: int, rows: np.ndarray | None = None,
+                 rows_start: int = 0) -> None:
+        """Register the table's blocks that ``num_computed`` tokens fill completely (and not yet registered).
+
+        ``rows``: routing rows [n, L, K] of positions rows_start.. (at least up to the last full block) stored
+        with each newly registered block, when the manager keeps rows."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(num_computed // bs, len(table.blocks))
+        parent = table.hashes[-1] if table.hashes else None
+        for j in range(len(table.hashes), full):
+            chunk = tuple(tokens[j * bs : (j + 1) * bs])
+            h = self._hash(parent, chunk, table.cache_key)
+            b = table.blocks[j]
+            table.hashes.append(h)
+            parent = h
+            if h in self.cached:  # the same prefix was computed twice (two cold requests at once): keep the first
+                continue
+            if self.rows is not None:
+                lo = j * bs - rows_start
+                if rows is None or lo < 0 or lo + bs > len(rows):
+                    continue  # no rows for this block: do not cache it (a hit must return every row)
+                self.rows[b] = rows[lo : lo + bs]
+            self.cached[h] = b
+            self.block_hash[b] = h
+            self.block_tokens[b] = chunk
+
+    def cached_rows(self, blocks: list[int]) -> np.ndarray | None:
+        """Routing rows [len(blocks) * block_size, L, K] of cached blocks (a copy)."""
+        if self.rows is None or not blocks:
+            return None
+        return self.rows[blocks].reshape(len(blocks) * self.block_size, *self.rows.shape[2:])
+
+    def flush(self) -> int:
+        """Forget every cached prefix (e.g. after a weight update); blocks in use stay with their owners.
+        Returns the number of blocks that were registered."""
+        n = len(self.cached)
+        for b in list(self.cached.values()):
+            self.block_hash[b] = None
+            self.block_tokens[b] = None
+        self.cached.clear()
+        return n

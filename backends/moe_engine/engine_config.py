@@ -1,0 +1,48 @@
+"""Engine settings: every setting and its default, in one place, free of torch (the CLI imports it).
+
+``moe-serve`` builds an ``EngineConfig`` from its flags and sends it to the Triton model as one JSON parameter
+(``engine_config``); the backend rebuilds it with ``EngineConfig.from_json`` (as Triton's vllm_backend takes its
+engine args). No other layer has defaults of its own.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class EngineConfig:
+    """What the engine runs with (see each field)."""
+
+    max_num_seqs: int | None = None  # sequences running at once; None: 256 on CUDA, 64 on CPU
+    max_model_len: int | None = None  # prompt + output tokens of one sequence; None: max_position_embeddings
+    # Per step: decode tokens + prefill chunk tokens. None: 2048 on CUDA (a step costs about the same host time
+    # at any size there, so bigger prefill chunks mean fewer steps), 512 on CPU (a step's time grows with its
+    # tokens, and running requests wait for it).
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16  # tokens per KV block
+    gpu_memory_utilization: float = 0.9  # CUDA: share of GPU memory for weights + activations + KV cache
+    kv_cache_memory_bytes: int | None = None  # KV cache size; None: from gpu_memory_utilization (CPU: 2 GiB)
+    enable_prefix_caching: bool = True  # reuse computed KV blocks (and their routing rows) across requests
+    max_waiting: int = 1024  # waiting-queue bound; beyond it add_request raises EngineOverloadedError
+    enable_routed_experts: bool = True  # server-wide switch; off = never any capture work
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (debugging, or to save their memory)
+    # Launch decode step i+1 before handing out step i's results (None: on CUDA, where the GPU then works while
+    # the host does; on CPU the forward runs on the host, so there is nothing to overlap).
+    overlap_decode: bool | None = None
+    # Fused Triton kernels for norms, rotary, expert bookkeeping and the KV write (kernels.py): same results bit
+    # for bit, a third of the kernel launches. None: on CUDA when Triton is installed (CUDA builds of torch).
+    # The switch is the model's: engines sharing a model share it.
+    fused_kernels: bool | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "EngineConfig":
+        raw = json.loads(text) if text else {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown engine settings: {', '.join(unknown)}")
+        return cls(**raw)

@@ -1,0 +1,234 @@
+"""The device side of a step: inputs, CUDA graphs, forward, sampling, one transfer to the host.
+
+``ModelRunner`` owns everything that lives on the device: the model, the paged KV cache (sized from the memory
+left after the weights and a profiled peak step, see ``kv_cache_budget``), the step's output buffer and the decode
+graphs. ``launch`` queues a step's forward, sampling and device->host copy and returns before the GPU is done;
+``results`` waits for that copy.
+
+Routing capture: the model writes each MoE layer's top-k ids into a step buffer ``[step_tokens,
+num_hidden_layers, top_k]`` (experts.py says where); the step's first T rows travel to the host in the step's
+one transfer, together with the sampled tokens. With no request wanting routing in a step (and no prefix cache
+keeping rows), the model gets no buffer and does no capture work.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import ForwardBatch
+from .cuda_graphs import DecodeGraphs
+from .kv_cache import KVCache, KVSpec, blocks_for_budget, bytes_per_block
+from .sampling import compute_logprobs, sample
+from .scheduler import StepPlan
+
+log = logging.getLogger(__name__)
+
+CPU_KV_BUDGET = 2 << 30  # CPU default: 2 GiB, or less when max_num_seqs full-length sequences need less
+
+
+@dataclass
+class Transfer:
+    """A step's tokens and routing rows on their way to the host (CUDA: a pinned buffer + an event)."""
+
+    n: int  # sampled tokens
+    rows: int  # routing rows (0: none fetched)
+    host: np.ndarray | None = None  # CUDA: [S + S*L*K] int32 view of the pinned buffer
+    event: torch.cuda.Event | None = None
+    tokens: list[int] | None = None  # CPU: the results themselves
+    routing: np.ndarray | None = None
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued; ``results`` hands out what it produced."""
+
+    plan: StepPlan
+    samplers: list[int]  # plan indices that sample a token this step
+    tokens: torch.Tensor | None  # [N] sampled tokens on the device (input of an overlapped next step)
+    logprobs: tuple | None  # (chosen [N], top ids [N, n], top values [N, n]) on the host, when asked
+    transfer: Transfer
+
+
+def kv_cache_budget(
+    model: torch.nn.Module, specs: list[KVSpec], block_size: int, step_tokens: int, max_num_seqs: int,
+    max_model_len: int, gpu_memory_utilization: float, kv_cache_memory_bytes: int | None,
+) -> int:
+    """KV-cache bytes: ``kv_cache_memory_bytes`` when given; on CUDA the share ``gpu_memory_utilization`` of the
+    GPU's memory minus what is in use (weights, other processes), a profiled peak step's activations and the same
+    again for the decode graphs' pool; on CPU ``CPU_KV_BUDGET`` capped at what max_num_seqs full sequences need."""
+    if kv_cache_memory_bytes:
+        return int(kv_cache_memory_bytes)
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    if device.type != "cuda":
+        need = (max_num_seqs * -(-max_model_len // block_size) + 1) * bytes_per_block(specs, block_size, dtype)
+        return min(CPU_KV_BUDGET, need)
+    peak = profile_peak_activation(model, specs, block_size, step_tokens, max_num_seqs)
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free  # weights, this process's other buffers, CUDA context, other processes
+    budget = int(total * gpu_memory_utilization) - in_use - 2 * peak
+    log.info(
+        "KV budget: %.1f GiB of %.1f GiB (utilization %.2f; in use %.1f GiB; peak step activations %.2f GiB, "
+        "reserved twice: step and graphs)",
+        budget / 2**30, total / 2**30, gpu_memory_utilization, in_use / 2**30, peak / 2**30,
+    )
+    if budget <= 0:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache: {in_use / 2**30:.1f} GiB of {total / 2**30:.1f} GiB in use and "
+            f"{2 * peak / 2**30:.1f} GiB needed for activations; raise --gpu-memory-utilization, lower "
+            f"--max-num-batched-tokens, or give --kv-cache-memory"
+        )
+    return budget
+
+
+@torch.inference_mode()
+def profile_peak_activation(
+    model: torch.nn.Module, specs: list[KVSpec], block_size: int, step_tokens: int, max_num_seqs: int
+) -> int:
+    """Peak device bytes a step of ``step_tokens`` prefill tokens allocates beyond what is allocated now
+    (activations, expert buffers, logits and sampling of ``max_num_seqs`` rows), measured by running one."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    cfg = model.config
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    cache = KVCache(specs, -(-step_tokens // block_size) + 1, block_size, dtype, device)
+    batch = ForwardBatch.build([list(range(cache.num_blocks - 1))], [0], [step_tokens], device, block_size)
+    capture = torch.zeros(step_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.int32,
+                          device=device)
+    ids = torch.randint(0, cfg.vocab_size, (step_tokens,), device=device)
+    hidden = model(ids, batch, cache, capture)
+    rows = min(max_num_seqs, step_tokens)
+    logits = model.compute_logits(hidden[:rows])
+    torch.softmax(logits, dim=-1)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base - cache.nbytes
+    del cache, batch, capture, hidden, logits
+    torch.cuda.empty_cache()
+    return max(int(peak), 0)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        step_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        capture_routing: bool,
+        graphs_off: str | None,
+        overlap: bool,
+    ):
+        cfg = model.config
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = block_size
+        self.kv = KVCache(model.kv_layout(), num_blocks, block_size, self.dtype, self.device)
+        self.null_block = self.kv.null_block
+        self.step_tokens = S = step_tokens
+        L, K = self.routing_shape = cfg.num_hidden_layers, cfg.num_experts_per_tok
+        # The step's outputs in one int32 buffer: [S] sampled tokens, then the capture buffer [S, L, K] that each
+        # MoE layer writes. Preallocated (a decode step allocates nothing; graphs capture its address). Dense
+        # layers' columns are never written and stay 0. On CUDA a step's tokens and first T routing rows are one
+        # contiguous prefix, fetched with a single copy into pinned memory.
+        capture_numel = S * L * K if capture_routing else 0
+        self.step_out = torch.zeros(S + capture_numel, dtype=torch.int32, device=self.device)
+        self.capture_buf = self.step_out[S:].view(S, L, K) if capture_routing else None
+        cuda = self.device.type == "cuda"
+        # Two pinned host copies (an overlapped step's transfer lands while the previous one is read), with
+        # numpy views (slicing numpy costs a fraction of slicing torch) and an event each.
+        self.step_out_host = (
+            [torch.empty(S + capture_numel, dtype=torch.int32, pin_memory=True) for _ in range(2)] if cuda else None
+        )
+        self._host_np = [h.numpy() for h in self.step_out_host] if cuda else None
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._parity = 0
+        self.overlap = overlap
+        self.use_kernels = False  # paged-attention kernels (set by the engine when they apply)
+        self.graphs = (
+            DecodeGraphs(model, self.kv, max_batch=max_num_seqs, max_model_len=max_model_len,
+                         capture_buf=self.capture_buf)
+            if graphs_off is None
+            else None
+        )
+
+    @torch.inference_mode()
+    def launch(
+        self, plan: StepPlan, want_routing: bool, input_ids: torch.Tensor | None = None
+    ) -> LaunchedStep:
+        """Queue a step's forward, sampling and device->host transfer; returns before the GPU finishes.
+
+        ``input_ids``: the step's token ids on the device (an overlapped decode step, whose inputs the previous
+        step sampled), else the ids are read from the sequences."""
+        items, context = plan.items, plan.context
+        T = plan.num_tokens
+        ids: list[int] = []
+        if input_ids is None:
+            for (seq, n), c in zip(items, context):
+                ids.extend(seq.tokens[c : c + n])
+        want_routing = want_routing and self.capture_buf is not None
+        tables = [seq.table.blocks for seq, _ in items]
+        graph_logits = None  # [T, V]: a one-token-per-sequence step replayed from a CUDA graph
+        if self.graphs is not None and T == len(items) and self.graphs.supports(T, max(context) + 1):
+            graph_logits = self.graphs.run(ids if input_ids is None else input_ids, context, tables, want_routing)
+        else:
+            batch = ForwardBatch.build(tables, context, [n for _, n in items], self.device, self.block_size,
+                                       self.null_block)
+            batch.use_kernels = self.use_kernels
+            if input_ids is None:
+                input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+            capture = self.capture_buf[:T] if want_routing else None
+            hidden = self.model(input_ids, batch, self.kv, capture)  # [T, H]
+
+        samplers = plan.samplers
+        tokens = None
+        lp = None
+        if samplers:
+            if graph_logits is not None:
+                logits = graph_logits if len(samplers) == T else graph_logits[samplers]
+            else:
+                logits = self.model.compute_logits(hidden[batch.last_token_index[samplers]])  # [N, V] float32
+            states = [items[i][0].sampler for i in samplers]
+            tokens = sample(logits, states)  # [N] long, on the device
+            top_n = max((st.params.logprobs for st in states if st.params.logprobs is not None), default=-1)
+            if top_n >= 0:
+                lp = tuple(t.cpu() if t is not None else None for t in compute_logprobs(logits, tokens, top_n))
+        return LaunchedStep(plan, samplers, tokens, lp, self._transfer(tokens, T if want_routing else 0))
+
+    def _transfer(self, tokens: torch.Tensor | None, rows: int) -> Transfer:
+        """Queue the step's device->host transfer: sampled tokens [N] and the first ``rows`` routing rows
+        [rows, L, K], one copy into one of two pinned buffers."""
+        n = 0 if tokens is None else tokens.shape[0]
+        S, (L, K) = self.step_tokens, self.routing_shape
+        routing_end = S + rows * L * K
+        if self.step_out_host is None:  # CPU: done already; copy out before the next step reuses the buffer
+            routing = self.step_out[S:routing_end].numpy().reshape(rows, L, K).astype(np.uint16) if rows else None
+            return Transfer(n, rows, tokens=tokens.tolist() if n else [], routing=routing)
+        self._parity ^= 1
+        host, event = self.step_out_host[self._parity], self._events[self._parity]
+        if n:
+            self.step_out[:n].copy_(tokens)
+        end = routing_end if rows else n
+        if end:
+            host[:end].copy_(self.step_out[:end], non_blocking=True)
+        event.record()
+        return Transfer(n, rows, host=self._host_np[self._parity], event=event)
+
+    def results(self, step: LaunchedStep) -> tuple[list[int], np.ndarray | None]:
+        """Wait for a step's transfer: (tokens, routing rows [rows, L, K] uint16 or None)."""
+        tr = step.transfer
+        if tr.host is None:
+            return tr.tokens, tr.routing
+        tr.event.synchronize()
+        S, (L, K) = self.step_tokens, self.routing_shape
+        # One conversion for the step, into a fresh array: requests get views of it (no per-request copy).
+        routing = tr.host[S : S + tr.rows * L * K].reshape(tr.rows, L, K).astype(np.uint16) if tr.rows else None
+        return tr.host[: tr.n].tolist(), routing

@@ -1,0 +1,374 @@
+"""Sequences and the scheduler: waiting / running queues, admission by free KV blocks, preemption, step results.
+
+A step's *plan* is a list of (sequence, tokens this step): every running sequence that decodes (one token) first,
+then prefill chunks (of new prompts, of prompts too long for one step, and of preempted sequences being recomputed)
+within the step's token budget. Admission is first come, first served and by free blocks: a waiting sequence
+starts when its prefix-cache hits plus the blocks of its first chunk fit, leaving a small watermark for the
+running sequences to grow into. When a running sequence needs a block and none is free, the newest running
+sequence is preempted (vLLM V1's policy): its blocks are freed and it waits at the head of the queue to be
+recomputed from its prompt and the tokens it already produced.
+
+Nothing a client received is lost or repeated across preemption: tokens stay with the sequence, and routing rows
+are handed out by absolute position (``rows_sent``), so a recomputed position whose row already went out is not
+sent again. Rows of prefix-cache hits come from the block manager (stored when the blocks were registered).
+
+``process`` turns a finished step's sampled tokens and routing rows into per-request outputs (new tokens, new rows,
+stop conditions, finish reasons) and frees what finished sequences held.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .block_manager import BlockManager, BlockTable
+from .sampling import SamplingParams, SamplingState
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    routed_experts: np.ndarray | None  # [rows, num_hidden_layers, top_k] uint16, rows since the last output
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: list[float] | None = None  # chosen tokens' logprobs, one per new token
+    top_logprob_ids: np.ndarray | None = None  # [new tokens, N] int64
+    top_logprobs: np.ndarray | None = None  # [new tokens, N] float32
+    error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    return_routed_experts: bool = True
+    routed_experts_prompt_start: int = 0
+    on_output: OutputCallback | None = None
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    req: Request
+    sampler: SamplingState
+    tokens: list[int]  # prompt + generated
+    num_prompt: int
+    status: Status = Status.WAITING
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    num_output: int = 0
+    num_cached: int = 0  # prompt tokens that came from the prefix cache at the first admission
+    rows_sent: int = 0  # routing rows handed out (or skipped) up to this absolute position
+    # Rows of computed positions not yet in a registered block (prefix caching keeps them until the block fills).
+    pending_rows: list = field(default_factory=list)
+    pending_start: int = 0  # absolute position of pending_rows' first row
+    arrival: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self):
+        self.rows_sent = self.req.routed_experts_prompt_start
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens to forward before the next sample (1 when decoding)."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_remaining == 1
+
+
+@dataclass
+class StepPlan:
+    """What one step forwards: (sequence, new tokens) pairs, each one's context before the step, and which of
+    them sample a token (those whose last known token is forwarded; every one in an overlapped decode step)."""
+
+    items: list[tuple[Sequence, int]]
+    context: list[int]
+    samplers: list[int]
+
+    @classmethod
+    def of(cls, items: list[tuple[Sequence, int]]) -> "StepPlan":
+        context = [s.num_computed for s, _ in items]
+        samplers = [i for i, ((s, n), c) in enumerate(zip(items, context)) if c + n == len(s.tokens)]
+        return cls(items, context, samplers)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        step_tokens: int,
+        max_model_len: int,
+        eos_ids: frozenset[int],
+        keep_rows: bool,
+    ):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.step_tokens = step_tokens
+        self.max_model_len = max_model_len
+        self.eos_ids = eos_ids
+        self.keep_rows = keep_rows  # every step captures routing: keep rows for the prefix cache
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # admission order (the newest last: preempted first)
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queues
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in self.running:
+            if seq.request_id == request_id:
+                return seq
+        return next((s for s in self.waiting if s.request_id == request_id), None)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ planning
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan (None: nothing to run). Grows block tables; may preempt."""
+        budget = self.step_tokens
+        planned: list[tuple[Sequence, int]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_remaining, budget)
+            if not self._grow(seq, n):
+                continue  # seq itself was preempted (it was the newest); running[i] is the next one now
+            planned.append((seq, n))
+            budget -= n
+            i += 1
+        if not self._preempted_this_round:
+            self._admit(planned, budget)
+        self._preempted_this_round = False
+        if not planned:
+            return None
+        # Decodes first, then prefill chunks (the reference attention splits the two; see ForwardBatch.parts).
+        planned.sort(key=lambda p: p[1] != 1 or not p[0].is_decoding)
+        return StepPlan.of(planned)
+
+    _preempted_this_round = False
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Blocks for seq's next n tokens, preempting the newest running sequences if needed. False if seq
+        itself had to be preempted."""
+        while not self.blocks.allocate(seq.table, seq.num_computed + n):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it waits at the head of the queue to be recomputed."""
+        self.running.remove(seq)
+        self.blocks.free_table(seq.table)
+        seq.num_computed = 0
+        seq.pending_rows, seq.pending_start = [], 0
+        seq.status = Status.PREEMPTED
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        self._preempted_this_round = True
+
+    def _admit(self, planned: list[tuple[Sequence, int]], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.blocks.match_prefix(seq.tokens, seq.table.cache_key)
+            cached = len(hits) * self.blocks.block_size
+            n = min(len(seq.tokens) - cached, budget)
+            new_blocks = self.blocks.blocks_for(cached + n) - len(hits)
+            if not self.blocks.can_allocate(new_blocks, hits, watermark=bool(self.running)):
+                break  # first come, first served: the head waits for blocks
+            self.waiting.popleft()
+            self.blocks.take_hits(seq.table, hits)
+            ok = self.blocks.allocate(seq.table, cached + n)
+            assert ok
+            first_time = seq.status is Status.WAITING
+            seq.num_computed = cached
+            seq.pending_start = cached
+            if first_time:
+                seq.num_cached = min(cached, seq.num_prompt)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            planned.append((seq, n))
+            budget -= n
+
+    def can_follow(self, plan: StepPlan, sampled_logprobs: bool) -> bool:
+        """Whether the next decode step may be launched from this step's sampled tokens before its results are
+        read (overlapped decode): a decode step of every running sequence (no logprobs) in which none can reach
+        a length limit, so each would decode again unless it stops on a token."""
+        if sampled_logprobs or len(plan.items) != len(self.running) or self.waiting:
+            return False
+        for (seq, n), c in zip(plan.items, plan.context):
+            if n != 1 or c + 1 != len(seq.tokens) or seq.status is not Status.RUNNING:
+                return False
+            if seq.num_output + 1 >= seq.sampler.params.max_tokens or c + 2 >= self.max_model_len:
+                return False
+        return True
+
+    def follow(self, plan: StepPlan) -> StepPlan | None:
+        """The decode step after ``plan`` (its tokens not yet known on the host), if the running batch is still
+        exactly plan's and every sequence gets the block for its next position."""
+        if len(self.running) != len(plan.items) or any(s.status is not Status.RUNNING for s, _ in plan.items):
+            return None
+        for (seq, _), c in zip(plan.items, plan.context):
+            if not self.blocks.allocate(seq.table, c + 2):
+                return None  # the normal path will preempt
+        return StepPlan(plan.items, [c + 1 for c in plan.context], list(range(len(plan.items))))
+
+    # ------------------------------------------------------------------ results
+
+    def process(
+        self,
+        plan: StepPlan,
+        samplers: list[int],
+        new_tokens: list[int],
+        routing: np.ndarray | None,
+        logprobs: tuple | None,
+        emit: Callable[[Sequence, RequestOutput], None],
+    ) -> None:
+        """Hand a finished step's results to its sequences: tokens, routing rows, stop conditions, outputs."""
+        # A step of one token per sequence (decode) hands out one row each: views made in one C-level pass.
+        row_views = list(routing[:, None]) if routing is not None and len(routing) == len(plan.items) else None
+        sampled = dict(zip(samplers, range(len(samplers))))
+        offset = 0
+        for i, (seq, n) in enumerate(plan.items):
+            c = plan.context[i]
+            offset += n
+            if seq.status is not Status.RUNNING or seq.num_computed != c:
+                continue  # finished, aborted or preempted while this overlapped step was in flight: dropped
+            step_rows = None
+            if routing is not None:
+                step_rows = row_views[i] if row_views is not None else routing[offset - n : offset]
+            seq.num_computed += n
+            self._keep_rows(seq, step_rows, c)
+            out = RequestOutput(
+                request_id=seq.request_id,
+                new_token_ids=[],
+                routed_experts=self._rows_to_send(seq, step_rows, c, n),
+                finished=False,
+                finish_reason=None,
+                num_prompt_tokens=seq.num_prompt,
+                num_output_tokens=seq.num_output,
+                num_cached_tokens=seq.num_cached,
+            )
+            if i in sampled:
+                j = sampled[i]
+                t = new_tokens[j]
+                out.new_token_ids.append(t)
+                seq.tokens.append(t)
+                seq.num_output += 1
+                out.num_output_tokens = seq.num_output
+                n_lp = seq.sampler.params.logprobs
+                if logprobs is not None and n_lp is not None:
+                    out.logprobs = [float(logprobs[0][j])]
+                    if n_lp > 0:
+                        out.top_logprob_ids = logprobs[1][j : j + 1, :n_lp].numpy()
+                        out.top_logprobs = logprobs[2][j : j + 1, :n_lp].numpy()
+                reason = self._stop_reason(seq, t)
+                if reason is not None:
+                    self.finish(seq, reason, emit, last=out)
+                    continue
+            emit(seq, out)
+
+    def _rows_to_send(self, seq: Sequence, step_rows: np.ndarray | None, c: int, n: int) -> np.ndarray | None:
+        """The rows of positions [c, c+n) this request has not been sent yet (none before its prompt start, none
+        twice after a preemption), preceded at its first step by the rows of its prefix-cache hits."""
+        if step_rows is None or not seq.req.return_routed_experts:
+            return None
+        first = max(c, seq.rows_sent)
+        out = step_rows[first - c :] if first < c + n else step_rows[:0]
+        if seq.rows_sent < c:  # positions before c were served from the cache: their stored rows go first
+            cached = self.blocks.cached_rows(seq.table.blocks[: c // self.blocks.block_size])
+            out = np.concatenate([cached[seq.rows_sent : c], out]) if cached is not None else out
+        seq.rows_sent = max(seq.rows_sent, c + n)
+        return out
+
+    def _keep_rows(self, seq: Sequence, step_rows: np.ndarray | None, c: int) -> None:
+        """Register the blocks this step filled, with their rows when the prefix cache keeps rows."""
+        if not self.blocks.enable_prefix_caching:
+            return
+        if self.blocks.rows is None:
+            self.blocks.register(seq.table, seq.tokens, seq.num_computed)
+            return
+        if step_rows is None:
+            return  # rows were not captured (capture off for this step): such blocks are not cached
+        if c != seq.pending_start + sum(len(r) for r in seq.pending_rows):
+            seq.pending_rows, seq.pending_start = [], c  # a gap (should not happen): restart at this step
+        seq.pending_rows.append(step_rows)
+        bs = self.blocks.block_size
+        if seq.num_computed // bs > seq.pending_start // bs:  # a block filled up: register, keep the tail
+            rows = np.concatenate(seq.pending_rows) if len(seq.pending_rows) > 1 else seq.pending_rows[0]
+            self.blocks.register(seq.table, seq.tokens, seq.num_computed, rows, seq.pending_start)
+            keep_from = (seq.num_computed // bs) * bs
+            seq.pending_rows = [rows[keep_from - seq.pending_start :]]
+            seq.pending_start = keep_from
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.sampler.params
+        if seq.num_output >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return "stop"
+            if not p.ignore_eos and token in self.eos_ids:
+                return "stop"
+        if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(
+        self,
+        seq: Sequence,
+        reason: str,
+        emit: Callable[[Sequence, RequestOutput], None],
+        last: RequestOutput | None = None,
+        error: str | None = None,
+    ) -> None:
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status in (Status.WAITING, Status.PREEMPTED) and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_table(seq.table)
+        seq.status = Status.FINISHED
+        seq.pending_rows = []
+        out = last or RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            routed_experts=None,
+            finished=True,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt,
+            num_output_tokens=seq.num_output,
+            num_cached_tokens=seq.num_cached,
+        )
+        out.finished, out.finish_reason, out.error = True, reason, error
+        emit(seq, out)
