@@ -165,8 +165,9 @@ def run_locust(args, target: Target, users: int, rdir: Path, info) -> dict:
         out = {}
         if target.triton_metrics_url:
             p = parse_prom(scrape(target.triton_metrics_url, timeout=5))
-            for state in ("running", "waiting", "free_slots"):
+            for state in ("running", "waiting"):
                 out[f"engine_{state}"] = prom_value(p, "moe_engine_requests", state=state)
+            out["engine_free_blocks"] = prom_value(p, "moe_engine_kv_blocks", state="free")
         a = parse_prom(scrape(api_metrics, timeout=5))
         out["api_pending_choices"] = prom_value(a, "moe_serve_pending_choices")
         return out
@@ -232,7 +233,9 @@ def server_deltas(api_b: str, api_a: str, tri_b: str, tri_a: str) -> dict:
             dict(lab)["reason"]: v - tb.get((n, lab), 0.0)
             for (n, lab), v in ta.items() if n in ("nv_inference_request_failure", "nv_inference_request_failure_total")
         }
-        out["engine_after"] = {s: prom_value(ta, "moe_engine_requests", state=s) for s in ("running", "waiting", "free_slots")}
+        out["engine_after"] = {s: prom_value(ta, "moe_engine_requests", state=s) for s in ("running", "waiting")}
+        out["engine_after"].update(
+            {f"kv_blocks_{s}": prom_value(ta, "moe_engine_kv_blocks", state=s) for s in ("free", "total")})
     return out
 
 

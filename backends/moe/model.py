@@ -225,24 +225,49 @@ class TritonPythonModel:
                     log.exception("cancellation/metrics poll failed")
                 last_poll = time.monotonic()
 
-    @staticmethod
-    def _make_metrics(args):
-        """Engine gauges on Triton's /metrics (custom metrics of the python backend)."""
+    # Engine gauges and counters on Triton's /metrics (custom metrics of the python backend):
+    # (family name, kind, description, {stats key: labels}).
+    _METRICS = (
+        ("moe_engine_requests", "gauge", "Requests in the moe engine by state",
+         {"running": {"state": "running"}, "waiting": {"state": "waiting"}}),
+        ("moe_engine_kv_blocks", "gauge", "KV-cache blocks: total, free (cached ones included), holding a cached prefix",
+         {"num_blocks": {"state": "total"}, "free_blocks": {"state": "free"}, "cached_blocks": {"state": "cached"}}),
+        ("moe_engine_kv_cache_usage", "gauge", "Share of KV-cache blocks in use by running sequences",
+         {"kv_cache_usage": {}}),
+        ("moe_engine_preemptions", "counter", "Sequences preempted (KV blocks freed, recomputed later)",
+         {"num_preemptions": {}}),
+        ("moe_engine_prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache",
+         {"prefix_cache_queries": {}}),
+        ("moe_engine_prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache",
+         {"prefix_cache_hits": {}}),
+    )
+
+    @classmethod
+    def _make_metrics(cls, args):
         labels = {"model": args["model_name"], "version": args["model_version"]}
-        family = pb_utils.MetricFamily(
-            name="moe_engine_requests",
-            description="Requests in the moe engine by state (running, waiting) and free sequence slots",
-            kind=pb_utils.MetricFamily.GAUGE,
-        )
-        # The family must outlive its metrics: keep it in the dict too.
-        metrics = {k: family.Metric(labels={**labels, "state": k}) for k in ("running", "waiting", "free_slots")}
-        metrics["_family"] = family
+        metrics = {"_families": [], "_last": {}}  # families must outlive their metrics: kept here
+        for name, kind, description, keys in cls._METRICS:
+            family = pb_utils.MetricFamily(
+                name=name, description=description,
+                kind=pb_utils.MetricFamily.COUNTER if kind == "counter" else pb_utils.MetricFamily.GAUGE,
+            )
+            metrics["_families"].append(family)
+            for key, extra in keys.items():
+                metrics[key] = (kind, family.Metric(labels={**labels, **extra}))
         return metrics
 
     def _update_metrics(self) -> None:
+        last = self._metrics["_last"]
         for key, value in self.engine.stats().items():
-            if key in self._metrics and key != "_family":
-                self._metrics[key].set(value)
+            if key not in self._metrics or key.startswith("_"):
+                continue
+            kind, metric = self._metrics[key]
+            if kind == "counter":  # Triton counters only increment
+                if value > last.get(key, 0):
+                    metric.increment(value - last.get(key, 0))
+                last[key] = value
+            else:
+                metric.set(value)
 
     def _poll_cancellations(self) -> None:
         with self._lock:

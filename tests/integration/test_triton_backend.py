@@ -126,13 +126,17 @@ def test_sixteen_concurrent_streams_all_complete(stream):
         assert out[rid][-1].as_numpy("finish_reason")[0] == b"length"
 
 
-def engine_gauge(moe_server, state):
+def engine_gauge(moe_server, state, family="moe_engine_requests"):
     text = urllib.request.urlopen(moe_server.triton_metrics_url, timeout=5).read().decode()
-    m = re.search(r'^moe_engine_requests\{[^}]*state="%s"[^}]*\} (\S+)$' % state, text, re.M)
+    m = re.search(r'^%s\{[^}]*state="%s"[^}]*\} (\S+)$' % (family, state), text, re.M)
     return float(m.group(1))
 
 
-def test_cancelling_a_stream_frees_the_engine_slot(moe_server):
+def free_blocks(moe_server) -> tuple[float, float]:
+    return engine_gauge(moe_server, "free", "moe_engine_kv_blocks"), engine_gauge(moe_server, "total", "moe_engine_kv_blocks")
+
+
+def test_cancelling_a_stream_frees_the_engine_blocks(moe_server):
     s = Stream(moe_server.triton_grpc_url)
     s.send("long", inputs([1, 2, 3], max_tokens=900, stream=True, ignore_eos=True, temperature=0.0))
     s.q.get(timeout=60)  # it is running
@@ -143,10 +147,12 @@ def test_cancelling_a_stream_frees_the_engine_slot(moe_server):
     s.close(cancel=True)
     # Triton refreshes its metrics every couple of seconds; wait for the engine to settle.
     deadline = time.monotonic() + 15
-    while engine_gauge(moe_server, "free_slots") < 64 and time.monotonic() < deadline:
+    while (engine_gauge(moe_server, "running") > 0 or free_blocks(moe_server)[0] < free_blocks(moe_server)[1]) \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
     assert engine_gauge(moe_server, "running") == 0
-    assert engine_gauge(moe_server, "free_slots") == 64  # the server's --max-num-seqs: every slot is free
+    free, total = free_blocks(moe_server)
+    assert total > 0 and free == total  # every KV block the cancelled request held is free again
     assert "cancelled by the client" in moe_server.log_path.read_text()
 
 

@@ -1,0 +1,190 @@
+"""Paged KV cache: long contexts sharing a small budget (preemption), prefix caching, block accounting.
+
+What a user checks: every request ends with exactly the tokens and routing rows it would get alone on an idle
+engine with memory to spare, whether it was preempted and recomputed, served from the prefix cache (fully or
+partly), or recomputed after its cached blocks were evicted. The tiny model runs in float32, where a request's
+results do not depend on what shares its steps (test_engine.py checks that separately).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_engine.block_manager import BlockManager, BlockTable
+
+from .test_engine import make_engine, prompt_of, run_all, submit, tiny  # noqa: F401 (fixture)
+
+BS = 16
+
+
+def kv_bytes_for(tiny, tokens: int, block_size: int = BS) -> int:
+    """KV budget that holds ``tokens`` tokens (plus the null block) for the tiny model."""
+    from moe_engine.kv_cache import bytes_per_block
+
+    cfg, model = tiny
+    return (-(-tokens // block_size) + 1) * bytes_per_block(model.kv_layout(), block_size, model.dtype)
+
+
+def results(collectors):
+    return [(c.finish_reason, c.tokens, None if c.routing is None else c.routing.copy()) for c in collectors]
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for (r1, t1, x1), (r2, t2, x2) in zip(got, want):
+        assert (r1, t1) == (r2, t2)
+        if x2 is None:
+            assert x1 is None
+        else:
+            np.testing.assert_array_equal(x1, x2)
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+SPECS = [(600, 120), (800, 90), (450, 160), (900, 70)]  # (prompt, output) tokens
+
+
+def long_workload(engine, prompt_starts=(0, 0, 100, 0)):
+    """Four sequences of 600-970 tokens (prompt + output), one with a prompt start, one sampling with a seed."""
+    specs = SPECS
+    out = []
+    for i, ((p, n), ps) in enumerate(zip(specs, prompt_starts)):
+        sampling = dict(max_tokens=n, ignore_eos=True)
+        if i == 3:
+            sampling.update(temperature=0.8, seed=42)
+        out.append(submit(engine, prompt_of(p, 300 + i), prompt_start=ps, **sampling))
+    run_all(engine, out, max_steps=100_000)
+    return out
+
+
+def test_preempted_requests_end_with_exactly_the_tokens_and_rows_of_an_unpreempted_run(tiny):
+    roomy = make_engine(tiny, max_model_len=1024, max_num_batched_tokens=256, enable_prefix_caching=False)
+    want = results(long_workload(roomy))
+    assert roomy.stats()["num_preemptions"] == 0
+
+    # Room for about half of the 3,190 tokens the four sequences reach: running sequences grow into each
+    # other's blocks and the newest is preempted (and recomputed) again and again.
+    tight = make_engine(tiny, max_model_len=1024, max_num_batched_tokens=256, enable_prefix_caching=False,
+                        kv_cache_memory_bytes=kv_bytes_for(tiny, 1600))
+    got = results(long_workload(tight))
+    stats = tight.stats()
+    assert stats["num_preemptions"] >= 2, stats
+    assert_same(got, want)
+    for (_, tokens, rows), (p, n), ps in zip(got, SPECS, (0, 0, 100, 0)):
+        assert len(tokens) == n and rows.shape[0] == p + n - 1 - ps  # no row lost, none repeated
+    assert stats["free_blocks"] == stats["num_blocks"] and stats["running"] == stats["waiting"] == 0
+
+
+def test_preemption_with_the_prefix_cache_on_recomputes_from_cached_blocks(tiny):
+    roomy = make_engine(tiny, max_model_len=1024, max_num_batched_tokens=256)
+    want = results(long_workload(roomy))
+    tight = make_engine(tiny, max_model_len=1024, max_num_batched_tokens=256,
+                        kv_cache_memory_bytes=kv_bytes_for(tiny, 1600))
+    got = results(long_workload(tight))
+    assert tight.stats()["num_preemptions"] >= 1
+    assert_same(got, want)
+
+
+# ----------------------------------------------------------------------------- prefix caching
+
+
+def test_prefix_cache_hit_returns_the_rows_and_tokens_of_a_cold_run(tiny):
+    engine = make_engine(tiny, max_model_len=512)
+    base = prompt_of(100, 11)  # 6 full blocks + 4 tokens
+    cold = submit(engine, base, max_tokens=8, ignore_eos=True, logprobs=2)
+    run_all(engine, [cold])
+    before = engine.stats()
+    warm = submit(engine, base, max_tokens=8, ignore_eos=True, logprobs=2)
+    run_all(engine, [warm])
+    after = engine.stats()
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 96  # every full prompt block was reused
+    assert warm.tokens == cold.tokens and warm.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
+    np.testing.assert_array_equal(warm.routing, cold.routing)
+    assert warm.routing.shape[0] == 100 + 8 - 1  # no gap where the cached tokens were not forwarded
+
+    # Partly cached (a shared first 70 tokens, then a different tail), with a prompt start inside the cached
+    # part and one beyond it; and a request that opts out of routing.
+    tail = prompt_of(30, 12)
+    partly = [submit(engine, base[:70] + tail, max_tokens=6, ignore_eos=True, prompt_start=ps) for ps in (0, 20, 90)]
+    no_rows = submit(engine, base[:70] + tail, max_tokens=6, ignore_eos=True, routing=False)
+    run_all(engine, partly + [no_rows])
+    fresh = make_engine(tiny, max_model_len=512, enable_prefix_caching=False)
+    ref = submit(fresh, base[:70] + tail, max_tokens=6, ignore_eos=True)
+    run_all(fresh, [ref])
+    for c, ps in zip(partly, (0, 20, 90)):
+        assert c.tokens == ref.tokens
+        np.testing.assert_array_equal(c.routing, ref.routing[ps:])
+    assert no_rows.routing is None and no_rows.tokens == ref.tokens
+
+
+def test_exact_block_multiple_prompt_recomputes_its_last_block_for_the_logits(tiny):
+    engine = make_engine(tiny, max_model_len=512)
+    p = prompt_of(64, 13)  # exactly 4 blocks: the last token must be forwarded, so the last block is recomputed
+    a = submit(engine, p, max_tokens=5, ignore_eos=True)
+    run_all(engine, [a])
+    hits = engine.stats()["prefix_cache_hits"]
+    b = submit(engine, p, max_tokens=5, ignore_eos=True)
+    run_all(engine, [b])
+    assert engine.stats()["prefix_cache_hits"] - hits == 48
+    assert b.tokens == a.tokens
+    np.testing.assert_array_equal(b.routing, a.routing)
+
+
+def test_evicted_prefix_is_recomputed_with_identical_results(tiny):
+    # A cache of 40 blocks: a 100-token prompt registers 6 blocks, then 8 other requests cycle through the
+    # free list and evict them.
+    engine = make_engine(tiny, max_model_len=256, kv_cache_memory_bytes=kv_bytes_for(tiny, 40 * BS))
+    p = prompt_of(100, 14)
+    cold = submit(engine, p, max_tokens=6, ignore_eos=True)
+    run_all(engine, [cold])
+    others = [submit(engine, prompt_of(150, 500 + i), max_tokens=2, ignore_eos=True) for i in range(8)]
+    run_all(engine, others)
+    hits = engine.stats()["prefix_cache_hits"]
+    again = submit(engine, p, max_tokens=6, ignore_eos=True)
+    run_all(engine, [again])
+    assert engine.stats()["prefix_cache_hits"] == hits  # nothing of it was left in the cache
+    assert again.tokens == cold.tokens
+    np.testing.assert_array_equal(again.routing, cold.routing)
+
+
+def test_prefix_cache_off_serves_nothing_from_the_cache(tiny):
+    engine = make_engine(tiny, max_model_len=256, enable_prefix_caching=False)
+    p = prompt_of(80, 15)
+    cs = [submit(engine, p, max_tokens=3, ignore_eos=True) for _ in range(2)]
+    run_all(engine, cs)
+    assert engine.stats()["prefix_cache_hits"] == 0 and engine.stats()["cached_blocks"] == 0
+    assert cs[0].tokens == cs[1].tokens
+
+
+# ----------------------------------------------------------------------------- block manager
+
+
+def test_block_manager_shares_reference_counted_blocks_and_evicts_least_recently_freed():
+    bm = BlockManager(num_blocks=8, block_size=4, routing_shape=(2, 1), routing_dtype=np.uint8)
+    tokens = list(range(10))  # 2 full blocks + 2 tokens
+    a = BlockTable()
+    assert bm.allocate(a, len(tokens))
+    assert len(a.blocks) == 3 and bm.num_free == 5
+    rows = np.arange(10 * 2, dtype=np.uint8).reshape(10, 2, 1)
+    bm.register(a, tokens, num_computed=10, rows=rows, rows_start=0)
+    assert bm.num_cached == 2  # the partial third block is not registered
+
+    hits = bm.match_prefix(tokens, None)
+    assert hits == a.blocks[:2]
+    b = BlockTable()
+    bm.take_hits(b, hits)
+    assert bm.ref_count[a.blocks[0]] == 2
+    np.testing.assert_array_equal(bm.cached_rows(hits), rows[:8])
+    assert bm.match_prefix(tokens, "forced") == []  # another cache key never shares
+
+    bm.free_table(a)
+    bm.free_table(b)
+    assert bm.num_free == 8 and bm.num_cached == 2  # freed, still cached
+    # Handing out 6 blocks takes the never-used ones first, then the least recently freed.
+    c = BlockTable()
+    assert bm.allocate(c, 6 * 4)
+    assert bm.num_cached == 2
+    assert bm.allocate(c, 8 * 4) and bm.num_cached == 0 and bm.num_free == 0
+    assert not bm.allocate(c, 9 * 4)  # nothing left: refused, nothing taken
+    assert len(c.blocks) == 8
