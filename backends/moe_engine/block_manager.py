@@ -86,24 +86,25 @@ class BlockManager:
     def _hash(self, parent: int | None, tokens: tuple[int, ...], key: object) -> int:
         return hash((parent, tokens, key))
 
+    def prefix_hashes(self, tokens: list[int], cache_key: object, num_blocks: int):
+        """Hashes of the first ``num_blocks`` full blocks of ``tokens`` (each chained to its parent's), lazily."""
+        bs, parent = self.block_size, None
+        for j in range(num_blocks):
+            parent = self._hash(parent, tuple(tokens[j * bs : (j + 1) * bs]), cache_key)
+            yield parent
+
     def match_prefix(self, tokens: list[int], cache_key: object) -> list[int]:
         """The cached blocks that hold a prefix of ``tokens`` (whole blocks; at least one token is left to
-        compute, so that the last token's logits come from a forward). Counts the query for the hit rate."""
-        self.query_tokens += len(tokens)
+        compute, so that the last token's logits come from a forward)."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         hits: list[int] = []
-        parent = None
-        for j in range((len(tokens) - 1) // bs):
-            chunk = tuple(tokens[j * bs : (j + 1) * bs])
-            h = self._hash(parent, chunk, cache_key)
+        for j, h in enumerate(self.prefix_hashes(tokens, cache_key, (len(tokens) - 1) // bs)):
             b = self.cached.get(h)
-            if b is None or self.block_tokens[b] != chunk:
+            if b is None or self.block_tokens[b] != tuple(tokens[j * bs : (j + 1) * bs]):
                 break
             hits.append(b)
-            parent = h
-        self.hit_tokens += len(hits) * bs
         return hits
 
     def can_allocate(self, num_new_blocks: int, hits: list[int] = (), watermark: bool = False) -> bool:
@@ -114,9 +115,12 @@ class BlockManager:
 
     # ------------------------------------------------------------------ ownership
 
-    def take_hits(self, table: BlockTable, hits: list[int]) -> None:
-        """Give a new (empty) table the cached blocks of its prefix."""
+    def take_hits(self, table: BlockTable, hits: list[int], num_tokens: int) -> None:
+        """Give a new (empty) table the cached blocks of its prefix (``num_tokens``: the tokens looked up, for
+        the hit rate)."""
         assert not table.blocks
+        self.query_tokens += num_tokens
+        self.hit_tokens += len(hits) * self.block_size
         for b in hits:
             if self.ref_count[b] == 0:
                 del self.free[b]

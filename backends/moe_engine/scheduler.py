@@ -80,6 +80,7 @@ class Sequence:
     # Rows of computed positions not yet in a registered block (prefix caching keeps them until the block fills).
     pending_rows: list = field(default_factory=list)
     pending_start: int = 0  # absolute position of pending_rows' first row
+    claims: list = field(default_factory=list)  # prompt-block hashes this sequence is computing (n > 1 sharing)
     arrival: float = field(default_factory=time.monotonic)
 
     def __post_init__(self):
@@ -138,6 +139,8 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order (the newest last: preempted first)
         self.num_preemptions = 0
+        self._computing: dict[int, Sequence] = {}  # prompt-block hash -> the running sequence computing it
+        self._preempted_this_round = False  # no admissions in a step that had to preempt
 
     # ------------------------------------------------------------------ queues
 
@@ -177,8 +180,6 @@ class Scheduler:
         planned.sort(key=lambda p: p[1] != 1 or not p[0].is_decoding)
         return StepPlan.of(planned)
 
-    _preempted_this_round = False
-
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Blocks for seq's next n tokens, preempting the newest running sequences if needed. False if seq
         itself had to be preempted."""
@@ -193,6 +194,7 @@ class Scheduler:
         """Free a running sequence's blocks; it waits at the head of the queue to be recomputed."""
         self.running.remove(seq)
         self.blocks.free_table(seq.table)
+        self._release_claims(seq)
         seq.num_computed = 0
         seq.pending_rows, seq.pending_start = [], 0
         seq.status = Status.PREEMPTED
@@ -201,27 +203,60 @@ class Scheduler:
         self._preempted_this_round = True
 
     def _admit(self, planned: list[tuple[Sequence, int]], budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        """Start waiting sequences, first come first served, while blocks, slots and the token budget last. A
+        sequence whose next prompt block another running sequence is computing right now waits for it (then
+        takes it from the prefix cache): the choices of an n > 1 request prefill their prompt once."""
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
             hits = self.blocks.match_prefix(seq.tokens, seq.table.cache_key)
+            if self._being_computed(seq, len(hits)):
+                i += 1
+                continue
             cached = len(hits) * self.blocks.block_size
             n = min(len(seq.tokens) - cached, budget)
             new_blocks = self.blocks.blocks_for(cached + n) - len(hits)
             if not self.blocks.can_allocate(new_blocks, hits, watermark=bool(self.running)):
                 break  # first come, first served: the head waits for blocks
-            self.waiting.popleft()
-            self.blocks.take_hits(seq.table, hits)
+            del self.waiting[i]
+            self.blocks.take_hits(seq.table, hits, len(seq.tokens))
             ok = self.blocks.allocate(seq.table, cached + n)
             assert ok
-            first_time = seq.status is Status.WAITING
+            if seq.status is Status.WAITING:
+                seq.num_cached = min(cached, seq.num_prompt)
             seq.num_computed = cached
             seq.pending_start = cached
-            if first_time:
-                seq.num_cached = min(cached, seq.num_prompt)
             seq.status = Status.RUNNING
+            self._claim(seq, len(hits))
             self.running.append(seq)
             planned.append((seq, n))
             budget -= n
+
+    def _being_computed(self, seq: Sequence, num_hits: int) -> bool:
+        if not self._computing or len(seq.tokens) - 1 < (num_hits + 1) * self.blocks.block_size:
+            return False
+        h = list(self.blocks.prefix_hashes(seq.tokens, seq.table.cache_key, num_hits + 1))[-1]
+        owner = self._computing.get(h)
+        return owner is not None and owner is not seq
+
+    def _claim(self, seq: Sequence, num_hits: int) -> None:
+        """Note the full blocks this sequence's prefill will register (hash -> sequence), until they are."""
+        if not self.blocks.enable_prefix_caching:
+            return
+        full = (len(seq.tokens) - 1) // self.blocks.block_size
+        for j, h in enumerate(self.blocks.prefix_hashes(seq.tokens, seq.table.cache_key, full)):
+            if j >= num_hits and h not in self._computing:
+                self._computing[h] = seq
+                seq.claims.append(h)
+
+    def _release_claims(self, seq: Sequence, registered_only: bool = False) -> None:
+        keep = []
+        for h in seq.claims:
+            if registered_only and h not in self.blocks.cached:
+                keep.append(h)
+            elif self._computing.get(h) is seq:
+                del self._computing[h]
+        seq.claims = keep
 
     def can_follow(self, plan: StepPlan, sampled_logprobs: bool) -> bool:
         """Whether the next decode step may be launched from this step's sampled tokens before its results are
@@ -272,6 +307,8 @@ class Scheduler:
                 step_rows = row_views[i] if row_views is not None else routing[offset - n : offset]
             seq.num_computed += n
             self._keep_rows(seq, step_rows, c)
+            if seq.claims:
+                self._release_claims(seq, registered_only=True)
             out = RequestOutput(
                 request_id=seq.request_id,
                 new_token_ids=[],
@@ -358,6 +395,7 @@ class Scheduler:
         elif seq.status in (Status.WAITING, Status.PREEMPTED) and seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free_table(seq.table)
+        self._release_claims(seq)
         seq.status = Status.FINISHED
         seq.pending_rows = []
         out = last or RequestOutput(

@@ -148,6 +148,21 @@ def test_evicted_prefix_is_recomputed_with_identical_results(tiny):
     np.testing.assert_array_equal(again.routing, cold.routing)
 
 
+def test_choices_of_one_prompt_arriving_together_prefill_it_once(tiny):
+    engine = make_engine(tiny, max_model_len=512)
+    p = prompt_of(200, 16)  # 12 full blocks
+    choices = [submit(engine, p, max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    run_all(engine, choices)
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] == 2 * 12 * BS  # the second and third choice took every full block
+    alone = make_engine(tiny, max_model_len=512, enable_prefix_caching=False)
+    refs = [submit(alone, p, max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    run_all(alone, refs)
+    for c, r in zip(choices, refs):
+        assert c.tokens == r.tokens
+        np.testing.assert_array_equal(c.routing, r.routing)
+
+
 def test_prefix_cache_off_serves_nothing_from_the_cache(tiny):
     engine = make_engine(tiny, max_model_len=256, enable_prefix_caching=False)
     p = prompt_of(80, 15)
@@ -173,7 +188,7 @@ def test_block_manager_shares_reference_counted_blocks_and_evicts_least_recently
     hits = bm.match_prefix(tokens, None)
     assert hits == a.blocks[:2]
     b = BlockTable()
-    bm.take_hits(b, hits)
+    bm.take_hits(b, hits, len(tokens))
     assert bm.ref_count[a.blocks[0]] == 2
     np.testing.assert_array_equal(bm.cached_rows(hits), rows[:8])
     assert bm.match_prefix(tokens, "forced") == []  # another cache key never shares
