@@ -417,7 +417,7 @@ def main(argv=None) -> int:
     path = ensure_checkpoint(args)
     cfg = load_config(path)
     log(f"checkpoint {path}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts "
-        f"top-{cfg.num_experts_per_tok}, expert width {cfg.moe_intermediate_size}, vocab {cfg.vocab_size}; "
+        f"top-{cfg.num_experts_per_tok}, expert width {cfg.experts.intermediate_size}, vocab {cfg.vocab_size}; "
         f"{device} {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} torch threads")
 
     runners: dict = {}
@@ -552,10 +552,10 @@ def main(argv=None) -> int:
             "parameters": n_params,
             "num_hidden_layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size,
-            "num_attention_heads": cfg.num_attention_heads,
+            "num_attention_heads": cfg.attention.num_heads,
             "num_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.num_experts_per_tok,
-            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "moe_intermediate_size": cfg.experts.intermediate_size,
             "vocab_size": cfg.vocab_size,
         },
         "workload": {

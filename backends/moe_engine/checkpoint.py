@@ -152,14 +152,14 @@ def _load_experts(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device) 
     experts fused (as transformers writes them) or MXFP4."""
     if name in t:
         return _place(t.get(name, shape), dtype, device)
-    if cfg.moe_block == "gpt_oss":
+    if cfg.experts.block == "gpt_oss":
         if f"{name}_blocks" in t:
             return _load_mxfp4(t, name, shape, dtype, device)
         alt = f" or its MXFP4 form {name + '_blocks'!r} + {name + '_scales'!r}" if not name.endswith("_bias") else ""
         raise _missing(t.root, name, shape, alt)
     layer_prefix = name.split(".mlp.experts.")[0]  # model.layers.{i}
     blocks, gate_n, up_n, down_n = _PER_EXPERT_NAMES.get(cfg.architecture, _DEFAULT_PER_EXPERT_NAMES)
-    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    E, I = cfg.experts.num_experts, cfg.experts.intermediate_size
     is_gate_up = name.endswith("gate_up_proj")
     parts = [(gate_n, 0), (up_n, I)] if is_gate_up else [(down_n, None)]
     part_shape = [I, cfg.hidden_size] if is_gate_up else [cfg.hidden_size, I]

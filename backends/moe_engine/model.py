@@ -15,14 +15,15 @@ runs route the same experts for all but near-tied tokens.
 Module and parameter names equal HF's in-memory (v5, fused experts) names, so
 checkpoint keys map one to one (checkpoint.py).
 
-Architecture differences come from config fields, never from the name: the router
-(``cfg.router``, routing.py), the attention (``cfg.attention``: grouped-query, or
-DeepSeek's multi-head latent attention whose cache holds the compressed latent and
-the rotated shared key, expanded by ``kv_b_proj`` every step as HF does), the MoE
-block layout (``cfg.moe_block``: default / DeepSeek shared experts / GPT-OSS biased
-clamped experts), rope style and yarn, sinks and per-layer sliding windows. Dense
-layers (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers) are part of the
-layer dimension; their capture rows are never written.
+Architecture differences come from the config's specs, never from the name, and each
+module is built from its spec alone: the router (``cfg.router``, routing.py), the
+attention (``cfg.attention``: grouped-query, or with ``attention.mla`` DeepSeek's
+multi-head latent attention whose cache holds the compressed latent and the rotated
+shared key, expanded by ``kv_b_proj`` every step as HF does), the MoE block layout
+(``cfg.experts.block``: default / DeepSeek shared experts / GPT-OSS biased clamped
+experts), rope style and yarn (``cfg.rope``, rope.py), sinks and per-layer sliding
+windows. Dense layers (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers) are
+part of the layer dimension; their capture rows are never written.
 """
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ from torch import Tensor, nn
 
 from . import kernels
 from .attention import ForwardBatch, LayerKV, attend, attend_cached, cached_kv, store_kv
-from .config import MoEConfig
+from .config import AttentionSpec, ExpertsSpec, MoEConfig, RopeSpec, RouterSpec
 from .kv_cache import KVCache, KVSpec
+from .rope import RotaryEmbedding, apply_rotary, deepseek_softmax_scale
 from .routing import make_router
 
 # Experts: a step with at most this many (token, slot) pairs (a small decode batch) gathers each
@@ -79,92 +81,31 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm_tail(x, squares.mean(-1, keepdim=True), self.weight, self.eps, self.fp32_weight)
 
 
-class RotaryEmbedding(nn.Module):
-    """RoPE tables per step, as HF computes them: inv_freq for default / linear / yarn (transformers'
-    ``_compute_yarn_parameters``), tables multiplied by the yarn attention factor in float32.
-
-    forward -> (cos, sin) [T, R] in the model dtype (rope_style "half" / "interleave"), or
-    (freqs_cis [T, R/2] complex64, None) for "complex" (DeepSeek-V2). R = rotary dims per head."""
-
-    def __init__(self, cfg: MoEConfig):
-        super().__init__()
-        self.dim = cfg.rope_dim or cfg.head_dim
-        self.cfg = cfg
-        self.style = cfg.rope_style
-        self.attention_factor = cfg.rope_attention_factor
-        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)  # [R/2] float32
-
-    def compute_inv_freq(self, device: torch.device | str | None = None) -> Tensor:
-        """[R/2] float32, computed on the CPU (as HF does at init) and then moved: a GPU ``pow`` can differ from
-        the CPU's by an ulp, and the tables must not depend on the device."""
-        cfg, dim, base = self.cfg, self.dim, self.cfg.rope_theta
-        if cfg.rope_type == "yarn":
-            pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
-            inv_freq_extrapolation = 1.0 / pos_freqs
-            inv_freq_interpolation = 1.0 / (cfg.rope_factor * pos_freqs)
-            low, high = cfg.yarn_low, cfg.yarn_high
-            if low == high:
-                high += 0.001  # HF: prevent singularity
-            ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-            extrapolation_factor = 1 - ramp.to(dtype=torch.float)
-            inv_freq = inv_freq_interpolation * (1 - extrapolation_factor) + inv_freq_extrapolation * extrapolation_factor
-        else:
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-            inv_freq = inv_freq / cfg.rope_factor  # "linear" scaling; factor 1 for "default"
-        return inv_freq.to(device) if device is not None else inv_freq
-
-    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, R/2]
-        if self.style == "complex":
-            return torch.polar(torch.ones_like(freqs), freqs) * self.attention_factor, None
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
-        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor | None, style: str = "half") -> Tensor:
-    """x [T, heads, R]; (cos, sin) [T, R] or (freqs_cis [T, R/2] complex, None) for the "complex" style."""
-    if style == "complex":  # DeepSeek-V2: consecutive pairs as complex numbers, rotated in float32
-        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-        return torch.view_as_real(xc * cos[:, None]).flatten(-2).type_as(x)
-    if style == "interleave":  # DeepSeek-V3 rope_interleave: even/odd pairs in, de-interleaved halves out
-        half = cos.shape[-1] // 2
-        cos, sin = cos[:, None, :half], sin[:, None, :half]
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    cos, sin = cos[:, None], sin[:, None]  # [T, 1, R]
-    return (x * cos) + (rotate_half(x) * sin)
-
-
 class Attention(nn.Module):
     """Grouped-query attention with optional q/k RMSNorm (per head: Qwen3; full width: OLMoE), qkv clipping,
     and attention sinks (GPT-OSS)."""
 
-    def __init__(self, cfg: MoEConfig, layer_idx: int):
+    def __init__(self, spec: AttentionSpec, rope: RopeSpec, hidden_size: int, norm_eps: float, layer_idx: int):
         super().__init__()
-        H, D = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
-        self.scale = cfg.attention_scale or D**-0.5
-        self.rope_style = cfg.rope_style
-        self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
-        self.clip_qkv = cfg.clip_qkv
-        self.qk_norm = cfg.qk_norm
-        self.q_proj = nn.Linear(H, self.num_heads * D, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * D, H, bias=cfg.o_bias)
-        if cfg.qk_norm == "head":
-            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
-        elif cfg.qk_norm == "full":
-            self.q_norm = RMSNorm(self.num_heads * D, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.num_kv_heads * D, cfg.rms_norm_eps)
-        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if cfg.attention_sinks else None
-        self.eps = cfg.rms_norm_eps
+        H, D = hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, D
+        self.scale = D**-0.5
+        self.rope_style = rope.style
+        self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
+        self.clip_qkv = spec.clip_qkv
+        self.qk_norm = spec.qk_norm
+        self.q_proj = nn.Linear(H, self.num_heads * D, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=spec.o_bias)
+        if spec.qk_norm == "head":
+            self.q_norm = RMSNorm(D, norm_eps)
+            self.k_norm = RMSNorm(D, norm_eps)
+        elif spec.qk_norm == "full":
+            self.q_norm = RMSNorm(self.num_heads * D, norm_eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * D, norm_eps)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if spec.sinks else None
+        self.eps = norm_eps
         self.fused = False  # kernels.py (set by MoEForCausalLM.use_fused_kernels)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: LayerKV) -> Tensor:
@@ -209,25 +150,26 @@ class MLAttention(nn.Module):
     [qk_rope_head_dim] (as "v"), exactly what HF caches; every step expands the cached latents of the step's
     sequences with ``kv_b_proj`` into per-head keys (nope part + shared rope part) and values, as HF does."""
 
-    def __init__(self, cfg: MoEConfig, layer_idx: int):
+    def __init__(self, spec: AttentionSpec, rope: RopeSpec, hidden_size: int, norm_eps: float, layer_idx: int):
         super().__init__()
-        H, self.num_heads = cfg.hidden_size, cfg.num_attention_heads
-        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        self.kv_lora_rank = cfg.kv_lora_rank
+        mla = spec.mla
+        H, self.num_heads = hidden_size, spec.num_heads
+        self.nope, self.rope, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.kv_lora_rank = mla.kv_lora_rank
         self.qk_head_dim = self.nope + self.rope
-        self.scale = cfg.attention_scale or self.qk_head_dim**-0.5
-        self.rope_style = cfg.rope_style
-        bias = cfg.qkv_bias
-        if cfg.q_lora_rank is None:
+        self.scale = deepseek_softmax_scale(rope, self.qk_head_dim)
+        self.rope_style = rope.style
+        bias = spec.qkv_bias
+        if mla.q_lora_rank is None:
             self.q_proj = nn.Linear(H, self.num_heads * self.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)  # HF: default eps, not rms_norm_eps
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_a_proj = nn.Linear(H, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6)  # HF: default eps, not rms_norm_eps
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, H, bias=cfg.o_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, H, bias=spec.o_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor | None, batch: ForwardBatch, cache: LayerKV) -> Tensor:
         T, Hq = x.shape[0], self.num_heads
@@ -327,9 +269,9 @@ class Experts(nn.Module):
 
     fused = False  # kernels.py (set on instances of this class only by MoEForCausalLM.use_fused_kernels)
 
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, spec: ExpertsSpec, hidden_size: int):
         super().__init__()
-        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E, H, I = spec.num_experts, hidden_size, spec.intermediate_size
         self.num_experts = E
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
@@ -446,11 +388,11 @@ class GptOssExperts(Experts):
     columns gate, odd columns up), gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H];
     ``gate = gate.clamp(max=limit)``, ``up = up.clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
 
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, spec: ExpertsSpec, hidden_size: int):
         nn.Module.__init__(self)
-        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E, H, I = spec.num_experts, hidden_size, spec.intermediate_size
         self.num_experts = E
-        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+        self.limit, self.alpha = spec.swiglu_limit, spec.swiglu_alpha
         self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I), requires_grad=False)
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, I, H), requires_grad=False)
@@ -474,12 +416,13 @@ class GptOssExperts(Experts):
 class MoEBlock(nn.Module):
     """Router -> routed experts (+ optional shared expert, sigmoid-gated in Qwen2-MoE)."""
 
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, router: RouterSpec, experts: ExpertsSpec, hidden_size: int):
         super().__init__()
-        self.gate = make_router(cfg)
-        self.experts = Experts(cfg)
-        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+        self.gate = make_router(router, hidden_size)
+        self.experts = Experts(experts, hidden_size)
+        width = experts.shared_intermediate_size
+        self.shared_expert = MLP(hidden_size, width) if width else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if experts.shared_gate else None
 
     def forward(self, x: Tensor, capture: Tensor | None = None) -> Tensor:
         ids, weights = self.gate(x)  # [T, K] int64, [T, K]
@@ -497,12 +440,12 @@ class DeepseekMoE(nn.Module):
     """DeepSeek-V2/V3 (HF ``DeepseekV2Moe`` / ``DeepseekV3MoE``): fp32 router -> routed experts (fp32 weights,
     outputs cast to the model dtype) + ungated shared experts."""
 
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, router: RouterSpec, experts: ExpertsSpec, hidden_size: int):
         super().__init__()
-        self.gate = make_router(cfg)
-        self.experts = Experts(cfg)
-        width = cfg.shared_expert_intermediate_size
-        self.shared_experts = MLP(cfg.hidden_size, width, bias=cfg.mlp_bias) if width else None
+        self.gate = make_router(router, hidden_size)
+        self.experts = Experts(experts, hidden_size)
+        width = experts.shared_intermediate_size
+        self.shared_experts = MLP(hidden_size, width, bias=experts.shared_bias) if width else None
 
     def forward(self, x: Tensor, capture: Tensor | None = None) -> Tensor:
         ids, weights = self.gate(x)  # [T, K] int64 (unsorted slots, as HF's topk(sorted=False)), [T, K] fp32
@@ -515,10 +458,10 @@ class DeepseekMoE(nn.Module):
 class GptOssMoE(nn.Module):
     """GPT-OSS (HF ``GptOssMLP``): biased router, top-k then softmax in the model dtype -> biased clamped experts."""
 
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, router: RouterSpec, experts: ExpertsSpec, hidden_size: int):
         super().__init__()
-        self.router = make_router(cfg)
-        self.experts = GptOssExperts(cfg)
+        self.router = make_router(router, hidden_size)
+        self.experts = GptOssExperts(experts, hidden_size)
 
     def forward(self, x: Tensor, capture: Tensor | None = None) -> Tensor:
         ids, weights = self.router(x)  # [T, K] sorted descending, [T, K] model dtype
@@ -535,9 +478,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: MoEConfig, layer_idx: int):
         super().__init__()
         self.is_moe = layer_idx in cfg.moe_layers
-        self.self_attn = ATTENTIONS[cfg.attention](cfg, layer_idx)
+        attention = ATTENTIONS[cfg.attention.kind]
+        self.self_attn = attention(cfg.attention, cfg.rope, cfg.hidden_size, cfg.rms_norm_eps, layer_idx)
         if self.is_moe:
-            self.mlp = MOE_BLOCKS[cfg.moe_block](cfg)
+            self.mlp = MOE_BLOCKS[cfg.experts.block](cfg.router, cfg.experts, cfg.hidden_size)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
@@ -566,7 +510,7 @@ class MoEModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
-        self.rotary_emb = RotaryEmbedding(cfg)
+        self.rotary_emb = RotaryEmbedding(cfg.rope)
 
 
 class MoEForCausalLM(nn.Module):
@@ -594,10 +538,10 @@ class MoEForCausalLM(nn.Module):
         rot.inv_freq = rot.compute_inv_freq(device or self.device)
 
     def kv_layout(self) -> list[KVSpec]:
-        cfg = self.config
-        if cfg.attention == "mla":  # compressed latent ("k") + shared rotated rope key ("v"), one "head"
-            return [KVSpec(1, cfg.kv_lora_rank, cfg.qk_rope_head_dim) for _ in range(cfg.num_hidden_layers)]
-        return [KVSpec(cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+        cfg, attn = self.config, self.config.attention
+        if attn.mla is not None:  # compressed latent ("k") + shared rotated rope key ("v"), one "head"
+            return [KVSpec(1, attn.mla.kv_lora_rank, attn.mla.qk_rope_head_dim) for _ in range(cfg.num_hidden_layers)]
+        return [KVSpec(attn.num_kv_heads, attn.head_dim, attn.head_dim) for _ in range(cfg.num_hidden_layers)]
 
     def use_fused_kernels(self, enabled: bool) -> bool:
         """Switch the fused Triton kernels (kernels.py; same results bit for bit) on or off for every module
@@ -625,7 +569,7 @@ class MoEForCausalLM(nn.Module):
         DeepSeek's router weight and e_score_correction_bias always float32 (``_keep_in_fp32_modules_strict``);
         GPT-OSS norms float32 when the model runs in float16 (``_keep_in_fp32_modules``)."""
         cfg = self.config
-        if cfg.router_fp32 and (name.endswith(".mlp.gate.weight") or name.endswith(".e_score_correction_bias")):
+        if cfg.router.fp32 and (name.endswith(".mlp.gate.weight") or name.endswith(".e_score_correction_bias")):
             return torch.float32
         if cfg.norm_fp32_weight and dtype == torch.float16 and name.endswith("norm.weight"):
             return torch.float32

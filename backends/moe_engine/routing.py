@@ -19,8 +19,9 @@ reference defines none); the ids captured are still exactly those used below.
 GPT-OSS takes the top-k of its biased logits in the model dtype, then a softmax
 over those k values in the model dtype.
 
-Adding an architecture: subclass ``Router``, register it in ``ROUTERS`` and set
-``MoEConfig.router`` in config.py.
+Each router is built from the config's ``RouterSpec`` (config.py) and the hidden
+size alone. Adding an architecture: subclass ``Router``, register it in
+``ROUTERS`` and set ``router.kind`` in its config parser (configs/).
 """
 from __future__ import annotations
 
@@ -28,16 +29,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import MoEConfig
+from .config import RouterSpec
 
 
 class Router(nn.Module):
     """Base class: ``forward(x [T, H]) -> (ids [T, K] int64, weights [T, K])``."""
 
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, spec: RouterSpec, hidden_size: int):
         super().__init__()
-        self.num_experts = cfg.num_experts
-        self.top_k = cfg.num_experts_per_tok
+        self.num_experts = spec.num_experts
+        self.top_k = spec.top_k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -50,11 +51,11 @@ class SoftmaxTopKRouter(Router):
     Qwen2/3-MoE, OLMoE: renormalise only if ``norm_topk_prob``; weights cast to the logits' dtype.
     """
 
-    def __init__(self, cfg: MoEConfig):
-        super().__init__(cfg)
-        self.norm_topk_prob = cfg.norm_topk_prob
-        self.weights_fp32 = cfg.router_weights_fp32
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size), requires_grad=False)  # [E, H]
+    def __init__(self, spec: RouterSpec, hidden_size: int):
+        super().__init__(spec, hidden_size)
+        self.norm_topk_prob = spec.norm_topk_prob
+        self.weights_fp32 = spec.weights_fp32
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size), requires_grad=False)  # [E, H]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)  # [T, E] in the model dtype (bf16 logits for a bf16 model)
@@ -80,12 +81,12 @@ class DeepseekV2Router(Router):
     """HF ``DeepseekV2TopkRouter``: fp32 logits, softmax, greedy or group_limited_greedy top-k (unsorted),
     weights (fp32) times routed_scaling_factor. norm_topk_prob is ignored, as HF does."""
 
-    def __init__(self, cfg: MoEConfig):
-        super().__init__(cfg)
-        self.topk_method = cfg.topk_method
-        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
-        self.routed_scaling_factor = cfg.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32), requires_grad=False)
+    def __init__(self, spec: RouterSpec, hidden_size: int):
+        super().__init__(spec, hidden_size)
+        self.topk_method = spec.topk_method
+        self.n_group, self.topk_group = spec.n_group, spec.topk_group
+        self.routed_scaling_factor = spec.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())  # [T, E] float32
@@ -103,13 +104,13 @@ class DeepseekV3Router(Router):
     groups (sum of each group's top-2) and experts only; weights are the unbiased sigmoid scores, renormalised
     if norm_topk_prob (+1e-20), times routed_scaling_factor."""
 
-    def __init__(self, cfg: MoEConfig):
-        super().__init__(cfg)
-        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
-        self.norm_topk_prob = cfg.norm_topk_prob
-        self.routed_scaling_factor = cfg.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32), requires_grad=False)
+    def __init__(self, spec: RouterSpec, hidden_size: int):
+        super().__init__(spec, hidden_size)
+        self.n_group, self.topk_group = spec.n_group, spec.topk_group
+        self.norm_topk_prob = spec.norm_topk_prob
+        self.routed_scaling_factor = spec.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         E, G = self.num_experts, self.n_group
@@ -129,10 +130,10 @@ class GptOssRouter(Router):
     """HF ``GptOssTopKRouter``: logits = linear(x, W, b) in the model dtype, top-k (sorted), then softmax over
     the k values in the model dtype."""
 
-    def __init__(self, cfg: MoEConfig):
-        super().__init__(cfg)
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(cfg.num_experts), requires_grad=False)
+    def __init__(self, spec: RouterSpec, hidden_size: int):
+        super().__init__(spec, hidden_size)
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(spec.num_experts), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight, self.bias)  # [T, E]
@@ -148,7 +149,7 @@ ROUTERS: dict[str, type[Router]] = {
 }
 
 
-def make_router(cfg: MoEConfig) -> Router:
-    if cfg.router not in ROUTERS:
-        raise ValueError(f"unknown router {cfg.router!r}; known: {', '.join(sorted(ROUTERS))}")
-    return ROUTERS[cfg.router](cfg)
+def make_router(spec: RouterSpec, hidden_size: int) -> Router:
+    if spec.kind not in ROUTERS:
+        raise ValueError(f"unknown router {spec.kind!r}; known: {', '.join(sorted(ROUTERS))}")
+    return ROUTERS[spec.kind](spec, hidden_size)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from moe_engine import rope
 from moe_engine.config import SUPPORTED_ARCHITECTURES, MoEConfig, UnsupportedModelError, config_from_dict, load_config
 
 from .hf_checkpoints import ARCHS, hf_config
@@ -49,7 +50,8 @@ def test_metadata_and_moe_layers_from_transformers_configs(tmp_path):
         hf_written(arch, d)
         cfg = load_config(d)
         assert isinstance(cfg, MoEConfig)
-        assert (cfg.moe_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.head_dim) == (moe_layers, E, K, D), arch
+        got = (cfg.moe_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.attention.head_dim)
+        assert got == (moe_layers, E, K, D), arch
         meta = cfg.metadata()
         assert meta == {
             "architecture": arch,
@@ -69,12 +71,14 @@ def test_arch_specific_fields(tmp_path):
         (tmp_path / arch).mkdir()
         cfgs[arch] = config_from_dict(hf_written(arch, tmp_path / arch))
     mx, q2, q3, ol = cfgs["mixtral"], cfgs["qwen2_moe"], cfgs["qwen3_moe"], cfgs["olmoe"]
-    assert mx.rope_theta == 1e6 and mx.sliding_windows == (16, 16, 16) and mx.router_weights_fp32 and mx.norm_topk_prob
-    assert q2.shared_expert_intermediate_size == 32 and q2.shared_expert_gate and q2.qkv_bias and not q2.o_bias
-    assert q2.intermediate_size == 48 and q2.moe_intermediate_size == 16 and not q2.norm_topk_prob
-    assert q2.sliding_windows == (None, None, None)  # use_sliding_window=False
-    assert q3.qk_norm == "head" and q3.norm_topk_prob and not q3.router_weights_fp32
-    assert ol.qk_norm == "full" and ol.clip_qkv == 0.3 and ol.tie_word_embeddings
+    assert mx.rope.theta == 1e6 and mx.attention.sliding_windows == (16, 16, 16) and mx.router.weights_fp32
+    assert mx.router.norm_topk_prob
+    assert q2.experts.shared_intermediate_size == 32 and q2.experts.shared_gate
+    assert q2.attention.qkv_bias and not q2.attention.o_bias
+    assert q2.intermediate_size == 48 and q2.experts.intermediate_size == 16 and not q2.router.norm_topk_prob
+    assert q2.attention.sliding_windows == (None, None, None)  # use_sliding_window=False
+    assert q3.attention.qk_norm == "head" and q3.router.norm_topk_prob and not q3.router.weights_fp32
+    assert ol.attention.qk_norm == "full" and ol.attention.clip_qkv == 0.3 and ol.tie_word_embeddings
 
 
 def test_legacy_hub_keys():
@@ -87,15 +91,15 @@ def test_legacy_hub_keys():
         "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48, "mlp_only_layers": [],
     }
     cfg = config_from_dict(raw)
-    assert cfg.torch_dtype == "bfloat16" and cfg.rope_theta == 1e6 and cfg.eos_token_ids == (5, 6)
-    assert cfg.head_dim == 128 and cfg.moe_layers == (0, 1)
+    assert cfg.torch_dtype == "bfloat16" and cfg.rope.theta == 1e6 and cfg.eos_token_ids == (5, 6)
+    assert cfg.attention.head_dim == 128 and cfg.moe_layers == (0, 1)
     linear = config_from_dict({**raw, "rope_scaling": {"type": "linear", "factor": 4.0}})
-    assert (linear.rope_type, linear.rope_factor) == ("linear", 4.0)
+    assert (linear.rope.type, linear.rope.factor) == ("linear", 4.0)
     qwen2 = config_from_dict({**raw, "model_type": "qwen2_moe", "num_experts": 300, "decoder_sparse_step": 2,
                               "shared_expert_intermediate_size": 0, "use_sliding_window": True, "sliding_window": 8,
                               "max_window_layers": 1})
-    assert qwen2.routed_experts_dtype == "uint16" and qwen2.moe_layers == (1,) and not qwen2.shared_expert_gate
-    assert qwen2.sliding_windows == (8, None)
+    assert qwen2.routed_experts_dtype == "uint16" and qwen2.moe_layers == (1,) and not qwen2.experts.shared_gate
+    assert qwen2.attention.sliding_windows == (8, None)
 
 
 def test_deepseek_and_gpt_oss_fields(tmp_path):
@@ -105,18 +109,26 @@ def test_deepseek_and_gpt_oss_fields(tmp_path):
         cfgs[arch] = config_from_dict(hf_written(arch, tmp_path / arch))
     v2, v3, go = cfgs["deepseek_v2"], cfgs["deepseek_v3"], cfgs["gpt_oss"]
     for c in (v2, v3):
-        assert c.attention == "mla" and c.kv_lora_rank == 32 and (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (16, 8, 16)
-        assert c.dense_layers == (0,) and c.intermediate_size == 48 and c.moe_block == "deepseek" and c.router_fp32
-        assert c.num_key_value_heads == c.num_attention_heads and (c.n_group, c.topk_group) == (4, 2)
-    assert v2.q_lora_rank is None and v2.rope_style == "complex" and v2.router == "deepseek_v2"
-    assert v2.topk_method == "group_limited_greedy" and v2.routed_scaling_factor == 2.0 and not v2.norm_topk_prob
-    assert v2.shared_expert_intermediate_size == 32 and v2.rope_type == "default" and v2.attention_scale == 24**-0.5
-    assert v3.q_lora_rank == 24 and v3.rope_style == "interleave" and v3.router == "deepseek_v3" and v3.norm_topk_prob
-    assert v3.routed_scaling_factor == 2.5 and v3.shared_expert_intermediate_size == 16 and v3.rope_type == "yarn"
-    assert v3.attention_scale > 24**-0.5 and v3.rope_attention_factor > 1  # mscale_all_dim / mscale at work
-    assert go.router == "gpt_oss" and go.moe_block == "gpt_oss" and go.attention_sinks and go.norm_fp32_weight
-    assert go.sliding_windows == (8, None, 8) and go.qkv_bias and go.o_bias and go.swiglu_limit == 0.1
-    assert go.rope_type == "yarn" and go.rope_factor == 32.0 and go.rope_theta == 150000.0 and go.expert_quant == "none"
+        mla = c.attention.mla
+        assert c.attention.kind == "mla" and mla.kv_lora_rank == 32
+        assert (mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim) == (16, 8, 16)
+        assert c.dense_layers == (0,) and c.intermediate_size == 48 and c.experts.block == "deepseek" and c.router.fp32
+        assert c.attention.num_kv_heads == c.attention.num_heads and (c.router.n_group, c.router.topk_group) == (4, 2)
+    v2_scale, v3_scale = (rope.deepseek_softmax_scale(c.rope, c.attention.head_dim) for c in (v2, v3))
+    assert v2.attention.mla.q_lora_rank is None and v2.rope.style == "complex" and v2.router.kind == "deepseek_v2"
+    assert v2.router.topk_method == "group_limited_greedy" and v2.router.routed_scaling_factor == 2.0
+    assert not v2.router.norm_topk_prob
+    assert v2.experts.shared_intermediate_size == 32 and v2.rope.type == "default" and v2_scale == 24**-0.5
+    assert v3.attention.mla.q_lora_rank == 24 and v3.rope.style == "interleave" and v3.router.kind == "deepseek_v3"
+    assert v3.router.norm_topk_prob
+    assert v3.router.routed_scaling_factor == 2.5 and v3.experts.shared_intermediate_size == 16
+    assert v3.rope.type == "yarn"
+    assert v3_scale > 24**-0.5 and rope.attention_factor(v3.rope) > 1  # mscale_all_dim / mscale at work
+    assert go.router.kind == "gpt_oss" and go.experts.block == "gpt_oss" and go.attention.sinks and go.norm_fp32_weight
+    assert go.attention.sliding_windows == (8, None, 8) and go.attention.qkv_bias and go.attention.o_bias
+    assert go.experts.swiglu_limit == 0.1
+    assert go.rope.type == "yarn" and go.rope.factor == 32.0 and go.rope.theta == 150000.0
+    assert go.experts.quant == "none"
 
 
 # Hub config.json files of the real checkpoints (as published; values abridged to what the engine reads).
@@ -164,25 +176,29 @@ GPT_OSS_20B = {
 def test_real_hub_configs():
     v2 = config_from_dict(DEEPSEEK_V2_LITE)
     assert v2.moe_layers == tuple(range(1, 27)) and v2.dense_layers == (0,)  # 27 layers, 26 MoE
-    assert (v2.num_experts, v2.num_experts_per_tok, v2.topk_method) == (64, 6, "greedy")
-    assert v2.head_dim == 192 and v2.q_lora_rank is None and v2.shared_expert_intermediate_size == 2816
-    assert v2.rope_type == "yarn" and v2.rope_factor == 40 and v2.rope_dim == 64
+    assert (v2.num_experts, v2.num_experts_per_tok, v2.router.topk_method) == (64, 6, "greedy")
+    assert v2.attention.head_dim == 192 and v2.attention.mla.q_lora_rank is None
+    assert v2.experts.shared_intermediate_size == 2816
+    assert v2.rope.type == "yarn" and v2.rope.factor == 40 and v2.rope.dim == 64
     mscale = 0.1 * 0.707 * math.log(40) + 1.0
-    assert v2.attention_scale == pytest.approx(192**-0.5 * mscale * mscale, rel=1e-12)
-    assert v2.rope_attention_factor == 1.0  # mscale == mscale_all_dim
+    v2_scale = rope.deepseek_softmax_scale(v2.rope, v2.attention.head_dim)
+    assert v2_scale == pytest.approx(192**-0.5 * mscale * mscale, rel=1e-12)
+    assert rope.attention_factor(v2.rope) == 1.0  # mscale == mscale_all_dim
     assert v2.metadata()["moe_layers"] == list(range(1, 27)) and v2.metadata()["num_hidden_layers"] == 27
 
     with pytest.raises(UnsupportedModelError, match=r"deepseek_v3: quantized checkpoints \(fp8\)"):
         config_from_dict(DEEPSEEK_V3)
     v3 = config_from_dict({k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"})  # a bf16 conversion
     assert v3.moe_layers == tuple(range(3, 61)) and len(v3.moe_layers) == 58 and v3.routed_experts_dtype == "uint8"
-    assert (v3.num_experts, v3.n_group, v3.topk_group, v3.routed_scaling_factor) == (256, 8, 4, 2.5)
-    assert v3.router == "deepseek_v3" and v3.q_lora_rank == 1536 and v3.rope_style == "interleave"
+    r = v3.router
+    assert (v3.num_experts, r.n_group, r.topk_group, r.routed_scaling_factor) == (256, 8, 4, 2.5)
+    assert v3.router.kind == "deepseek_v3" and v3.attention.mla.q_lora_rank == 1536 and v3.rope.style == "interleave"
 
     go = config_from_dict(GPT_OSS_20B)
-    assert go.expert_quant == "mxfp4" and go.moe_layers == tuple(range(24)) and go.num_experts == 32
-    assert go.sliding_windows == (128, None) * 12 and go.head_dim == 64 and go.num_key_value_heads == 8
-    assert go.rope_attention_factor == pytest.approx(0.1 * math.log(32) + 1.0)
+    assert go.experts.quant == "mxfp4" and go.moe_layers == tuple(range(24)) and go.num_experts == 32
+    assert go.attention.sliding_windows == (128, None) * 12 and go.attention.head_dim == 64
+    assert go.attention.num_kv_heads == 8
+    assert rope.attention_factor(go.rope) == pytest.approx(0.1 * math.log(32) + 1.0)
 
 
 def test_deepseek_and_gpt_oss_errors():

@@ -23,7 +23,8 @@ from safetensors.torch import save_file
 
 from moe_engine.checkpoint import dequantize_mxfp4, load_model
 from moe_engine.config import config_from_dict
-from moe_engine.model import RotaryEmbedding, reference_forward
+from moe_engine.model import reference_forward
+from moe_engine.rope import RotaryEmbedding, deepseek_softmax_scale
 from moe_engine.routing import make_router
 
 from .hf_checkpoints import (
@@ -81,7 +82,8 @@ def test_router_matches_hf_router_module(arch, overrides, dtype):
         for name, p in list(hf.named_parameters()) + list(hf.named_buffers()):
             p.copy_(torch.randn(p.shape, generator=g) * (0.05 if "bias" in name else 0.3))
     hf = hf.to(dtype) if arch == "gpt_oss" else hf  # DeepSeek's gate stays fp32 (HF keeps it fp32)
-    ours = make_router(engine_config(hf_cfg)).to(dtype if arch == "gpt_oss" else torch.float32)
+    cfg = engine_config(hf_cfg)
+    ours = make_router(cfg.router, cfg.hidden_size).to(dtype if arch == "gpt_oss" else torch.float32)
     ours.load_state_dict(hf.state_dict())
     x = torch.randn(257, hf_cfg.hidden_size, generator=g).to(dtype)
     with torch.no_grad():
@@ -120,7 +122,7 @@ def test_rope_and_softmax_scale_match_hf(case):
     modeling = getattr(transformers.models, arch)
     hf_rope = getattr(modeling, f"modeling_{arch}").__dict__[f"{cls}RotaryEmbedding"](hf_cfg)
     cfg = config_from_dict(raw)
-    ours = RotaryEmbedding(cfg)
+    ours = RotaryEmbedding(cfg.rope)
     assert torch.equal(ours.inv_freq, hf_rope.inv_freq)
     assert ours.attention_factor == hf_rope.attention_scaling
     positions = torch.tensor([0, 1, 7, 4095, 4096, 100000])
@@ -128,13 +130,14 @@ def test_rope_and_softmax_scale_match_hf(case):
         x = torch.zeros(1, len(positions), 8, dtype=dtype)
         ref = hf_rope(x, positions[None])
         cos, sin = ours(positions, dtype)
-        if cfg.rope_style == "complex":  # DeepSeek-V2: freqs_cis [1, T, R/2] complex64
+        if cfg.rope.style == "complex":  # DeepSeek-V2: freqs_cis [1, T, R/2] complex64
             assert sin is None and torch.equal(cos, ref[0])
         else:  # (cos, sin) [1, T, R] (DeepSeek-V3) or [1, T, R/2] (GPT-OSS, both halves equal in ours)
             width = ref[0].shape[-1]
             assert torch.equal(cos[:, :width], ref[0][0]) and torch.equal(sin[:, :width], ref[1][0])
     attn = getattr(modeling, f"modeling_{arch}").__dict__[f"{cls}Attention"](hf_cfg, 0)
-    assert (cfg.attention_scale or cfg.head_dim**-0.5) == attn.scaling
+    D = cfg.attention.head_dim
+    assert (deepseek_softmax_scale(cfg.rope, D) if cfg.attention.mla else D**-0.5) == attn.scaling
 
 
 # ----------------------------------------------------------------------------- config variants, float32 parity
@@ -227,7 +230,7 @@ def test_mxfp4_checkpoint_matches_hf(tmp_path):
     for dtype in (torch.float32, torch.bfloat16):
         hf = load_hf_mxfp4(path, dtype)
         model = load_model(path, dtype=dtype, progress=False)
-        assert model.config.expert_quant == "mxfp4"
+        assert model.config.experts.quant == "mxfp4"
         for layer in range(3):
             ours, ref = model.model.layers[layer].mlp.experts, hf.model.layers[layer].mlp.experts
             for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):

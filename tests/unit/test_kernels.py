@@ -88,7 +88,7 @@ def test_fused_forward_is_bit_identical_for_every_architecture(arch, bf16_checkp
         assert torch.equal(routed, ref_routed), (arch, n)
         # every norm is fused (2 per layer + the final one; with the layer inputs' residual adds)
         assert counter.calls["rms_norm_tail"] >= 2 * model.config.num_hidden_layers + 1
-        if model.config.attention == "gqa":  # MLA keeps its own attention (latent cache, complex/interleaved rope)
+        if model.config.attention.mla is None:  # MLA keeps its own attention (latent cache, complex/interleaved rope)
             assert counter.calls["qk_norm_rope"] == counter.calls["store_kv"] == model.config.num_hidden_layers
         if arch != "gpt_oss":  # GPT-OSS's biased clamped experts keep their own path
             assert counter.calls["combine"] == len(model.config.moe_layers)

@@ -1,0 +1,150 @@
+"""Helpers the per-architecture parsers share: required keys, dtype, expert count, rope keys, the fields
+every architecture reads. No torch import (the CLI and the frontend parse configs without PyTorch)."""
+from __future__ import annotations
+
+from typing import Any
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or one of its options is not supported."""
+
+
+DTYPE_ALIASES = {  # accepted spellings -> canonical name
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+
+
+def req(raw: dict, key: str, arch: str) -> Any:
+    if raw.get(key) is None:
+        raise UnsupportedModelError(f"{arch} config.json lacks required key {key!r}")
+    return raw[key]
+
+
+def int_list(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def checkpoint_dtype(raw: dict) -> str:
+    value = raw.get("dtype", raw.get("torch_dtype")) or "float32"  # vLLM: no dtype -> float32
+    name = str(value).removeprefix("torch.")
+    if name not in DTYPE_ALIASES:
+        raise UnsupportedModelError(f"unsupported checkpoint dtype {value!r}; supported: float32, bfloat16, float16")
+    return DTYPE_ALIASES[name]
+
+
+def num_experts(raw: dict, default: int) -> int:
+    """Expert count: key names differ per arch and transformers version (attribute_map aliases)."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if raw.get(key) is not None:
+            return int(raw[key])
+    return default
+
+
+def top_k(raw: dict, arch: str) -> int:
+    return int(req(raw, "num_experts_per_tok", arch))
+
+
+def rope_params(raw: dict) -> dict:
+    """rope_parameters (transformers v5) or the legacy rope_scaling dict."""
+    return dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+
+
+def rope(
+    raw: dict,
+    default_theta: float,
+    arch: str,
+    dim: int,
+    allowed: tuple[str, ...] = ("default", "linear"),
+    default_params: dict | None = None,
+    style: str = "half",
+) -> dict:
+    """``RopeSpec`` fields from rope_parameters (transformers v5) or legacy rope_theta + rope_scaling; ``dim`` =
+    rotary dims per head. yarn keys get the defaults of transformers' ``_compute_yarn_parameters`` (rope.py
+    derives the correction range and attention factor from them)."""
+    params = rope_params(raw) or dict(default_params or {})
+    theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in allowed:
+        raise UnsupportedModelError(
+            f"{arch}: rope type {rope_type!r} is not supported (supported: {', '.join(allowed)})"
+        )
+    prf = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if prf not in (None, 1, 1.0):
+        raise UnsupportedModelError(f"{arch}: partial_rotary_factor={prf} is not supported")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    out = dict(
+        dim=int(dim), theta=float(theta), type=rope_type, factor=1.0, style=style,
+        mscale=None if mscale is None else float(mscale),
+        mscale_all_dim=None if mscale_all_dim is None else float(mscale_all_dim),
+    )
+    if rope_type == "linear":
+        out["factor"] = float(params.get("factor", 1.0))
+    elif rope_type == "yarn":
+        # HF: a top-level original_max_position_embeddings wins, else the dict's, else max_position_embeddings
+        original_max = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        original_max = original_max or raw.get("max_position_embeddings") or 4096
+        factor = params.get("factor")
+        if factor is None:
+            factor = (raw.get("max_position_embeddings") or 4096) / original_max
+        attention_factor = params.get("attention_factor")
+        out.update(
+            factor=float(factor),
+            original_max_position_embeddings=float(original_max),
+            attention_factor=None if attention_factor is None else float(attention_factor),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            truncate=bool(params.get("truncate", True)),
+        )
+    return out
+
+
+def common(
+    raw: dict,
+    arch: str,
+    default_theta: float,
+    head_dim_key: bool = True,
+    rope_dim: int | None = None,
+    rope_types: tuple[str, ...] = ("default", "linear"),
+    default_rope: dict | None = None,
+    rope_style: str = "half",
+    allow_quant: tuple[str, ...] = (),
+    eps: float = 1e-6,
+) -> dict:
+    """The fields every architecture reads: MoEConfig's top level, ``rope`` and ``attention`` (grouped-query
+    shape, full attention in every layer). ``eps`` is the config class's default rms_norm_eps."""
+    hidden = int(req(raw, "hidden_size", arch))
+    heads = int(req(raw, "num_attention_heads", arch))
+    kv_heads = raw.get("num_key_value_heads") or heads
+    head_dim = (raw.get("head_dim") if head_dim_key else None) or hidden // heads
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{arch}: hidden_act {act!r} is not supported (supported: silu)")
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?")
+        if method not in allow_quant:
+            raise UnsupportedModelError(f"{arch}: quantized checkpoints ({method}) are not supported")
+    layers = int(req(raw, "num_hidden_layers", arch))
+    rope_fields = rope(raw, default_theta, arch, int(rope_dim or head_dim), rope_types, default_rope, rope_style)
+    return dict(
+        architecture=arch,
+        vocab_size=int(req(raw, "vocab_size", arch)),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+        torch_dtype=checkpoint_dtype(raw),
+        eos_token_ids=int_list(raw.get("eos_token_id")),
+        bos_token_id=raw.get("bos_token_id"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", eps)),
+        hidden_act=act,
+        rope=rope_fields,
+        attention=dict(
+            num_heads=heads, num_kv_heads=int(kv_heads), head_dim=int(head_dim), sliding_windows=(None,) * layers,
+        ),
+    )
