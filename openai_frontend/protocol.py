@@ -4,6 +4,9 @@ Unknown request fields are ignored (as vLLM does), so clients that send
 vLLM-only knobs keep working.  Known fields whose semantics this server does
 not implement are accepted only at their neutral value; anything else is a
 400 that names the field, never a silent no-op.
+
+Requests and responses stay in this one file (about 450 lines, as vLLM keeps
+its ``protocol.py``) so the whole wire format reads in one place.
 """
 
 from __future__ import annotations

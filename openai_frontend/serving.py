@@ -119,7 +119,7 @@ class Finished:
 
     results: list[ChoiceResult]  # in index order: prompt i's choices are i*n .. i*n+n-1
     prompts: list[PromptInput]
-    usage: TokenUsage
+    usage: UsageInfo
 
 
 class ChoiceStream:
@@ -329,7 +329,7 @@ class ServingContext:
         for r in results:
             usage.add(r.index, len(r.token_ids))
         usage.close()
-        return Finished(results, prompts, usage)
+        return Finished(results, prompts, usage.total())
 
     async def _start_stream(self, group: ChoiceGroup, prompts: list[PromptInput], usage: TokenUsage,
                             raw_request: Request) -> ChoiceStream:

@@ -78,7 +78,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         ]
         return json_response(
             ChatCompletionResponse(id=plan.request_id, created=created, model=model_name, choices=choices,
-                                   usage=outcome.usage.total(),
+                                   usage=outcome.usage,
                                    prompt_token_ids=prompt_ids if token_ids_on else None),
             payloads,
         )

@@ -76,7 +76,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             )
         return json_response(
             CompletionResponse(id=plan.request_id, created=created, model=model_name, choices=choices,
-                               usage=outcome.usage.total()),
+                               usage=outcome.usage),
             payloads,
         )
 

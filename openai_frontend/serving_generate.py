@@ -68,7 +68,7 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
                     )
                     for r in outcome.results
                 ],
-                usage=outcome.usage.total(),
+                usage=outcome.usage,
             ),
             payloads,
         )
