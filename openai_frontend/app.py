@@ -25,12 +25,13 @@ from .errors import ClientDisconnected, OpenAIError, ServiceUnavailableError, in
 from .http_utils import check_api_key
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from .serving import ServingContext, disconnected_response
+from .responses import disconnected_response
+from .serving import ServingContext
 from .serving_chat import create_chat_completion
 from .serving_completions import create_completion
 from .serving_generate import create_generate
 from .tokenizer import Tokenizer
-from .triton_client import ModelInfo, TritonEngine
+from .triton_client import ModelInfo, TritonClient
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ async def _load_model_info(ctx: ServingContext, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            info = await ctx.engine.model_info()
+            info = await ctx.client.model_info()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - Triton may not be up yet
@@ -131,7 +132,7 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
     async def lifespan(_: FastAPI):
         own_engine = engine is None
         if own_engine:
-            ctx.engine = TritonEngine(cfg.triton_grpc_url, cfg.triton_model_name)
+            ctx.client = TritonClient(cfg.triton_grpc_url, cfg.triton_model_name)
         loader = asyncio.create_task(_load_model_info(ctx, cfg.startup_timeout_s))
         try:
             await asyncio.wait_for(asyncio.shield(loader), timeout=min(5.0, cfg.startup_timeout_s))
@@ -143,7 +144,7 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
             loader.cancel()
             await asyncio.gather(loader, return_exceptions=True)
             if own_engine:
-                await ctx.engine.close()
+                await ctx.client.close()
 
     app = FastAPI(title="moe-serve", version="0.1.0", lifespan=lifespan, strict_content_type=False)
     app.state.ctx = ctx
@@ -159,7 +160,7 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if ctx.model is not None and await ctx.engine.is_ready():
+        if ctx.model is not None and await ctx.client.is_ready():
             return Response(status_code=200)
         return ServiceUnavailableError("Triton or the model is not ready.", code="not_ready").to_response()
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from .routing_codec import RoutedExpertsAccumulator
 from .tokenizer import IncrementalDetokenizer, Tokenizer
-from .triton_client import Engine, EngineError, EngineRequest, ModelInfo
+from .triton_client import BackendClient, BackendError, BackendRequest, ModelInfo
 
 
 class TokenLogprob(NamedTuple):
@@ -35,17 +35,18 @@ class TokenLogprob(NamedTuple):
 
 @dataclass
 class ChoiceSpec:
+    """One choice: the backend request as sent, and what the frontend alone does with its tokens.
+
+    Prompt ids, logprobs, routing and stop token ids are read from
+    ``request`` (there is one copy of each).
+    """
+
     index: int
-    prompt_ids: list[int]
-    engine_request: EngineRequest
-    detokenize: bool = True
+    request: BackendRequest
+    detokenize: bool = True  # False: token ids only (text is still decoded to match stop strings)
     skip_special_tokens: bool = True
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
-    want_logprobs: bool = False
-    routed_experts: bool = False
-    routed_experts_prompt_start: int = 0
-    stop_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -100,7 +101,7 @@ class ChoiceRunner:
     def __init__(
         self,
         spec: ChoiceSpec,
-        engine: Engine,
+        client: BackendClient,
         tokenizer: Tokenizer,
         model: ModelInfo,
         request_id: str,
@@ -109,7 +110,7 @@ class ChoiceRunner:
         hooks: Hooks | None = None,
     ) -> None:
         self.spec = spec
-        self.engine = engine
+        self.client = client
         self.tokenizer = tokenizer
         self.model = model
         self.request_id = request_id
@@ -118,7 +119,7 @@ class ChoiceRunner:
         # Results, readable after run() finished.
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] | None = [] if spec.want_logprobs else None
+        self.logprobs: list[TokenLogprob] | None = [] if spec.request.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.routed_experts: bytes | None = None
@@ -137,20 +138,21 @@ class ChoiceRunner:
 
     async def run(self) -> AsyncIterator[ChoiceDelta]:
         """Yield deltas; the last has a finish_reason (and the routed experts)."""
-        spec = self.spec
+        spec, request = self.spec, self.spec.request
         detok: IncrementalDetokenizer | None = None
         if spec.detokenize or spec.stop:
-            detok = self.tokenizer.detokenizer(spec.prompt_ids, spec.skip_special_tokens)
+            detok = self.tokenizer.detokenizer(request.input_ids, spec.skip_special_tokens)
         acc = (
             RoutedExpertsAccumulator(self.model.num_hidden_layers, self.model.num_experts_per_tok, self.model.np_dtype)
-            if spec.routed_experts
+            if request.return_routed_experts
             else None
         )
+        stop_token_ids = frozenset(request.stop_token_ids or ())
         stops = spec.stop
         max_stop = max((len(s) for s in stops), default=0)
         # While streaming, hold back text that may be the start of a stop string.
         holdback = 0 if spec.include_stop_str_in_output else max(0, max_stop - 1)
-        timed = spec.engine_request.stream  # TTFT/ITL only mean something per engine step
+        timed = request.stream  # TTFT/ITL only mean something per engine step
         text = ""
         emitted = 0
         first = True
@@ -158,7 +160,7 @@ class ChoiceRunner:
         finish: str | None = None
         stop_reason: int | str | None = None
 
-        gen = self.engine.generate(spec.engine_request, f"{self.request_id}-{spec.index}")
+        gen = self.client.generate(request, f"{self.request_id}-{spec.index}")
         async with contextlib.aclosing(gen):
             async for out in gen:
                 if acc is not None:
@@ -190,7 +192,7 @@ class ChoiceRunner:
                     self.logprobs.extend(new_lps)
                 if finish is None and out.finish_reason is not None:
                     finish = out.finish_reason
-                    if finish == "stop" and self.token_ids and self.token_ids[-1] in spec.stop_token_ids:
+                    if finish == "stop" and self.token_ids and self.token_ids[-1] in stop_token_ids:
                         stop_reason = self.token_ids[-1]
                     if detok is not None:
                         rest = detok.flush()
@@ -215,14 +217,14 @@ class ChoiceRunner:
                 first = False
                 yield delta
             else:
-                # Stream ended without finish_reason (engine.generate raises in that case).
-                raise EngineError(EngineError.INTERNAL, "request ended without a finish reason")
+                # Stream ended without finish_reason (TritonClient.generate raises in that case).
+                raise BackendError(BackendError.INTERNAL, "request ended without a finish reason")
 
         # The last delta: remaining text, finish reason, routing of the kept tokens.
         self.finish_reason = finish
         self.stop_reason = stop_reason
         if acc is not None:
-            keep_rows = len(spec.prompt_ids) + len(self.token_ids) - 1 - spec.routed_experts_prompt_start
+            keep_rows = len(request.input_ids) + len(self.token_ids) - 1 - (request.routed_experts_prompt_start or 0)
             if acc.nbytes >= _ENCODE_IN_THREAD_BYTES:
                 # Long sequences: copy/encode/count off the event loop (numpy and pybase64 release the GIL).
                 self.routed_experts = await asyncio.to_thread(self._encode_routed, acc, keep_rows)

@@ -4,6 +4,9 @@ Unknown request fields are ignored (as vLLM does), so clients that send
 vLLM-only knobs keep working.  Known fields whose semantics this server does
 not implement are accepted only at their neutral value; anything else is a
 400 that names the field, never a silent no-op.
+
+Requests and responses stay in this one file (about 450 lines, as vLLM keeps
+its ``protocol.py``) so the whole wire format reads in one place.
 """
 
 from __future__ import annotations
@@ -53,8 +56,12 @@ class StreamOptions(_Base):
     continuous_usage_stats: bool | None = False
 
 
-class SamplingFields(_Base):
-    """Sampling and output options shared by all three generation endpoints."""
+class GenerationRequestFields(_Base):
+    """Body fields shared by all three generation endpoints: sampling, stop rules, output and routing options.
+
+    Serving turns them into a :class:`~.triton_client.BackendRequest`; the
+    backend builds the engine's ``moe_engine.sampling.SamplingParams`` from that.
+    """
 
     n: int = Field(1, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=1e4)
@@ -143,7 +150,7 @@ class SamplingFields(_Base):
         return list(self.stop or [])  # normalised to a list by the validator
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(GenerationRequestFields):
     model: str | None = None
     prompt: Any
     max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
@@ -216,7 +223,7 @@ class ChatMessage(_Base):
     name: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(GenerationRequestFields):
     model: str | None = None
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
@@ -252,7 +259,7 @@ class ChatCompletionRequest(SamplingFields):
         return v
 
 
-class GenerateSamplingParams(SamplingFields):
+class GenerateSamplingParams(GenerationRequestFields):
     """vLLM ``SamplingParams`` as accepted by ``/inference/v1/generate``."""
 
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)

@@ -8,11 +8,16 @@ The engine sends UINT16 chunks (one per Triton response).  The accumulator
 keeps references to them and, at the end, copies each chunk once, casting,
 straight into the data area of a preallocated ``.npy`` buffer; that buffer is
 then base64-encoded with pybase64.  No intermediate concatenation.
+
+:class:`Payloads` puts those base64 bytes into a response's JSON body
+without turning them into a Python ``str`` or running a JSON encoder over
+them (base64 needs no escaping).
 """
 
 from __future__ import annotations
 
 import io
+import secrets
 
 import numpy as np
 import pybase64
@@ -124,3 +129,50 @@ class RoutedExpertsAccumulator:
             np.copyto(out[pos : pos + take], chunk[:take], casting="unsafe")
             pos += take
         return buf, out
+
+
+class Payloads:
+    """Splices large base64 payloads (routed experts) into the JSON bytes of one response.
+
+    Models carry a short placeholder string (with a per-request nonce) where
+    the payload goes; :meth:`dump` serialises the small model and joins the
+    payload bytes in at the placeholders in one pass.
+    """
+
+    __slots__ = ("_prefix", "_parts", "_n")
+
+    def __init__(self) -> None:
+        self._prefix = f"@@routed-{secrets.token_hex(8)}:"
+        self._parts: dict[bytes, bytes] = {}
+        self._n = 0
+
+    def ref(self, payload: bytes | None) -> str | None:
+        """The placeholder to put in the model where ``payload`` goes (None stays None)."""
+        if payload is None:
+            return None
+        key = f"{self._prefix}{self._n}@@"
+        self._n += 1
+        self._parts[key.encode()] = payload
+        return key
+
+    def dump(self, model, prefix: bytes = b"", suffix: bytes = b"") -> bytes:  # noqa: ANN001 - pydantic model
+        """``prefix`` + the model's JSON with the payloads in place of their placeholders + ``suffix``."""
+        body = model.model_dump_json().encode()
+        if not self._parts:
+            return prefix + body + suffix if prefix or suffix else body
+        marker = b'"' + self._prefix.encode()
+        pieces = [prefix]
+        pos = 0
+        while (i := body.find(marker, pos)) >= 0:
+            end = body.find(b'@@"', i + len(marker))
+            key = body[i + 1 : end + 2]
+            pieces.append(body[pos : i + 1])  # up to and including the opening quote
+            pieces.append(self._parts.pop(key))
+            pos = end + 2  # the closing quote starts the next piece
+        pieces.append(body[pos:])
+        pieces.append(suffix)
+        return b"".join(pieces)
+
+    def sse(self, model) -> bytes:  # noqa: ANN001 - pydantic model
+        """The model as one server-sent event."""
+        return self.dump(model, b"data: ", b"\n\n")

@@ -1,22 +1,36 @@
-"""What the three generation endpoints share.
+"""One generation request, from the endpoint's plan to finished choices or a stream of deltas.
 
-:class:`ServingContext` holds the engine, tokenizer, model metadata, metrics
-and the admission counter; it turns validated request fields into one
-:class:`~.generation.ChoiceSpec` per choice and runs them, either to the end
-(JSON) or as a server-sent-event stream.
+An endpoint (``serving_*.py``) reads its body into a :class:`GenerationPlan`
+and calls :meth:`ServingContext.generate` once, which, in this order:
+
+1. checks what needs no tokenizer: the model name, ``stream_options``, the
+   logprobs bound, the choice count (n x prompts, checked here only) and that
+   the model is loaded (503 until it is);
+2. tokenizes the prompts (:mod:`.prompts`) and checks them against the model
+   (vocabulary, context length, ``routed_experts_prompt_start``);
+3. builds one :class:`~.triton_client.BackendRequest` per prompt (its choices
+   differ only in their seed), reserves the choices (503 when the server is
+   full) and starts them (:mod:`.generation`, which calls the backend through
+   :mod:`.triton_client`);
+4. returns :class:`Finished` (every result) or, when streaming, a
+   :class:`ChoiceStream` in which every choice has already produced its first
+   delta, so backend errors (invalid request, queue full) still get their HTTP
+   status.
+
+Usage (prompt and completion tokens) and the token counters of the metrics
+are counted in one place, :class:`TokenUsage`, as the tokens pass.  The
+endpoint then renders the outcome into its response objects
+(:mod:`.responses` frames the JSON and SSE bodies).
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 
 from fastapi import Request
-from starlette.responses import Response
 
 from .config import FrontendConfig
 from .errors import (
@@ -27,71 +41,185 @@ from .errors import (
     model_not_found,
 )
 from .generation import ChoiceDelta, ChoiceGroup, ChoiceResult, ChoiceRunner, ChoiceSpec
-from .http_utils import SSE_DONE, SSEResponse, run_with_cancellation, sse_event
+from .http_utils import run_with_cancellation
 from .metrics import Metrics
-from .protocol import INT64_MAX, INT64_MIN, SamplingFields
+from .prompts import PromptInput, PromptSource
+from .protocol import INT64_MAX, INT64_MIN, GenerationRequestFields, StreamOptions, UsageInfo
 from .tokenizer import Tokenizer
-from .triton_client import EngineError, EngineRequest, ModelInfo
-
-logger = logging.getLogger(__name__)
+from .triton_client import BackendClient, BackendError, BackendRequest, ModelInfo
 
 
-def engine_error_to_openai(e: EngineError, retry_after_s: int = 1) -> OpenAIError:
-    if e.kind == EngineError.INVALID:
+def backend_error_to_openai(e: BackendError, retry_after_s: int = 1) -> OpenAIError:
+    if e.kind == BackendError.INVALID:
         return BadRequestError(e.message)
-    if e.kind == EngineError.UNAVAILABLE:
+    if e.kind == BackendError.UNAVAILABLE:
         return ServiceUnavailableError(e.message, retry_after_s=retry_after_s)
-    if e.kind == EngineError.CANCELLED:
+    if e.kind == BackendError.CANCELLED:
         return ServiceUnavailableError(f"request cancelled by the server: {e.message}", retry_after_s=retry_after_s,
                                        code="cancelled")
     return InternalServerError(f"engine error: {e.message}")
 
 
 @dataclass
-class PromptInput:
-    ids: list[int]
-    text: str | None = None  # the prompt text, when the client sent text
+class GenerationPlan:
+    """One HTTP request as serving runs it: what its endpoint read from the body."""
 
-
-@dataclass
-class Plan:
-    """How to run one HTTP request: its prompts and per-choice options."""
-
-    prompts: list[PromptInput]
-    sampling: SamplingFields
+    request_id: str
+    model: str | None  # the body's `model`; None = the served model
+    prompts: PromptSource
+    n: int  # choices per prompt
+    options: GenerationRequestFields  # sampling, stop rules, routing opt-in, skip_special_tokens
     max_tokens: int | None  # None = fill the context
     stream: bool
+    stream_options: StreamOptions | None
     logprobs: int | None  # top-N per token; None = no logprobs
-    detokenize: bool = True
-    skip_special_tokens: bool = True
-    prompt_param: str = "prompt"
+    detokenize: bool = True  # False: token ids only
+    # The request fields that errors name (they differ per endpoint).
+    n_param: str = "n"
+    logprobs_param: str = "logprobs"
     max_tokens_param: str = "max_tokens"
 
 
+class TokenUsage:
+    """Token counts of one request, and the token counters of the metrics.
+
+    Prompt tokens count each prompt once (not once per choice); completion
+    tokens are the tokens returned, per choice.  The metrics' prompt counter
+    moves when the request is admitted, its generation counter once, at
+    :meth:`close`.
+    """
+
+    def __init__(self, prompt_lens: list[int], n: int, metrics: Metrics) -> None:
+        self._prompt_lens = prompt_lens
+        self._n = n
+        self._metrics = metrics
+        self._generated = [0] * (len(prompt_lens) * n)  # per choice index
+        self._closed = False
+        metrics.prompt_tokens.inc(sum(prompt_lens))
+
+    def add(self, index: int, num_tokens: int) -> None:
+        self._generated[index] += num_tokens
+
+    def choice(self, index: int) -> UsageInfo:
+        """One choice so far: its prompt and its tokens (continuous_usage_stats)."""
+        return UsageInfo.of(self._prompt_lens[index // self._n], self._generated[index])
+
+    def total(self) -> UsageInfo:
+        return UsageInfo.of(sum(self._prompt_lens), sum(self._generated))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._metrics.generation_tokens.inc(sum(self._generated))
+
+
+@dataclass
+class Finished:
+    """A non-streaming request after every choice ended."""
+
+    results: list[ChoiceResult]  # in index order: prompt i's choices are i*n .. i*n+n-1
+    prompts: list[PromptInput]
+    usage: UsageInfo
+
+
+class ChoiceStream:
+    """A started streaming request: iterate for its deltas, in arrival order.
+
+    Iterating counts usage; a backend error raises the matching
+    :class:`~.errors.OpenAIError`.  :meth:`aclose` (the SSE response's
+    ``on_close``) cancels the choices still running.
+    """
+
+    def __init__(self, group: ChoiceGroup, deltas: AsyncIterator[ChoiceDelta], primed: list[ChoiceDelta],
+                 prompts: list[PromptInput], usage: TokenUsage, metrics: Metrics, retry_after_s: int) -> None:
+        self.prompts = prompts
+        self.usage = usage
+        self._group = group
+        self._deltas = deltas
+        self._primed = primed
+        self._metrics = metrics
+        self._retry_after_s = retry_after_s
+
+    def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[ChoiceDelta]:
+        primed, self._primed = self._primed, []
+        try:
+            for d in primed:
+                self.usage.add(d.index, len(d.token_ids))
+                yield d
+            async for d in self._deltas:
+                self.usage.add(d.index, len(d.token_ids))
+                yield d
+        except BackendError as e:
+            raise backend_error_to_openai(e, self._retry_after_s) from e
+
+    async def aclose(self) -> None:
+        await self._group.aclose()
+        self.usage.close()
+
+    def client_disconnected(self) -> None:
+        self._metrics.disconnects.inc()
+
+
 class ServingContext:
-    def __init__(self, cfg: FrontendConfig, engine, tokenizer: Tokenizer, metrics: Metrics) -> None:
+    def __init__(self, cfg: FrontendConfig, client: BackendClient | None, tokenizer: Tokenizer,
+                 metrics: Metrics) -> None:
         self.cfg = cfg
-        self.engine = engine
+        self.client = client
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.model: ModelInfo | None = None
+        self.model: ModelInfo | None = None  # set once the backend's metadata is loaded
         self.created = int(time.time())
-        self.pending = 0
-
-    # -- checks ----------------------------------------------------------
+        self.pending = 0  # choices in flight
 
     def model_info(self) -> ModelInfo:
+        """The model's metadata, or 503 while it is not loaded yet."""
         if self.model is None:
             raise ServiceUnavailableError("The model is not ready yet.", retry_after_s=self.cfg.retry_after_s,
                                           code="model_not_ready")
         return self.model
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.cfg.served_model_name:
-            raise model_not_found(name)
-
-    def check_prompt_ids(self, ids: list[int], param: str) -> None:
+    async def generate(self, plan: GenerationPlan, raw_request: Request) -> Finished | ChoiceStream:
+        """Check, admit and run one request (the module docstring lists the steps)."""
+        self._check_request(plan)
         model = self.model_info()
+        prompts = plan.prompts.tokenize(self.tokenizer)
+        specs = self._choice_specs(plan, prompts, model)
+        release = self._admit(len(specs))
+        usage = TokenUsage([len(p.ids) for p in prompts], plan.n, self.metrics)
+        hooks = self.metrics.hooks()
+        runners = [
+            ChoiceRunner(s, self.client, self.tokenizer, model, plan.request_id, stream=plan.stream, hooks=hooks)
+            for s in specs
+        ]
+        group = ChoiceGroup(runners, on_close=release)
+        if plan.stream:
+            return await self._start_stream(group, prompts, usage, raw_request)
+        return await self._run_to_end(group, prompts, usage, raw_request)
+
+    # -- checks ----------------------------------------------------------
+
+    def _check_request(self, plan: GenerationPlan) -> None:
+        if plan.model is not None and plan.model != self.cfg.served_model_name:
+            raise model_not_found(plan.model)
+        if plan.stream_options is not None and not plan.stream:
+            raise BadRequestError("stream_options can only be set when stream is true.", param="stream_options")
+        if plan.logprobs is not None and plan.logprobs > self.cfg.max_logprobs:
+            raise BadRequestError(f"{plan.logprobs_param} must be at most {self.cfg.max_logprobs}.",
+                                  param=plan.logprobs_param)
+        # More choices than the server could ever run at once: 400 (not 503, retrying would not help).
+        n, num_prompts, limit = plan.n, plan.prompts.count, self.cfg.max_pending_requests
+        if n * num_prompts > limit:
+            raise BadRequestError(
+                f"The request asks for {n * num_prompts} choices (n={n} x {num_prompts} prompts); the server runs at "
+                f"most {limit} at once.",
+                param=plan.n_param,
+            )
+
+    @staticmethod
+    def _check_prompt_ids(ids: list[int], param: str, model: ModelInfo) -> None:
         if not ids:
             raise BadRequestError("The prompt is empty (no tokens).", param=param)
         bad = next((t for t in ids if t < 0 or t >= model.vocab_size), None)
@@ -100,47 +228,75 @@ class ServingContext:
                 f"Token id {bad} is out of vocabulary (valid ids are 0..{model.vocab_size - 1}).", param=param
             )
 
-    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, prompt_param: str,
-                           max_tokens_param: str = "max_tokens") -> int:
-        max_len = self.model_info().max_model_len
+    @staticmethod
+    def _resolve_max_tokens(prompt_len: int, plan: GenerationPlan, model: ModelInfo) -> int:
+        max_len = model.max_model_len
         if prompt_len >= max_len:
             raise BadRequestError(
                 f"This model's maximum context length is {max_len} tokens. However, your prompt has "
                 f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length of the "
                 f"prompt.",
-                param=prompt_param, code="context_length_exceeded",
+                param=plan.prompts.param, code="context_length_exceeded",
             )
-        if max_tokens is None:
+        if plan.max_tokens is None:
             return max_len - prompt_len
-        if prompt_len + max_tokens > max_len:
+        if prompt_len + plan.max_tokens > max_len:
             raise BadRequestError(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
-                f"Please reduce the length of the prompt or completion.",
-                param=max_tokens_param, code="context_length_exceeded",
+                f"{prompt_len + plan.max_tokens} tokens ({prompt_len} in the prompt, {plan.max_tokens} in the "
+                f"completion). Please reduce the length of the prompt or completion.",
+                param=plan.max_tokens_param, code="context_length_exceeded",
             )
-        return max_tokens
+        return plan.max_tokens
 
-    def check_logprobs(self, value: int | None, param: str) -> None:
-        if value is not None and value > self.cfg.max_logprobs:
-            raise BadRequestError(f"{param} must be at most {self.cfg.max_logprobs}.", param=param)
+    # -- building choices ------------------------------------------------
 
-    # -- admission -------------------------------------------------------
-
-    def check_choice_count(self, n: int, num_prompts: int = 1, param: str = "n") -> None:
-        """400 when a request has more choices than the server could ever run at once."""
-        limit = self.cfg.max_pending_requests
-        if n * num_prompts > limit:
-            raise BadRequestError(
-                f"The request asks for {n * num_prompts} choices (n={n} x {num_prompts} prompts); the server runs at "
-                f"most {limit} at once.",
-                param=param,
+    def _choice_specs(self, plan: GenerationPlan, prompts: list[PromptInput], model: ModelInfo) -> list[ChoiceSpec]:
+        """Check each prompt against the model; one backend request per prompt, one spec per choice."""
+        opts = plan.options
+        want_routed = self.cfg.enable_routed_experts and opts.return_routed_experts is not False
+        prompt_start = (opts.routed_experts_prompt_start or 0) if want_routed else 0
+        stop = opts.stop_list()
+        specs: list[ChoiceSpec] = []
+        for p_idx, prompt in enumerate(prompts):
+            self._check_prompt_ids(prompt.ids, plan.prompts.param, model)
+            max_tokens = self._resolve_max_tokens(len(prompt.ids), plan, model)
+            if prompt_start and prompt_start >= len(prompt.ids):
+                raise BadRequestError(
+                    f"routed_experts_prompt_start ({prompt_start}) must be smaller than the number of prompt "
+                    f"tokens ({len(prompt.ids)}).",
+                    param="routed_experts_prompt_start",
+                )
+            request = BackendRequest(
+                input_ids=prompt.ids,
+                stream=plan.stream or bool(stop),  # stop strings: see tokens early, cancel early
+                max_tokens=max_tokens,
+                temperature=opts.temperature,
+                top_p=opts.top_p,
+                top_k=opts.top_k,
+                stop_token_ids=opts.stop_token_ids or None,
+                ignore_eos=True if opts.ignore_eos else None,
+                min_tokens=opts.min_tokens or None,
+                logprobs=plan.logprobs,
+                return_routed_experts=want_routed,
+                routed_experts_prompt_start=prompt_start or None,
             )
+            for i in range(plan.n):
+                specs.append(
+                    ChoiceSpec(
+                        index=p_idx * plan.n + i,
+                        request=replace(request, seed=_choice_seed(opts.seed, i, plan.n)),
+                        detokenize=plan.detokenize,
+                        skip_special_tokens=opts.skip_special_tokens,
+                        stop=stop,
+                        include_stop_str_in_output=opts.include_stop_str_in_output,
+                    )
+                )
+        return specs
 
-    def admit(self, n: int) -> Callable[[], None]:
+    def _admit(self, n: int) -> Callable[[], None]:
         """Reserve n in-flight choices or raise 503; returns the release callback."""
         limit = self.cfg.max_pending_requests
-        self.check_choice_count(n)
         if self.pending + n > limit:
             self.metrics.rejected.inc()
             raise ServiceUnavailableError(
@@ -160,93 +316,24 @@ class ServingContext:
 
         return release
 
-    # -- building choices ------------------------------------------------
-
-    def build_group(self, plan: Plan, request_id: str, *, n: int) -> ChoiceGroup:
-        """Validate the prompts against the model and make one runner per choice."""
-        model = self.model_info()
-        sp = plan.sampling
-        self.check_choice_count(n, len(plan.prompts))
-        want_routed = self.cfg.enable_routed_experts and sp.return_routed_experts is not False
-        prompt_start = sp.routed_experts_prompt_start or 0
-        stop = sp.stop_list()
-        specs: list[ChoiceSpec] = []
-        for p_idx, prompt in enumerate(plan.prompts):
-            self.check_prompt_ids(prompt.ids, plan.prompt_param)
-            max_tokens = self.resolve_max_tokens(
-                len(prompt.ids), plan.max_tokens, plan.prompt_param, plan.max_tokens_param
-            )
-            if want_routed and prompt_start and prompt_start >= len(prompt.ids):
-                raise BadRequestError(
-                    f"routed_experts_prompt_start ({prompt_start}) must be smaller than the number of prompt "
-                    f"tokens ({len(prompt.ids)}).",
-                    param="routed_experts_prompt_start",
-                )
-            for i in range(n):
-                index = p_idx * n + i
-                specs.append(
-                    ChoiceSpec(
-                        index=index,
-                        prompt_ids=prompt.ids,
-                        engine_request=EngineRequest(
-                            input_ids=prompt.ids,
-                            stream=plan.stream or bool(stop),  # stop strings: see tokens early, cancel early
-                            max_tokens=max_tokens,
-                            temperature=sp.temperature,
-                            top_p=sp.top_p,
-                            top_k=sp.top_k,
-                            seed=_choice_seed(sp.seed, i, n),
-                            stop_token_ids=sp.stop_token_ids or None,
-                            ignore_eos=True if sp.ignore_eos else None,
-                            min_tokens=sp.min_tokens or None,
-                            logprobs=plan.logprobs,
-                            return_routed_experts=want_routed,
-                            routed_experts_prompt_start=prompt_start if want_routed and prompt_start else None,
-                        ),
-                        detokenize=plan.detokenize,
-                        skip_special_tokens=plan.skip_special_tokens,
-                        stop=stop,
-                        include_stop_str_in_output=sp.include_stop_str_in_output,
-                        want_logprobs=plan.logprobs is not None,
-                        routed_experts=want_routed,
-                        routed_experts_prompt_start=prompt_start if want_routed else 0,
-                        stop_token_ids=frozenset(sp.stop_token_ids or ()),
-                    )
-                )
-        release = self.admit(len(specs))
-        hooks = self.metrics.hooks()
-        runners = [
-            ChoiceRunner(s, self.engine, self.tokenizer, model, request_id, stream=plan.stream, hooks=hooks)
-            for s in specs
-        ]
-        self.metrics.prompt_tokens.inc(sum(len(p.ids) for p in plan.prompts))
-        return ChoiceGroup(runners, on_close=release)
-
     # -- running ---------------------------------------------------------
 
-    async def run_to_end(self, group: ChoiceGroup, raw_request: Request) -> list[ChoiceResult]:
+    async def _run_to_end(self, group: ChoiceGroup, prompts: list[PromptInput], usage: TokenUsage,
+                          raw_request: Request) -> Finished:
         try:
             results = await run_with_cancellation(raw_request, group.results())
-        except EngineError as e:
-            raise engine_error_to_openai(e, self.cfg.retry_after_s) from e
+        except BackendError as e:
+            raise backend_error_to_openai(e, self.cfg.retry_after_s) from e
         finally:
             await group.aclose()
-        self.metrics.generation_tokens.inc(sum(len(r.token_ids) for r in results))
-        return results
+        for r in results:
+            usage.add(r.index, len(r.token_ids))
+        usage.close()
+        return Finished(results, prompts, usage.total())
 
-    async def stream(
-        self,
-        group: ChoiceGroup,
-        raw_request: Request,
-        render: Callable[[ChoiceDelta], Iterable[str | bytes]],
-        finish: Callable[[], Iterable[str | bytes]],
-    ) -> Response:
-        """Start streaming once every choice produced its first delta.
-
-        Waiting for the first response of each choice means engine errors
-        (invalid request, queue full) still get a proper HTTP status; after
-        that, errors are sent as an SSE ``error`` event before ``[DONE]``.
-        """
+    async def _start_stream(self, group: ChoiceGroup, prompts: list[PromptInput], usage: TokenUsage,
+                            raw_request: Request) -> ChoiceStream:
+        """Wait for the first delta of every choice, then hand the stream over."""
         deltas = group.deltas()
         primed: list[ChoiceDelta] = []
 
@@ -259,44 +346,13 @@ class ServingContext:
 
         try:
             await run_with_cancellation(raw_request, prime())
-        except EngineError as e:
+        except BackendError as e:
             await group.aclose()
-            raise engine_error_to_openai(e, self.cfg.retry_after_s) from e
+            raise backend_error_to_openai(e, self.cfg.retry_after_s) from e
         except BaseException:
             await group.aclose()
             raise
-
-        metrics = self.metrics
-
-        async def body() -> AsyncIterator[str | bytes]:
-            n_tokens = 0
-            try:
-                for d in primed:
-                    n_tokens += len(d.token_ids)
-                    for chunk in render(d):
-                        yield chunk
-                async for d in deltas:
-                    n_tokens += len(d.token_ids)
-                    for chunk in render(d):
-                        yield chunk
-                for chunk in finish():
-                    yield chunk
-            except (EngineError, OpenAIError) as e:
-                err = engine_error_to_openai(e, self.cfg.retry_after_s) if isinstance(e, EngineError) else e
-                logger.warning("stream failed: %s", err.message)
-                yield sse_event(_error_json(err))
-            except Exception as e:  # noqa: BLE001 - a started stream must still end properly
-                logger.exception("stream failed")
-                yield sse_event(_error_json(InternalServerError(f"Internal server error: {type(e).__name__}")))
-            finally:
-                metrics.generation_tokens.inc(n_tokens)
-            yield SSE_DONE
-
-        return SSEResponse(body(), on_close=group.aclose, on_disconnect=metrics.disconnects.inc)
-
-
-def _error_json(err: OpenAIError) -> str:
-    return json.dumps(err.to_dict())
+        return ChoiceStream(group, deltas, primed, prompts, usage, self.metrics, self.cfg.retry_after_s)
 
 
 def _choice_seed(seed: int | None, i: int, n: int) -> int | None:
@@ -307,59 +363,3 @@ def _choice_seed(seed: int | None, i: int, n: int) -> int | None:
     if s > INT64_MAX:
         s = s - INT64_MAX + INT64_MIN - 1
     return s
-
-
-class Payloads:
-    """Splices large base64 payloads (routed experts) into JSON bytes.
-
-    Models carry a short placeholder string (with a per-request nonce) where
-    the payload goes; :meth:`dump` serialises the small model and joins the
-    payload bytes in at the placeholders in one pass.  The payload is never
-    turned into a Python ``str`` nor scanned by a JSON encoder (base64 needs
-    no escaping).
-    """
-
-    __slots__ = ("_prefix", "_parts", "_n")
-
-    def __init__(self) -> None:
-        self._prefix = f"@@routed-{secrets.token_hex(8)}:"
-        self._parts: dict[bytes, bytes] = {}
-        self._n = 0
-
-    def ref(self, payload: bytes | None) -> str | None:
-        if payload is None:
-            return None
-        key = f"{self._prefix}{self._n}@@"
-        self._n += 1
-        self._parts[key.encode()] = payload
-        return key
-
-    def dump(self, model, prefix: bytes = b"", suffix: bytes = b"") -> bytes:  # noqa: ANN001 - pydantic model
-        body = model.model_dump_json().encode()
-        if not self._parts:
-            return prefix + body + suffix if prefix or suffix else body
-        marker = b'"' + self._prefix.encode()
-        pieces = [prefix]
-        pos = 0
-        while (i := body.find(marker, pos)) >= 0:
-            end = body.find(b'@@"', i + len(marker))
-            key = body[i + 1 : end + 2]
-            pieces.append(body[pos : i + 1])  # up to and including the opening quote
-            pieces.append(self._parts.pop(key))
-            pos = end + 2  # the closing quote starts the next piece
-        pieces.append(body[pos:])
-        pieces.append(suffix)
-        return b"".join(pieces)
-
-    def sse(self, model) -> bytes:  # noqa: ANN001 - pydantic model
-        return self.dump(model, b"data: ", b"\n\n")
-
-
-def json_response(model, payloads: Payloads | None = None) -> Response:  # noqa: ANN001 - pydantic model
-    body = payloads.dump(model) if payloads is not None else model.model_dump_json().encode()
-    return Response(content=body, media_type="application/json")
-
-
-def disconnected_response() -> Response:
-    """What a handler returns when its client went away (nobody reads it; 499 in metrics)."""
-    return Response(status_code=499)

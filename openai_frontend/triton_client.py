@@ -7,6 +7,12 @@ The last response is the one with a non-empty ``finish_reason`` (grpc.aio
 gives no access to Triton's final flag).  Leaving the iteration early
 (``break``, exception, task cancellation) cancels the gRPC call, which makes
 Triton mark the request cancelled; the backend then aborts it in the engine.
+
+Names: the frontend talks to the *backend* (the Triton model ``moe``,
+backends/moe/model.py) through :class:`TritonClient`, sending
+:class:`BackendRequest` and receiving :class:`BackendOutput` or
+:class:`BackendError`.  The engine behind the backend (``moe_engine``) has its
+own ``Engine``, ``Request`` and ``EngineError``, which the frontend never sees.
 """
 
 from __future__ import annotations
@@ -87,10 +93,10 @@ class ModelInfo:
 
 
 @dataclass
-class EngineRequest:
+class BackendRequest:
     """One Triton request (one choice).  ``None`` fields are not sent."""
 
-    input_ids: list[int] | np.ndarray
+    input_ids: list[int]
     stream: bool = True
     max_tokens: int | None = None
     temperature: float | None = None
@@ -148,7 +154,7 @@ _OUTPUTS = (
 
 
 @dataclass
-class EngineOutput:
+class BackendOutput:
     """One Triton response: deltas since the previous response of the request."""
 
     output_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
@@ -161,7 +167,7 @@ class EngineOutput:
     top_logprobs: np.ndarray | None = None  # [n, N]
 
     @classmethod
-    def from_result(cls, result: grpcclient.InferResult) -> EngineOutput:
+    def from_result(cls, result: grpcclient.InferResult) -> BackendOutput:
         out = cls()
         ids = result.as_numpy("output_ids")
         if ids is not None:
@@ -190,8 +196,8 @@ class EngineOutput:
         return out
 
 
-class EngineError(Exception):
-    """A Triton/engine error, classified so the API can pick a status code."""
+class BackendError(Exception):
+    """An error response of the moe backend (or of Triton), classified so the API can pick a status code."""
 
     INVALID = "invalid_argument"
     UNAVAILABLE = "unavailable"
@@ -204,52 +210,52 @@ class EngineError(Exception):
         self.message = message
 
 
-_INVALID_HINTS = (
-    "invalid", "must be", "must not", "exceed", "out of range", "outside", "vocabulary", "context length",
-    "max_model_len", "too long", "not supported", "expected", "unexpected input", "negative", "missing",
+# How the moe backend (backends/moe/model.py) starts its error messages.  Triton's stream responses carry only
+# the text, not the status code, so the prefix is the kind; it is cut from the message the client sees.
+# ("internal error: ..." needs no entry: whatever is not one of these is internal, its message kept whole.)
+_KIND_PREFIXES = (
+    ("invalid request: ", BackendError.INVALID),
+    ("unavailable: ", BackendError.UNAVAILABLE),
 )
-_UNAVAILABLE_HINTS = (
-    "unavailable", "queue full", "queue is full", "overloaded", "too many", "not ready", "busy", "shutting down",
-    "stopped", "not running", "retry later",
-)
+_CANCELLED_MESSAGE = "request cancelled"  # the backend's whole message for a request Triton marked cancelled
 
 
-def classify_error(message: str) -> EngineError:
-    """Map a Triton error message to an :class:`EngineError` kind.
+def classify_error(message: str) -> BackendError:
+    """Map an error message of a stream response to a :class:`BackendError`.
 
-    Triton's stream responses carry only the message text, not the status
-    code, so the code name in the message (if any) or known wordings decide.
+    Only the backend's own prefixes decide; any other message (one of
+    Triton itself, which the frontend's well-formed requests should never
+    cause) is internal.
     """
-    low = message.lower()
-    # The moe backend starts every error with its kind; the wording hints below are for other models.
-    for prefix, kind in (
-        ("invalid request:", EngineError.INVALID),
-        ("unavailable:", EngineError.UNAVAILABLE),
-        ("request cancelled", EngineError.CANCELLED),
-        ("internal error", EngineError.INTERNAL),
-    ):
-        if low.startswith(prefix):
-            return EngineError(kind, message.split(": ", 1)[1] if prefix.endswith(":") else message)
-    if "cancel" in low:
-        return EngineError(EngineError.CANCELLED, message)
-    if any(h in low for h in _UNAVAILABLE_HINTS):
-        return EngineError(EngineError.UNAVAILABLE, message)
-    if any(h in low for h in _INVALID_HINTS):
-        return EngineError(EngineError.INVALID, message)
-    return EngineError(EngineError.INTERNAL, message)
+    for prefix, kind in _KIND_PREFIXES:
+        if message.startswith(prefix):
+            return BackendError(kind, message[len(prefix) :])
+    if message.startswith(_CANCELLED_MESSAGE):
+        return BackendError(BackendError.CANCELLED, message)
+    return BackendError(BackendError.INTERNAL, message)
 
 
-class Engine(Protocol):
-    """What the serving layer needs from an engine (Triton, or a fake in tests)."""
+def classify_status(code: grpc.StatusCode | None, message: str) -> BackendError:
+    """Map a gRPC status (the whole call failed) to a :class:`BackendError`."""
+    if code == grpc.StatusCode.CANCELLED:
+        return BackendError(BackendError.CANCELLED, message or "cancelled")
+    kind = BackendError.UNAVAILABLE if code == grpc.StatusCode.UNAVAILABLE else BackendError.INTERNAL
+    return BackendError(kind, f"Triton: {code.name if code is not None else 'UNKNOWN'}: {message}")
 
-    def generate(self, request: EngineRequest, request_id: str) -> AsyncIterator[EngineOutput]: ...
+
+class BackendClient(Protocol):
+    """What serving needs from the moe backend: Triton's client, or a fake in tests."""
+
+    def generate(self, request: BackendRequest, request_id: str) -> AsyncIterator[BackendOutput]: ...
 
 
 # --------------------------------------------------------------------------
 # Client
 
 
-class TritonEngine:
+class TritonClient:
+    """The moe backend through Triton's gRPC API (implements :class:`BackendClient`)."""
+
     def __init__(self, url: str, model_name: str) -> None:
         self.url = url
         self.model_name = model_name
@@ -271,10 +277,10 @@ class TritonEngine:
         config = await self._client.get_model_config(self.model_name, as_json=True)
         return ModelInfo.from_model_config(config)
 
-    async def generate(self, request: EngineRequest, request_id: str) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: BackendRequest, request_id: str) -> AsyncIterator[BackendOutput]:
         """Yield the responses of one request until the one with a finish_reason.
 
-        Raises :class:`EngineError` on a Triton error response or a broken
+        Raises :class:`BackendError` on an error response or a broken
         connection.  Closing the generator early cancels the request.
         """
         payload = {
@@ -294,24 +300,22 @@ class TritonEngine:
                 if error is not None:
                     finished = True
                     raise classify_error(str(error.message() if hasattr(error, "message") else error))
-                out = EngineOutput.from_result(result)
+                out = BackendOutput.from_result(result)
                 if out.finish_reason is not None:
                     finished = await _drain(call)
                     yield out
                     return
                 yield out
             if not finished:
-                raise EngineError(EngineError.INTERNAL, "Triton closed the stream before the request finished")
+                raise BackendError(BackendError.INTERNAL, "Triton closed the stream before the request finished")
         except grpc.aio.AioRpcError as e:
             finished = True
-            code = e.code()
-            if code == grpc.StatusCode.CANCELLED:
-                raise EngineError(EngineError.CANCELLED, e.details() or "cancelled") from e
-            kind = EngineError.UNAVAILABLE if code == grpc.StatusCode.UNAVAILABLE else EngineError.INTERNAL
-            raise EngineError(kind, f"Triton: {code.name}: {e.details()}") from e
+            raise classify_status(e.code(), e.details() or "") from e
         except InferenceServerException as e:
             finished = True
-            raise classify_error(e.message()) from e
+            # Raised by stream_infer itself: a gRPC failure whose status is "StatusCode.<NAME>".
+            name = (e.status() or "").rpartition(".")[2]
+            raise classify_status(getattr(grpc.StatusCode, name, None), e.message() or "") from e
         finally:
             if not finished:
                 call.cancel()  # client went away / stop string: Triton marks the request cancelled

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from openai_frontend.triton_client import EngineError, EngineOutput, EngineRequest, ModelInfo
+from openai_frontend.triton_client import BackendError, BackendOutput, BackendRequest, ModelInfo
 
 
 def routing_row(pos: int, num_layers: int, top_k: int, num_experts: int) -> np.ndarray:
@@ -35,10 +35,10 @@ class FakeEngine:
     info: ModelInfo
     script: list[int]  # the token ids "generated", in a loop
     step_delay: float = 0.0
-    requests: list[tuple[str, EngineRequest]] = field(default_factory=list)
+    requests: list[tuple[str, BackendRequest]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
-    fail_with: EngineError | None = None
+    fail_with: BackendError | None = None
     ready: bool = True
 
     async def model_info(self) -> ModelInfo:
@@ -50,13 +50,13 @@ class FakeEngine:
     async def close(self) -> None:
         pass
 
-    def _token(self, req: EngineRequest, k: int) -> int:
+    def _token(self, req: BackendRequest, k: int) -> int:
         offset = 0
         if req.temperature not in (None, 0.0) and req.seed is not None:
             offset = req.seed % len(self.script)
         return self.script[(k + offset) % len(self.script)]
 
-    async def generate(self, req: EngineRequest, request_id: str):
+    async def generate(self, req: BackendRequest, request_id: str):
         self.requests.append((request_id, req))
         if self.fail_with is not None:
             raise self.fail_with
@@ -65,7 +65,7 @@ class FakeEngine:
         n_prompt = len(prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else info.max_model_len - n_prompt
         if n_prompt + max_tokens > info.max_model_len:
-            raise EngineError(EngineError.INVALID, "invalid argument: prompt + max_tokens exceeds max_model_len")
+            raise BackendError(BackendError.INVALID, "invalid argument: prompt + max_tokens exceeds max_model_len")
         routed = bool(req.return_routed_experts)
         start = req.routed_experts_prompt_start or 0
         stops = set(req.stop_token_ids or ())
@@ -89,7 +89,7 @@ class FakeEngine:
                     finish = "stop"
                 elif k + 1 == max_tokens:
                     finish = "length"
-                out = EngineOutput(
+                out = BackendOutput(
                     output_ids=np.array([tok], np.int64),
                     routed_experts=rows,
                     finish_reason=finish or None,
@@ -118,10 +118,10 @@ class FakeEngine:
                 self.cancelled.append(request_id)
 
 
-def _merge(outs: list[EngineOutput]) -> EngineOutput:
+def _merge(outs: list[BackendOutput]) -> BackendOutput:
     last = outs[-1]
     rows = [o.routed_experts for o in outs if o.routed_experts is not None]
-    merged = EngineOutput(
+    merged = BackendOutput(
         output_ids=np.concatenate([o.output_ids for o in outs]),
         routed_experts=np.concatenate(rows) if rows else None,
         finish_reason=last.finish_reason,

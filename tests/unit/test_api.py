@@ -416,16 +416,16 @@ def test_disconnect_cancels_non_streaming_request(slow_server):
 
 
 def test_engine_errors_map_to_status(slow_server):
-    from openai_frontend.triton_client import EngineError
+    from openai_frontend.triton_client import BackendError
 
     engine = slow_server.engine
     try:
-        engine.fail_with = EngineError(EngineError.UNAVAILABLE, "the engine's waiting queue is full; retry later")
+        engine.fail_with = BackendError(BackendError.UNAVAILABLE, "the engine's waiting queue is full; retry later")
         r = httpx.post(slow_server.base_url + "/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 503 and "retry-after" in r.headers
         r = httpx.post(slow_server.base_url + "/completions", json={"prompt": "x", "max_tokens": 1, "stream": True})
         assert r.status_code == 503
-        engine.fail_with = EngineError(EngineError.INVALID, "top_p: must be in (0, 1]")
+        engine.fail_with = BackendError(BackendError.INVALID, "top_p: must be in (0, 1]")
         r = httpx.post(slow_server.base_url + "/chat/completions",
                        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
         assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]

@@ -8,7 +8,7 @@ import pytest
 
 from openai_frontend.generation import ChoiceGroup, ChoiceRunner, ChoiceSpec
 from openai_frontend.routing_codec import decode_routed_experts
-from openai_frontend.triton_client import EngineError, EngineRequest
+from openai_frontend.triton_client import BackendError, BackendRequest
 from tests.unit.conftest import SCRIPT_TEXT, make_model_info
 from tests.unit.fake_engine import FakeEngine, routing_rows
 
@@ -24,18 +24,13 @@ def spec(prompt, *, index=0, stream_engine=True, max_tokens=20, stop=(), include
          logprobs=None, detokenize=True, stop_token_ids=()):
     return ChoiceSpec(
         index=index,
-        prompt_ids=prompt,
-        engine_request=EngineRequest(input_ids=prompt, stream=stream_engine, max_tokens=max_tokens,
-                                     return_routed_experts=routed, logprobs=logprobs,
-                                     routed_experts_prompt_start=start or None,
-                                     stop_token_ids=list(stop_token_ids) or None),
+        request=BackendRequest(input_ids=prompt, stream=stream_engine, max_tokens=max_tokens,
+                               return_routed_experts=routed, logprobs=logprobs,
+                               routed_experts_prompt_start=start or None,
+                               stop_token_ids=list(stop_token_ids) or None),
         detokenize=detokenize,
         stop=list(stop),
         include_stop_str_in_output=include,
-        want_logprobs=logprobs is not None,
-        routed_experts=routed,
-        routed_experts_prompt_start=start,
-        stop_token_ids=frozenset(stop_token_ids),
     )
 
 
@@ -148,9 +143,9 @@ def test_logprobs_follow_the_kept_tokens(engine, fe_tokenizer):
 
 
 def test_engine_error_propagates(engine, fe_tokenizer):
-    engine.fail_with = EngineError(EngineError.UNAVAILABLE, "queue is full")
+    engine.fail_with = BackendError(BackendError.UNAVAILABLE, "queue is full")
     r = make_runner(engine, fe_tokenizer, spec([5, 6]))
-    with pytest.raises(EngineError):
+    with pytest.raises(BackendError):
         run(r)
 
 

@@ -111,7 +111,7 @@ def test_payload_splicing_into_json():
     import json
 
     from openai_frontend.protocol import CompletionResponseChoice
-    from openai_frontend.serving import Payloads
+    from openai_frontend.routing_codec import Payloads
 
     p = Payloads()
     big = b"QUJD" * 1000

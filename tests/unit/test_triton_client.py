@@ -3,12 +3,20 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import numpy as np
 import pytest
 from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import serialize_byte_tensor
 
-from openai_frontend.triton_client import EngineError, EngineOutput, EngineRequest, ModelInfo, classify_error
+from openai_frontend.triton_client import (
+    BackendError,
+    BackendOutput,
+    BackendRequest,
+    ModelInfo,
+    classify_error,
+    classify_status,
+)
 
 META = {"architecture": "mixtral", "num_hidden_layers": 4, "moe_layers": [1, 3], "num_experts": 300,
         "num_experts_per_tok": 2, "routed_experts_dtype": "uint16", "max_model_len": 64, "eos_token_ids": [2],
@@ -28,10 +36,10 @@ def test_model_info_from_get_model_config_json():
 
 
 def test_request_sends_only_what_is_set():
-    inputs = EngineRequest(input_ids=[1, 2, 3], stream=False).to_inputs()
+    inputs = BackendRequest(input_ids=[1, 2, 3], stream=False).to_inputs()
     assert [(i.name(), i.datatype(), i.shape()) for i in inputs] == [("input_ids", "INT64", [3]),
                                                                      ("stream", "BOOL", [1])]
-    req = EngineRequest(input_ids=[1], max_tokens=5, temperature=0.5, top_p=0.9, top_k=-1, seed=-7,
+    req = BackendRequest(input_ids=[1], max_tokens=5, temperature=0.5, top_p=0.9, top_k=-1, seed=-7,
                         stop_token_ids=[2, 3], ignore_eos=True, min_tokens=1, logprobs=0,
                         return_routed_experts=False, routed_experts_prompt_start=0)
     got = {i.name(): (i.datatype(), i.shape()) for i in req.to_inputs()}
@@ -66,7 +74,7 @@ def test_output_from_result():
         "top_logprob_ids": ("INT64", np.array([[7, 1], [8, 2]], np.int64)),
         "top_logprobs": ("FP32", np.array([[-0.5, -2.0], [-1.5, -3.0]], np.float32)),
     })
-    out = EngineOutput.from_result(res)
+    out = BackendOutput.from_result(res)
     assert out.output_ids.tolist() == [7, 8] and out.finish_reason == "length"
     np.testing.assert_array_equal(out.routed_experts, rows)
     assert (out.num_prompt_tokens, out.num_output_tokens) == (3, 2)
@@ -79,23 +87,22 @@ def test_output_mid_stream_without_routing():
         "routed_experts": ("UINT16", np.zeros((0, 4, 2), np.uint16)),
         "finish_reason": ("BYTES", np.array([b""], dtype=np.object_)),
     })
-    out = EngineOutput.from_result(res)
+    out = BackendOutput.from_result(res)
     assert out.finish_reason is None and out.routed_experts is None and out.logprobs is None
 
 
 @pytest.mark.parametrize("message,kind", [
-    ("request cancelled", EngineError.CANCELLED),
-    ("the engine's waiting queue is full (1024 requests); retry later", EngineError.UNAVAILABLE),
-    ("the engine is not running", EngineError.UNAVAILABLE),
-    ("input_ids: token id 900 is outside the vocabulary [0, 512)", EngineError.INVALID),
-    ("this model's maximum context length is 64 tokens; the request asks for 70", EngineError.INVALID),
-    ("top_p: must be in (0, 1]", EngineError.INVALID),
-    ("internal error: ValueError('must be')", EngineError.INTERNAL),
-    ("something odd", EngineError.INTERNAL),
-    # The moe backend's kind prefixes win over wording (a request id that is "stopped" is still invalid).
-    ("invalid request: request id 'stopped-1' is already in use", EngineError.INVALID),
-    ("unavailable: the engine's waiting queue is full (2 requests); retry later", EngineError.UNAVAILABLE),
-    ("internal error: engine failure: RuntimeError('invalid value')", EngineError.INTERNAL),
+    ("request cancelled", BackendError.CANCELLED),
+    ("internal error: ValueError('must be')", BackendError.INTERNAL),
+    ("something odd", BackendError.INTERNAL),
+    # The moe backend's kind prefixes decide, whatever the words after them.
+    ("invalid request: request id 'stopped-1' is already in use", BackendError.INVALID),
+    ("unavailable: the engine's waiting queue is full (2 requests); retry later", BackendError.UNAVAILABLE),
+    ("internal error: engine failure: RuntimeError('invalid value')", BackendError.INTERNAL),
+    # Without a prefix the message is not the backend's: the wording decides nothing, it is an internal error.
+    ("the engine's waiting queue is full (1024 requests); retry later", BackendError.INTERNAL),
+    ("input_ids: token id 900 is outside the vocabulary [0, 512)", BackendError.INTERNAL),
+    ("top_p: must be in (0, 1]", BackendError.INTERNAL),
 ])
 def test_classify_error(message, kind):
     assert classify_error(message).kind == kind
@@ -104,3 +111,14 @@ def test_classify_error(message, kind):
 def test_classify_error_strips_the_kind_prefix_from_the_message():
     err = classify_error("invalid request: input_ids: token id 900 is outside the vocabulary [0, 512)")
     assert err.message == "input_ids: token id 900 is outside the vocabulary [0, 512)"
+
+
+@pytest.mark.parametrize("code,kind", [
+    (grpc.StatusCode.CANCELLED, BackendError.CANCELLED),
+    (grpc.StatusCode.UNAVAILABLE, BackendError.UNAVAILABLE),
+    (grpc.StatusCode.INVALID_ARGUMENT, BackendError.INTERNAL),  # the frontend built the request: its bug, a 500
+    (grpc.StatusCode.INTERNAL, BackendError.INTERNAL),
+    (None, BackendError.INTERNAL),
+])
+def test_a_failed_call_is_classified_by_its_grpc_status(code, kind):
+    assert classify_status(code, "connection reset").kind == kind
