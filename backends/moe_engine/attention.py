@@ -177,7 +177,7 @@ def cached_kv(cache: LayerKV, batch: ForwardBatch) -> tuple[torch.Tensor, torch.
     """Each sequence's cached k [B, Hkv, Lk, Dk] and v [B, Hkv, Lk, Dv], gathered from its blocks (Lk = the step's
     max_seq_len, exactly the longest sequence's keys as HF would hold them; positions past a sequence's own length
     hold stale values the mask hides)."""
-    B, Lk = batch.block_tables.shape[0], batch.max_seq_len
+    Lk = batch.max_seq_len
     nb = -(-Lk // cache.k.shape[1])
     k = cache.k[batch.block_tables[:, :nb]].flatten(1, 2)[:, :Lk]  # [B, Lk, Hkv, Dk]
     v = cache.v[batch.block_tables[:, :nb]].flatten(1, 2)[:, :Lk]

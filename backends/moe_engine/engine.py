@@ -29,7 +29,7 @@ from .errors import EngineOverloadedError, EngineStoppedError, InvalidRequestErr
 from .kv_cache import blocks_for_budget
 from .runner import LaunchedStep, ModelRunner, kv_cache_budget
 from .sampling import make_state
-from .scheduler import Request, RequestOutput, Scheduler, Sequence, Status
+from .scheduler import Request, RequestOutput, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,11 @@ multi-head latent attention whose cache holds the compressed latent and the rota
 shared key, expanded by ``kv_b_proj`` every step as HF does), the MoE block layout
 (``cfg.experts.block``: default / DeepSeek shared experts / GPT-OSS biased clamped
 experts), rope style and yarn (``cfg.rope``, rope.py), sinks and per-layer sliding
-windows. Dense layers (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers) are
-part of the layer dimension; their capture rows are never written.
+windows. The experts and the ways to run them are experts.py's (which also says where
+routing capture is written). Dense layers (DeepSeek's first_k_dense_replace, Qwen's
+mlp_only_layers) are part of the layer dimension; their capture rows are never written.
 """
 from __future__ import annotations
-
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -36,16 +35,10 @@ from torch import Tensor, nn
 from . import kernels
 from .attention import ForwardBatch, LayerKV, attend, attend_cached, cached_kv, store_kv
 from .config import AttentionSpec, ExpertsSpec, MoEConfig, RopeSpec, RouterSpec
+from .experts import Experts, GptOssExperts
 from .kv_cache import KVCache, KVSpec
 from .rope import RotaryEmbedding, apply_rotary, deepseek_softmax_scale
 from .routing import make_router
-
-# Experts: a step with at most this many (token, slot) pairs (a small decode batch) gathers each
-# token's expert weights and runs one batched matmul, with no host sync; larger steps group the
-# token-slots by expert and run one matmul per expert (one host sync per layer for group sizes).
-GATHER_MAX_SLOTS = 8  # on CUDA; on CPU the copies cost more than the grouped path's sync (measured)
-GATHER_MAX_BYTES = 256 << 20  # ... and only while the gathered weight copies stay this small
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, fp32_weight: bool = False):
@@ -207,212 +200,6 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-_GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-_GMM_SUPPORT: dict = {}
-
-
-def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch has a grouped GEMM for (device, dtype): probed once with a tiny call, since support
-    varies (CUDA kernels need bf16 on recent GPUs; CPU has a reference kernel)."""
-    key = (device.type, dtype)
-    if key not in _GMM_SUPPORT:
-        ok = _GMM is not None
-        if ok:
-            try:
-                a = torch.ones(4, 16, device=device, dtype=dtype)
-                b = torch.ones(2, 16, 16, device=device, dtype=dtype)
-                offs = torch.tensor([2, 4], device=device, dtype=torch.int32)
-                ok = bool(torch.equal(_GMM(a, b, offs=offs), torch.full((4, 16), 16.0, device=device, dtype=dtype)))
-            except (RuntimeError, NotImplementedError, TypeError):
-                ok = False
-        _GMM_SUPPORT[key] = ok
-    return _GMM_SUPPORT[key]
-
-
-def _rank_in_row(ids: Tensor) -> Tensor:
-    """[T, K] -> [T, K]: the rank of each entry within its row (ids in a row are distinct): one sort and a
-    scatter, where argsort(argsort(ids)) takes two sorts."""
-    order = torch.argsort(ids, dim=-1)
-    ranks = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    return torch.empty_like(order).scatter_(1, order, ranks)
-
-
-def _grouped_mm_capturable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the grouped GEMM runs without the host (CUDA-graph capturable): torch's fallback for dtypes
-    without a native kernel (float32 on Hopper, torch 2.11) reads the group offsets back. Probed by capturing
-    one tiny call."""
-    key = ("graph", device.type, dtype)
-    if key not in _GMM_SUPPORT:
-        ok = device.type == "cuda" and _grouped_mm_works(device, dtype)
-        if ok:
-            a = torch.ones(4, 16, device=device, dtype=dtype)
-            b = torch.ones(2, 16, 16, device=device, dtype=dtype)
-            offs = torch.tensor([2, 4], device=device, dtype=torch.int32)
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            try:
-                with torch.cuda.stream(stream), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # "the CUDA graph is empty" when the fallback stopped it
-                    _GMM(a, b, offs=offs)  # warm-up outside the capture
-                    with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream, capture_error_mode="thread_local"):
-                        _GMM(a, b, offs=offs)
-            except RuntimeError:
-                ok = False
-            torch.cuda.synchronize(device)
-        _GMM_SUPPORT[key] = ok
-    return _GMM_SUPPORT[key]
-
-
-class Experts(nn.Module):
-    """E SwiGLU experts as 3-D weights (HF v5 fused layout): gate_up_proj [E, 2I, H] (gate rows, then up rows),
-    down_proj [E, H, I]."""
-
-    fused = False  # kernels.py (set on instances of this class only by MoEForCausalLM.use_fused_kernels)
-
-    def __init__(self, spec: ExpertsSpec, hidden_size: int):
-        super().__init__()
-        E, H, I = spec.num_experts, hidden_size, spec.intermediate_size
-        self.num_experts = E
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
-
-    def forward(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None) -> Tensor:
-        """x [T, H], ids [T, K], weights [T, K] -> sum_k weights[t, k] * expert_{ids[t, k]}(x[t])  [T, H].
-        capture [T, K] int32 (a view of the step's routing buffer): receives exactly ``ids``, before the experts
-        run (on the fused path, by the kernel that reads them to group the pairs)."""
-        T, K = ids.shape
-        # Fused, the grouped path is faster than gathering weights even for one token (H200, C=1 decode step:
-        # 0.41 vs 0.46 ms), and its route kernel does the capture copy.
-        if self.fused and T and _grouped_mm_works(x.device, x.dtype):
-            return self._forward_fused(x, ids, weights, capture)
-        if capture is not None:
-            capture.copy_(ids)
-        if T == 0:
-            return torch.zeros_like(x)
-        slot_bytes = self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes
-        if x.is_cuda and T * K <= GATHER_MAX_SLOTS and T * K * slot_bytes <= GATHER_MAX_BYTES:
-            return self._forward_gather(x, ids, weights)
-        return self._forward_grouped(x, ids, weights)
-
-    def _forward_grouped(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        if type(self) is Experts and _grouped_mm_works(x.device, x.dtype):
-            return self._forward_grouped_mm(x, ids, weights)
-        T, K = ids.shape
-        # Token-slots in HF's order: by expert, then slot k, then token (HF loops over experts and takes
-        # torch.where(one_hot[e]) of a [K, T] mask), so every expert sees the same rows in the same order.
-        flat = ids.t().reshape(-1)  # [K*T] slot-major
-        order = torch.argsort(flat, stable=True)  # [K*T] grouped by expert
-        tok, slot = order % T, order // T  # [K*T] token index and slot of each grouped row
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync of this layer
-        xs = x[tok]  # [K*T, H]
-        outs = [self._expert(e, rows) for e, rows in enumerate(torch.split(xs, counts)) if rows.shape[0]]
-        y = (torch.cat(outs) * weights[tok, slot, None]).to(x.dtype)  # [K*T, H]; fp32 weights promote (Mixtral)
-        # Back to [T, K, H] with each token's K outputs in ascending expert order, then summed in that order.
-        rank = _rank_in_row(ids)  # [T, K] rank of each slot's expert id
-        per_token = torch.empty(T, K, x.shape[1], dtype=x.dtype, device=x.device)
-        per_token[tok, rank[tok, slot]] = y
-        return self._sum_in_order(per_token)
-
-    def _forward_grouped_mm(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        """The same rows in the same order as `_forward_grouped`, but each projection is one grouped GEMM over
-        all experts (offsets computed on the device): no per-expert Python loop, no host sync."""
-        T, K = ids.shape
-        flat = ids.t().reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        tok, slot = order % T, order // T
-        # Counts by scatter_add, not bincount: CUDA's bincount reads the max id back to the host (a sync
-        # that would also break CUDA-graph capture).
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        xs = x[tok]
-        gate, up = _GMM(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
-        y = (y * weights[tok, slot, None]).to(x.dtype)
-        rank = _rank_in_row(ids)
-        per_token = torch.empty(T, K, x.shape[1], dtype=x.dtype, device=x.device)
-        per_token[tok, rank[tok, slot]] = y
-        return self._sum_in_order(per_token)
-
-    def _forward_fused(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None) -> Tensor:
-        """`_forward_grouped_mm` with the bookkeeping in two kernels: `route` (the expert-grouped order,
-        offsets, the capture copy) before the grouped GEMMs and `combine` (weights, HF-order sum) after them."""
-        routed = kernels.route(ids, self.num_experts, capture)
-        if routed is None:  # a large step (prefill): sort with torch
-            if capture is not None:
-                capture.copy_(ids)
-            T, K = ids.shape
-            order = torch.argsort(ids.t().reshape(-1), stable=True)  # [K*T] pairs grouped by expert
-            counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
-            counts.scatter_add_(0, ids.reshape(-1), torch.ones_like(order))
-            pos = torch.empty_like(order).scatter_(0, order, torch.arange(K * T, device=x.device))
-            routed = pos.view(K, T).t(), order % T, torch.cumsum(counts, 0).to(torch.int32)
-        pos, tok, offs = routed  # [T, K] grouped row of each pair, [K*T] token of each row, [E] row ends
-        gate, up = _GMM(x[tok], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [K*T, I] each
-        y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [K*T, H]
-        return kernels.combine(y, ids, pos, weights, x.dtype)
-
-    def _expert(self, e: int, rows: Tensor) -> Tensor:
-        """Expert e on its rows [n, H] -> [n, H] (HF's per-expert loop body, before the routing weight)."""
-        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
-        return F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, H]
-
-    def _gathered(self, x: Tensor, ids: Tensor) -> Tensor:
-        """All experts of each token from gathered weights: x [T, H], ids [T, K] -> [T, K, H]."""
-        gate, up = torch.einsum("th,tkoh->tko", x, self.gate_up_proj[ids]).chunk(2, dim=-1)  # [T, K, I] each
-        return torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, self.down_proj[ids])  # [T, K, H]
-
-    def _forward_gather(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        y = (self._gathered(x, ids) * weights[..., None]).to(x.dtype)
-        order = torch.argsort(ids, dim=-1)  # [T, K] slots in ascending expert order
-        return self._sum_in_order(y.gather(1, order[..., None].expand_as(y)))
-
-    @staticmethod
-    def _sum_in_order(per_token: Tensor) -> Tensor:
-        """[T, K, H] -> [T, H], adding the K outputs one at a time in the model dtype. HF accumulates with one
-        index_add_ per expert in ascending expert order (rounding after each add); a single index_add_ or a
-        sum() would round differently in bf16."""
-        K = per_token.shape[1]
-        if K == 1:
-            return torch.zeros_like(per_token[:, 0]) + per_token[:, 0]
-        # Starting from the first two terms instead of from zeros adds the same values in the same order
-        # (0 + a == a; only a zero's sign could differ), with two kernels fewer per layer.
-        out = per_token[:, 0] + per_token[:, 1]
-        for j in range(2, K):
-            out = out + per_token[:, j]
-        return out
-
-
-class GptOssExperts(Experts):
-    """GPT-OSS experts (HF ``GptOssExperts``): gate_up_proj [E, H, 2I] (transposed, gate/up interleaved: even
-    columns gate, odd columns up), gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H];
-    ``gate = gate.clamp(max=limit)``, ``up = up.clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
-
-    def __init__(self, spec: ExpertsSpec, hidden_size: int):
-        nn.Module.__init__(self)
-        E, H, I = spec.num_experts, hidden_size, spec.intermediate_size
-        self.num_experts = E
-        self.limit, self.alpha = spec.swiglu_limit, spec.swiglu_alpha
-        self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I), requires_grad=False)
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(E, I, H), requires_grad=False)
-        self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
-
-    def _act(self, gate_up: Tensor) -> Tensor:
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = gate.clamp(min=None, max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-
-    def _expert(self, e: int, rows: Tensor) -> Tensor:
-        gate_up = rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I] (matmul, then bias: as HF)
-        return self._act(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, H]
-
-    def _gathered(self, x: Tensor, ids: Tensor) -> Tensor:
-        gate_up = torch.einsum("th,tkho->tko", x, self.gate_up_proj[ids]) + self.gate_up_proj_bias[ids]
-        return torch.einsum("tki,tkih->tkh", self._act(gate_up), self.down_proj[ids]) + self.down_proj_bias[ids]
-
-
 class MoEBlock(nn.Module):
     """Router -> routed experts (+ optional shared expert, sigmoid-gated in Qwen2-MoE)."""
 
@@ -465,9 +252,7 @@ class GptOssMoE(nn.Module):
 
     def forward(self, x: Tensor, capture: Tensor | None = None) -> Tensor:
         ids, weights = self.router(x)  # [T, K] sorted descending, [T, K] model dtype
-        if capture is not None:
-            capture.copy_(ids)
-        return self.experts(x, ids, weights)
+        return self.experts(x, ids, weights, capture)
 
 
 MOE_BLOCKS: dict[str, type[nn.Module]] = {"default": MoEBlock, "deepseek": DeepseekMoE, "gpt_oss": GptOssMoE}
@@ -548,7 +333,7 @@ class MoEForCausalLM(nn.Module):
         that has them. Returns whether they are on: only where Triton runs for this model's device and dtype."""
         enabled = enabled and kernels.available(self.device) and kernels.supports(self.dtype)
         for m in self.modules():
-            if isinstance(m, (RMSNorm, Attention)) or type(m) is Experts:
+            if isinstance(m, (RMSNorm, Attention)) or getattr(m, "supports_fused", False):
                 m.fused = enabled
         return enabled
 
@@ -556,12 +341,9 @@ class MoEForCausalLM(nn.Module):
         """Why a decode step of this model cannot be captured in a CUDA graph (a host sync inside), or None."""
         for layer in self.model.layers:
             experts = getattr(layer.mlp, "experts", None)
-            if experts is None:
-                continue
-            if type(experts) is not Experts:
-                return f"{type(experts).__name__} group tokens by expert on the host"
-            if not _grouped_mm_capturable(self.device, self.dtype):
-                return f"torch's grouped GEMM syncs with the host for {self.dtype} on this GPU (use bfloat16)"
+            reason = experts.graph_unsafe_reason(self.device, self.dtype) if experts is not None else None
+            if reason is not None:
+                return reason
         return None
 
     def param_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:

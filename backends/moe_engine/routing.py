@@ -10,8 +10,9 @@ exact ids the reference selects (see reference/moe_router_math.md §0-2):
 - renormalisation and the weights' dtype follow the architecture.
 
 A router returns ``ids`` [T, K] (int64, slot order of the reference) and
-``weights`` [T, K]; the MoE block captures ``ids`` right here, before anything
-else uses them, so the captured ids are exactly the ids the forward uses.
+``weights`` [T, K]. Nothing is captured here: the MoE block hands ``ids`` to its
+experts, which write exactly the ids they use into the step's capture buffer
+(experts.py says where), so the captured ids are exactly the ids the forward uses.
 
 DeepSeek-V2/V3 compute logits in float32 from a float32 gate weight and use
 ``topk(sorted=False)``: their slot order is whatever that top-k returns (the

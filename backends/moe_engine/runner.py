@@ -20,7 +20,7 @@ import torch
 
 from .attention import ForwardBatch
 from .cuda_graphs import DecodeGraphs
-from .kv_cache import KVCache, KVSpec, blocks_for_budget, bytes_per_block
+from .kv_cache import KVCache, KVSpec, bytes_per_block
 from .sampling import compute_logprobs, sample
 from .scheduler import StepPlan
 

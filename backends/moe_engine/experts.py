@@ -1,0 +1,288 @@
+"""Routed experts: the expert modules, the ways to run them, and the one place that writes routing capture.
+
+Where routed experts flow (data-path order):
+1. ``runner.py`` owns the step's capture buffer ``[step_tokens, num_hidden_layers, top_k]`` int32 (preallocated,
+   a fixed address for CUDA graphs) and passes it to the model's forward when the step captures.
+2. ``MoEForCausalLM.forward`` (model.py) hands each MoE layer its slice ``capture[:T, layer]`` ([T, K], a view);
+   the MoE block passes it on with the router's ids (routing.py).
+3. Here, each experts module writes exactly the ids it then uses into that slice: on the fused path inside
+   ``kernels.route`` (the kernel that groups (token, slot) pairs by expert, so capture adds no launch), otherwise
+   by one ``copy_`` before the experts run. Dense layers get no slice and their rows stay 0.
+4. ``runner.py`` copies the step's first T rows to the host with its sampled tokens (one transfer), and
+   ``scheduler.py`` slices them per request (rows of prefix-cache hits come from the block manager).
+
+Execution paths, one per situation, numerically the same as Hugging Face transformers' per-expert loop (rows of
+each expert in HF's order, the routing weight applied before the cast, outputs summed one by one in ascending
+expert order):
+- ``fused`` (CUDA, Triton): ``kernels.route`` -> grouped GEMMs -> ``kernels.combine``; graph-capturable;
+- ``grouped_mm``: torch's grouped GEMM over all experts with offsets computed on the device (no host sync);
+- ``gather`` (small CUDA decode batches without fused kernels): each token's expert weights gathered, one einsum;
+- ``grouped`` (the reference): pairs sorted by expert, one matmul per expert (one host sync for the counts).
+
+Each class declares what it supports (``supports_fused``, ``graph_unsafe_reason``) instead of callers checking
+its type.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import kernels
+from .config import ExpertsSpec
+
+# A step with at most this many (token, slot) pairs (a small decode batch) gathers each token's expert weights
+# and runs one batched matmul, with no host sync (unfused CUDA path only).
+GATHER_MAX_SLOTS = 8  # on CUDA; on CPU the copies cost more than the grouped path's sync (measured)
+GATHER_MAX_BYTES = 256 << 20  # ... and only while the gathered weight copies stay this small
+
+_GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_GMM_SUPPORT: dict = {}
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch has a grouped GEMM for (device, dtype): probed once with a tiny call, since support
+    varies (CUDA kernels need bf16 on recent GPUs; CPU has a reference kernel)."""
+    key = (device.type, dtype)
+    if key not in _GMM_SUPPORT:
+        ok = _GMM is not None
+        if ok:
+            try:
+                a = torch.ones(4, 16, device=device, dtype=dtype)
+                b = torch.ones(2, 16, 16, device=device, dtype=dtype)
+                offs = torch.tensor([2, 4], device=device, dtype=torch.int32)
+                ok = bool(torch.equal(_GMM(a, b, offs=offs), torch.full((4, 16), 16.0, device=device, dtype=dtype)))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GMM_SUPPORT[key] = ok
+    return _GMM_SUPPORT[key]
+
+
+def grouped_mm_capturable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the grouped GEMM runs without the host (CUDA-graph capturable): torch's fallback for dtypes
+    without a native kernel (float32 on Hopper, torch 2.11) reads the group offsets back. Probed by capturing
+    one tiny call."""
+    key = ("graph", device.type, dtype)
+    if key not in _GMM_SUPPORT:
+        ok = device.type == "cuda" and grouped_mm_works(device, dtype)
+        if ok:
+            a = torch.ones(4, 16, device=device, dtype=dtype)
+            b = torch.ones(2, 16, 16, device=device, dtype=dtype)
+            offs = torch.tensor([2, 4], device=device, dtype=torch.int32)
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            try:
+                with torch.cuda.stream(stream), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "the CUDA graph is empty" when the fallback stopped it
+                    _GMM(a, b, offs=offs)  # warm-up outside the capture
+                    with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream, capture_error_mode="thread_local"):
+                        _GMM(a, b, offs=offs)
+            except RuntimeError:
+                ok = False
+            torch.cuda.synchronize(device)
+        _GMM_SUPPORT[key] = ok
+    return _GMM_SUPPORT[key]
+
+
+# ----------------------------------------------------------------------------- HF-order bookkeeping
+
+
+def group_by_expert(ids: Tensor) -> tuple[Tensor, Tensor]:
+    """(token, slot) pairs in HF's order: by expert, then slot k, then token (HF loops over experts and takes
+    torch.where(one_hot[e]) of a [K, T] mask), so every expert sees the same rows in the same order.
+    ids [T, K] -> (tok [K*T], slot [K*T]) of each grouped row."""
+    T = ids.shape[0]
+    order = torch.argsort(ids.t().reshape(-1), stable=True)  # [K*T] slot-major pairs grouped by expert
+    return order % T, order // T
+
+
+def rank_in_row(ids: Tensor) -> Tensor:
+    """[T, K] -> [T, K]: the rank of each entry within its row (ids in a row are distinct): one sort and a
+    scatter, where argsort(argsort(ids)) takes two sorts."""
+    order = torch.argsort(ids, dim=-1)
+    ranks = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return torch.empty_like(order).scatter_(1, order, ranks)
+
+
+def sum_in_expert_order(y: Tensor, ids: Tensor, tok: Tensor, slot: Tensor) -> Tensor:
+    """Grouped rows y [K*T, H] (already weighted, model dtype) -> [T, H]: each token's K outputs put in ascending
+    expert order, then added one at a time in the model dtype. HF accumulates with one index_add_ per expert in
+    ascending expert order (rounding after each add); a single index_add_ or a sum() would round differently."""
+    T, K = ids.shape
+    per_token = torch.empty(T, K, y.shape[1], dtype=y.dtype, device=y.device)
+    per_token[tok, rank_in_row(ids)[tok, slot]] = y
+    return sum_slots(per_token)
+
+
+def sum_slots(per_token: Tensor) -> Tensor:
+    """[T, K, H] -> [T, H], adding the K outputs one at a time (see ``sum_in_expert_order``)."""
+    K = per_token.shape[1]
+    if K == 1:
+        return torch.zeros_like(per_token[:, 0]) + per_token[:, 0]
+    # Starting from the first two terms instead of from zeros adds the same values in the same order
+    # (0 + a == a; only a zero's sign could differ), with two kernels fewer per layer.
+    out = per_token[:, 0] + per_token[:, 1]
+    for j in range(2, K):
+        out = out + per_token[:, j]
+    return out
+
+
+def _capture(capture: Tensor | None, ids: Tensor) -> None:
+    if capture is not None:
+        capture.copy_(ids)
+
+
+# ----------------------------------------------------------------------------- SwiGLU experts
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as 3-D weights (HF v5 fused layout): gate_up_proj [E, 2I, H] (gate rows, then up rows),
+    down_proj [E, H, I]."""
+
+    supports_fused = True  # MoEForCausalLM.use_fused_kernels switches ``fused`` on where Triton runs
+
+    def __init__(self, spec: ExpertsSpec, hidden_size: int):
+        super().__init__()
+        E, H, I = spec.num_experts, hidden_size, spec.intermediate_size
+        self.num_experts = E
+        self.fused = False
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
+
+    def graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        if not grouped_mm_capturable(device, dtype):
+            return f"torch's grouped GEMM syncs with the host for {dtype} on this GPU (use bfloat16)"
+        return None
+
+    def forward(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None) -> Tensor:
+        """x [T, H], ids [T, K], weights [T, K] -> sum_k weights[t, k] * expert_{ids[t, k]}(x[t])  [T, H].
+        capture [T, K] int32 (a view of the step's routing buffer): receives exactly ``ids``, before the experts
+        run (on the fused path, by the kernel that reads them to group the pairs)."""
+        T, K = ids.shape
+        # Fused, the grouped path is faster than gathering weights even for one token (H200, C=1 decode step:
+        # 0.41 vs 0.46 ms), and its route kernel does the capture copy.
+        if self.fused and T and grouped_mm_works(x.device, x.dtype):
+            return self._forward_fused(x, ids, weights, capture)
+        _capture(capture, ids)
+        if T == 0:
+            return torch.zeros_like(x)
+        slot_bytes = self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes
+        if x.is_cuda and T * K <= GATHER_MAX_SLOTS and T * K * slot_bytes <= GATHER_MAX_BYTES:
+            return self._forward_gather(x, ids, weights)
+        return self._forward_grouped(x, ids, weights)
+
+    def _forward_grouped(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """Grouped by expert: one grouped GEMM per projection where torch has one, else one matmul per expert."""
+        if grouped_mm_works(x.device, x.dtype):
+            return self._forward_grouped_mm(x, ids, weights)
+        return forward_grouped(self._expert, self.num_experts, x, ids, weights)
+
+    def _forward_grouped_mm(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """The same rows in the same order as ``forward_grouped``, but each projection is one grouped GEMM over
+        all experts (offsets computed on the device): no per-expert Python loop, no host sync."""
+        tok, slot = group_by_expert(ids)
+        # Counts by scatter_add, not bincount: CUDA's bincount reads the max id back to the host (a sync
+        # that would also break CUDA-graph capture).
+        flat = ids.reshape(-1)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        gate, up = _GMM(x[tok], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        return sum_in_expert_order((y * weights[tok, slot, None]).to(x.dtype), ids, tok, slot)
+
+    def _forward_fused(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None) -> Tensor:
+        """``_forward_grouped_mm`` with the bookkeeping in two kernels: ``route`` (the expert-grouped order,
+        offsets, the capture copy) before the grouped GEMMs and ``combine`` (weights, HF-order sum) after them."""
+        routed = kernels.route(ids, self.num_experts, capture)
+        if routed is None:  # a large step (prefill): sort with torch
+            _capture(capture, ids)
+            T, K = ids.shape
+            order = torch.argsort(ids.t().reshape(-1), stable=True)  # [K*T] pairs grouped by expert
+            counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+            counts.scatter_add_(0, ids.reshape(-1), torch.ones_like(order))
+            pos = torch.empty_like(order).scatter_(0, order, torch.arange(K * T, device=x.device))
+            routed = pos.view(K, T).t(), order % T, torch.cumsum(counts, 0).to(torch.int32)
+        pos, tok, offs = routed  # [T, K] grouped row of each pair, [K*T] token of each row, [E] row ends
+        gate, up = _GMM(x[tok], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [K*T, I] each
+        y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [K*T, H]
+        return kernels.combine(y, ids, pos, weights, x.dtype)
+
+    def _expert(self, e: int, rows: Tensor) -> Tensor:
+        """Expert e on its rows [n, H] -> [n, H] (HF's per-expert loop body, before the routing weight)."""
+        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, H]
+
+    def _gathered(self, x: Tensor, ids: Tensor) -> Tensor:
+        """All experts of each token from gathered weights: x [T, H], ids [T, K] -> [T, K, H]."""
+        gate, up = torch.einsum("th,tkoh->tko", x, self.gate_up_proj[ids]).chunk(2, dim=-1)  # [T, K, I] each
+        return torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, self.down_proj[ids])  # [T, K, H]
+
+    def _forward_gather(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        return forward_gathered(self._gathered(x, ids), ids, weights, x.dtype)
+
+
+def forward_grouped(expert, num_experts: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    """The reference path: pairs grouped by expert in HF's order, ``expert(e, rows)`` on each expert's rows,
+    weighted, summed in ascending expert order."""
+    tok, slot = group_by_expert(ids)
+    counts = torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()  # the one host sync of this layer
+    outs = [expert(e, rows) for e, rows in enumerate(torch.split(x[tok], counts)) if rows.shape[0]]
+    y = (torch.cat(outs) * weights[tok, slot, None]).to(x.dtype)  # [K*T, H]; fp32 weights promote (Mixtral)
+    return sum_in_expert_order(y, ids, tok, slot)
+
+
+def forward_gathered(y: Tensor, ids: Tensor, weights: Tensor, dtype: torch.dtype) -> Tensor:
+    """Per-token expert outputs y [T, K, H] (slot order) -> weighted, summed in ascending expert order."""
+    y = (y * weights[..., None]).to(dtype)
+    order = torch.argsort(ids, dim=-1)  # [T, K] slots in ascending expert order
+    return sum_slots(y.gather(1, order[..., None].expand_as(y)))
+
+
+class GptOssExperts(nn.Module):
+    """GPT-OSS experts (HF ``GptOssExperts``): gate_up_proj [E, H, 2I] (transposed, gate/up interleaved: even
+    columns gate, odd columns up), gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H];
+    ``gate = gate.clamp(max=limit)``, ``up = up.clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``.
+    Runs the reference (grouped) path, or gathers weights for small CUDA decode batches; no fused kernels."""
+
+    supports_fused = False
+
+    def __init__(self, spec: ExpertsSpec, hidden_size: int):
+        super().__init__()
+        E, H, I = spec.num_experts, hidden_size, spec.intermediate_size
+        self.num_experts = E
+        self.limit, self.alpha = spec.swiglu_limit, spec.swiglu_alpha
+        self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I), requires_grad=False)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, I, H), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
+
+    def graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        return "GPT-OSS experts group tokens by expert on the host"
+
+    def forward(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None) -> Tensor:
+        """As ``Experts.forward``; capture [T, K] receives exactly ``ids``."""
+        _capture(capture, ids)
+        T, K = ids.shape
+        if T == 0:
+            return torch.zeros_like(x)
+        slot_bytes = self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes
+        if x.is_cuda and T * K <= GATHER_MAX_SLOTS and T * K * slot_bytes <= GATHER_MAX_BYTES:
+            return forward_gathered(self._gathered(x, ids), ids, weights, x.dtype)
+        return forward_grouped(self._expert, self.num_experts, x, ids, weights)
+
+    def _act(self, gate_up: Tensor) -> Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def _expert(self, e: int, rows: Tensor) -> Tensor:
+        gate_up = rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I] (matmul, then bias: as HF)
+        return self._act(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, H]
+
+    def _gathered(self, x: Tensor, ids: Tensor) -> Tensor:
+        gate_up = torch.einsum("th,tkho->tko", x, self.gate_up_proj[ids]) + self.gate_up_proj_bias[ids]
+        return torch.einsum("tki,tkih->tkh", self._act(gate_up), self.down_proj[ids]) + self.down_proj_bias[ids]
