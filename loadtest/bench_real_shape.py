@@ -41,7 +41,9 @@ import argparse
 import dataclasses
 import datetime as dt
 import gzip
+import itertools
 import json
+import logging
 import os
 import platform
 import re
@@ -67,6 +69,7 @@ SIZES = {"a": (1, 128, 256), "b": (64, 1024, 256), "c": (16, 8192, 128), "d": (5
          "hf1": (1, 128, 256), "hf64": (64, 256, 256)}
 D_MAX_MODEL_LEN = 32768
 T0 = time.perf_counter()
+_BATCHES = itertools.count()
 
 
 def log(msg: str) -> None:
@@ -152,7 +155,8 @@ class Batch:
 
         n = len(prompts)
         self.engine, self.prompts, self.out_len, self.capture, self.n = engine, prompts, out_len, capture, n
-        self.ids = [f"{tag}-{i}" for i in range(n)]
+        batch_no = next(_BATCHES)  # ids unique over the run: an engine may remember finished ones
+        self.ids = [f"{tag}-{batch_no}-{i}" for i in range(n)]
         self.times: list[list[tuple[float, int]]] = [[] for _ in range(n)]
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.rows, self.row_shape, self.finish = [0] * n, None, [None] * n
@@ -205,7 +209,7 @@ class Batch:
         self.abort_rest()
         return False
 
-    def metrics(self, cfg) -> dict:
+    def metrics(self) -> dict:
         """tok/s, TTFT, decode ITL (gaps between a request's successive outputs, per token)."""
         ends = [ts[-1][0] for ts in self.times if ts]
         wall = (max(ends) - self.t_start) if ends else None
@@ -238,15 +242,14 @@ def prompts_for(ctx, key: str, rep: int, n: int, length: int) -> list[list[int]]
     return torch.randint(3, ctx.cfg.vocab_size, (n, length), generator=gen).tolist()
 
 
-def run_once(ctx, engine, key: str, rep, n: int, p: int, o: int, capture: bool = True, deadline: float = 0.0,
-             check: bool = True, watch=None) -> tuple[dict, Batch]:
-    batch = Batch(engine, prompts_for(ctx, key, rep, n, p), o, capture, f"{key}-{rep}-{'on' if capture else 'off'}", watch)
+def run_once(ctx, engine, key: str, rep: int, n: int, p: int, o: int, capture: bool = True) -> tuple[dict, Batch]:
+    """One timed run: n requests of the rep's prompts submitted at once, checked, measured."""
+    batch = Batch(engine, prompts_for(ctx, key, rep, n, p), o, capture, f"{key}-{rep}-{'on' if capture else 'off'}")
     batch.start()
-    if not batch.wait(deadline or ctx.deadline):
+    if not batch.wait(ctx.deadline):
         raise CaseTimeout(f"{key} rep {rep}: time limit reached ({batch.n_finished}/{n} requests finished)")
-    if check:
-        batch.check(ctx.cfg)
-    return batch.metrics(ctx.cfg), batch
+    batch.check(ctx.cfg)
+    return batch.metrics(), batch
 
 
 def warm_up(ctx, engine, key: str, n: int, p: int, captures=(True,), collect_routing: bool = False) -> Batch:
@@ -264,19 +267,19 @@ def warm_up(ctx, engine, key: str, n: int, p: int, captures=(True,), collect_rou
     return batch
 
 
-def timed_reps(ctx, engine, key: str, reps: int, store: str = "reps") -> list[dict]:
-    """``reps`` timed runs of the ``key`` shape (capture on), each recorded in ctx.current[store] as it ends."""
+def timed_reps(ctx, engine, key: str, into: dict) -> None:
+    """Timed runs of the ``key`` shape (capture on): each one's metrics appended to into["reps"], their medians
+    in ``into`` updated after each run (a case cut short keeps what it measured)."""
     n, p, o = ctx.sizes[key]
-    out = ctx.current.setdefault(store, [])
-    for rep in range(reps):
+    reps, count = into.setdefault("reps", []), ctx.reps[{"hf64": "b"}.get(key, key)]
+    for rep in range(count):
         m, batch = run_once(ctx, engine, key, rep, n, p, o)
-        m["rep"] = rep
-        out.append(m)
+        reps.append({"rep": rep, **m})
+        into.update(summary(reps))
         if rep == 0:
             ctx.tokens[key] = batch.tokens
-        log(f"{key}: rep {rep + 1}/{reps}: {m['output_tokens']} tok in {m['wall_s']:.2f} s = {m['tok_s']:.1f} tok/s, "
-            f"ITL p50 {m['itl_p50_s'] * 1e3:.2f} ms, TTFT p50 {m['ttft_p50_s'] * 1e3:.0f} ms")
-    return out
+        log(f"{key}: rep {rep + 1}/{count}: {m['output_tokens']} tok in {m['wall_s']:.2f} s = "
+            f"{m['tok_s']:.1f} tok/s, ITL p50 {m['itl_p50_s'] * 1e3:.2f} ms, TTFT p50 {m['ttft_p50_s'] * 1e3:.0f} ms")
 
 
 def summary(reps: list[dict]) -> dict:
@@ -289,88 +292,58 @@ def summary(reps: list[dict]) -> dict:
 
 def case_a(ctx) -> None:
     engine = ctx.engines.get("short")
-    n, p, o = ctx.sizes["a"]
+    n, p, _ = ctx.sizes["a"]
     warm_up(ctx, engine, "a", n, p)
-    s = summary(timed_reps(ctx, engine, "a", ctx.reps["a"]))
-    ctx.current.update(s, roofline_s=ctx.roofline["batch1_s"])
-    if s["itl_p50_s"]:
-        ctx.current["pct_of_roofline"] = 100 * ctx.roofline["batch1_s"] / s["itl_p50_s"]
-        log(f"a: decode ITL p50 {s['itl_p50_s'] * 1e3:.2f} ms = {ctx.current['pct_of_roofline']:.1f}% of the "
-            f"{ctx.roofline['batch1_s'] * 1e3:.2f} ms roofline")
-
-
-def _step_roofline(ctx, key: str) -> dict:
-    n, p, o = ctx.sizes[key]
-    step = rsm.decode_step_bytes(ctx.cfg, ctx.elem, n, p + o / 2)
-    t = step["total"] / ctx.bandwidth["bytes_per_s"]
-    return {"step_roofline_s": t, "step_roofline_bytes": step, "roofline_tok_s": n / t}
+    timed_reps(ctx, engine, "a", ctx.current)
 
 
 def case_b(ctx) -> None:
     engine = ctx.engines.get("short")
     n, p, _ = ctx.sizes["b"]
-    ctx.current["routing_load"] = routing_load(ctx, warm_up(ctx, engine, "b", n, p, collect_routing=True))
-    s = summary(timed_reps(ctx, engine, "b", ctx.reps["b"]))
-    ctx.current.update(s, **_step_roofline(ctx, "b"))
-    if s["tok_s"]:
-        ctx.current["pct_of_roofline"] = 100 * s["tok_s"] / ctx.current["roofline_tok_s"]
-
-
-def routing_load(ctx, batch: Batch) -> dict | None:
-    """What the warm-up's rows routed (see rsm.routing_stats), logged: random weights are not a trained model."""
-    if not batch.routing:
-        return None
-    out = rsm.routing_stats(np.concatenate(batch.routing), ctx.cfg, batch.n)
-    log(f"routing of {out['rows']} warm-up rows ({ctx.args.init} init): busiest expert {out['max_over_mean']:.2f}x "
-        f"the mean, idlest {out['min_over_mean']:.2f}x; {out['distinct_per_step']:.1f} experts per layer hit by "
-        f"{batch.n} tokens (uniform routing: {out['distinct_uniform']:.1f})")
-    return out
+    warm = warm_up(ctx, engine, "b", n, p, collect_routing=True)
+    if warm.routing:  # what the random weights route (not a trained model's load)
+        load = ctx.current["routing_load"] = rsm.routing_stats(np.concatenate(warm.routing), ctx.cfg, n)
+        log(f"routing of {load['rows']} warm-up rows ({ctx.args.init} init): busiest expert {load['max_over_mean']:.2f}x "
+            f"the mean, idlest {load['min_over_mean']:.2f}x; {load['distinct_per_step']:.1f} experts per layer hit by "
+            f"{n} tokens (uniform routing: {load['distinct_uniform']:.1f})")
+    timed_reps(ctx, engine, "b", ctx.current)
 
 
 def case_e(ctx) -> None:
+    """Capture on vs off at (b)'s shape, paired: both members of a pair use the same prompts, the order
+    alternates between pairs; the medians of the per-pair ratios are updated after each pair."""
     engine = ctx.engines.get("short")
     n, p, o = ctx.sizes["b"]
     warm_up(ctx, engine, "b", n, p, captures=(True, False))
     pairs = ctx.current.setdefault("pairs", [])
     for i in range(ctx.reps["e"]):
-        order = (True, False) if i % 2 == 0 else (False, True)
         r = {}
-        for capture in order:
-            m, _ = run_once(ctx, engine, "e", i, n, p, o, capture)  # same prompts for both members of a pair
-            r["on" if capture else "off"] = m
-        r["tok_s_ratio"] = r["on"]["tok_s"] / r["off"]["tok_s"]
-        r["itl_ratio"] = r["on"]["itl_p50_s"] / r["off"]["itl_p50_s"]
+        for capture in ((True, False) if i % 2 == 0 else (False, True)):
+            r["on" if capture else "off"] = run_once(ctx, engine, "e", i, n, p, o, capture)[0]
+        r.update(tok_s_ratio=r["on"]["tok_s"] / r["off"]["tok_s"], itl_ratio=r["on"]["itl_p50_s"] / r["off"]["itl_p50_s"])
         pairs.append(r)
+        ctx.current.update(tok_s_ratio_median=med([x["tok_s_ratio"] for x in pairs]),
+                           itl_ratio_median=med([x["itl_ratio"] for x in pairs]))
         log(f"e: pair {i + 1}/{ctx.reps['e']}: on {r['on']['tok_s']:.1f} / off {r['off']['tok_s']:.1f} tok/s = "
             f"{r['tok_s_ratio']:.4f}; ITL p50 on/off {r['itl_ratio']:.4f}")
-    ctx.current["tok_s_ratio_median"] = med([r["tok_s_ratio"] for r in pairs])
-    ctx.current["itl_ratio_median"] = med([r["itl_ratio"] for r in pairs])
 
 
 def case_c(ctx) -> None:
     engine = ctx.engines.get("long")
     n, p, _ = ctx.sizes["c"]
     warm_up(ctx, engine, "c", n, p)
-    s = summary(timed_reps(ctx, engine, "c", ctx.reps["c"]))
-    ctx.current.update(s, **_step_roofline(ctx, "c"))
-    flops = rsm.prefill_matmul_flops(ctx.cfg, p, n)
-    ctx.current["prefill_flops"] = flops
-    if s["ttft_max_s"]:
-        ctx.current["prefill_tflop_s"] = flops["total"] / s["ttft_max_s"] / 1e12
-        if ctx.peak_flops:
-            ctx.current["prefill_pct_of_peak"] = 100 * flops["total"] / s["ttft_max_s"] / ctx.peak_flops
-        log(f"c: prefill {flops['total'] / 1e12:.0f} TFLOP in {s['ttft_max_s']:.2f} s (last first token) = "
-            f"{ctx.current['prefill_tflop_s']:.0f} TFLOP/s")
+    timed_reps(ctx, engine, "c", ctx.current)
 
 
 def case_d(ctx) -> None:
+    """Submit every request at once; poll stats() until all are admitted, one finishes, the peak of "running"
+    stalls or time is up; then abort the rest."""
     engine = ctx.engines.get("capacity")
     n, p, o = ctx.sizes["d"]
     warm_up(ctx, engine, "d", 1, p)
     batch = Batch(engine, prompts_for(ctx, "d", 0, n, p), o, True, "d")
     batch.start()
     peak, t_peak, at_peak, samples, reason = 0, time.perf_counter(), None, [], None
-    deadline = ctx.deadline
     while reason is None:
         stats = engine.stats()
         now = time.perf_counter()
@@ -379,43 +352,41 @@ def case_d(ctx) -> None:
             running = sum(1 for i in range(n) if batch.tokens[i] and batch.finish[i] is None)
         if running > peak:
             peak, t_peak, at_peak = running, now, dict(stats)
-        if not samples or now - samples[-1][0] >= 0.25:
-            samples.append((round(now - batch.t_start, 3), running, stats.get("waiting")))
+        if not samples or now - T0 - samples[-1][0] >= 0.25:
+            samples.append((round(now - T0, 2), running, stats.get("waiting")))
         if batch.n_finished:
             reason = "a request finished"
         elif running + batch.n_finished >= n:
             reason = "all requests admitted"
         elif now - t_peak > ctx.args.d_stall_s:
             reason = f"the peak did not grow for {ctx.args.d_stall_s:.0f} s"
-        elif now > deadline:
+        elif now > ctx.deadline:
             reason = "time limit"
         else:
             time.sleep(0.02)
     ctx.current.update(peak_running=peak, stop_reason=reason, time_to_peak_s=t_peak - batch.t_start,
-                       stats_at_peak=at_peak, samples=samples, requests=n, max_num_seqs=n)
-    log(f"d: peak running {peak} of {n} (stop: {reason}; peak after {t_peak - batch.t_start:.1f} s); "
-        f"stats at peak {at_peak}")
+                       stats_at_peak=at_peak, samples=samples, requests=n)
+    log(f"d: peak running {peak} of {n} (stop: {reason}; peak after {t_peak - batch.t_start:.1f} s); stats at peak {at_peak}")
     batch.abort_rest()
-    ctx.current["stats_after_abort"] = engine.stats()
 
 
 def case_hf_engine(ctx) -> None:
-    """The engine side of the HF comparison, run before the engine's model is freed: 64 x (256 + 256), and
-    1 x (128 + 256) unless case a measured it."""
+    """The engine side of the HF comparison, before the engine's model is freed: 64 x (256 + 256), and the batch-1
+    shape (case a's) unless case a measured it."""
     engine = ctx.engines.get("short")
-    if "a" not in ctx.tokens:
-        n, p, _ = ctx.sizes["a"]
-        warm_up(ctx, engine, "a", n, p)
-        ctx.current["hf1"] = summary(timed_reps(ctx, engine, "a", ctx.reps["a"], store="hf1_reps"))
-    n, p, _ = ctx.sizes["hf64"]
-    warm_up(ctx, engine, "hf64", n, p)
-    ctx.current["hf64"] = summary(timed_reps(ctx, engine, "hf64", ctx.reps["b"], store="hf64_reps"))
+    for key, needed in (("a", "a" not in ctx.tokens), ("hf64", True)):
+        if needed:
+            n, p, _ = ctx.sizes[key]
+            warm_up(ctx, engine, key, n, p)
+            timed_reps(ctx, engine, key, ctx.current.setdefault("hf1" if key == "a" else key, {}))
 
 
 def hf_generate(model, prompts: list[list[int]], out_len: int, deadline: float) -> dict:
+    """One greedy ``generate`` call of fixed length (min_new_tokens = max_new_tokens); per-token times from a
+    stopping criterion, which also stops the call at the deadline."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    class Clock(StoppingCriteria):  # called once per generated token; stops everything at the deadline
+    class Clock(StoppingCriteria):
         def __init__(self):
             self.times = []
 
@@ -432,30 +403,30 @@ def hf_generate(model, prompts: list[list[int]], out_len: int, deadline: float) 
                          stopping_criteria=StoppingCriteriaList([clock]))
     new = out[:, ids.shape[1]:].tolist()  # synchronises
     wall = time.perf_counter() - start
-    gaps = np.diff(clock.times)
     if len(new[0]) < out_len:
         raise CaseTimeout(f"HF generate: time limit after {len(new[0])} of {out_len} tokens")
     return {"tok_s": len(new) * len(new[0]) / wall, "wall_s": wall, "ttft_s": clock.times[0] - start,
-            "itl_p50_s": pct(gaps, 50), "tokens": new}
+            "itl_p50_s": pct(np.diff(clock.times), 50), "tokens": new}
 
 
 def case_hf(ctx) -> None:
+    """transformers generate at 1 x (128 + 256) (case a's first prompt) and 64 x (256 + 256), after the engines
+    and the engine's model are freed; ratios engine / HF."""
     ctx.engines.close()
     ctx.model = None
     rsm.free_device_memory(ctx.device)
     if ctx.device.type == "cuda":
         log(f"engine model freed: {torch.cuda.memory_allocated(ctx.device) / 2**30:.1f} GiB still allocated")
-    log("building the transformers model (random weights, same seed: the same values as the engine's) ...")
+    log("building the transformers model (same seed and init: the engine's weights) ...")
     t = time.perf_counter()
     model = rsm.build_hf_model(ctx.raw, ctx.device, ctx.dtype, ctx.args.seed, ctx.args.init, log, ctx.args.hf_attn,
                                ctx.args.hf_experts)
-    ctx.current["hf_build_s"] = time.perf_counter() - t
-    ctx.current["hf_implementation"] = {"attn": model.config._attn_implementation,
-                                        "experts": getattr(model.config, "_experts_implementation", None)}
-    log(f"HF model built in {ctx.current['hf_build_s']:.1f} s; {ctx.current['hf_implementation']}")
+    impl = ctx.current["hf_implementation"] = {"attn": model.config._attn_implementation,
+                                               "experts": getattr(model.config, "_experts_implementation", None)}
+    log(f"HF model built in {time.perf_counter() - t:.1f} s; {impl}")
     for key in ("hf1", "hf64"):
         n, p, o = ctx.sizes[key]
-        prompts = prompts_for(ctx, "a" if key == "hf1" else key, 0, n, p)  # hf1: case a's first prompt
+        prompts = prompts_for(ctx, "a" if key == "hf1" else key, 0, n, p)
         warm = min(o, ctx.args.warmup_tokens) if ctx.args.quick else o
         t = time.perf_counter()
         try:
@@ -465,31 +436,49 @@ def case_hf(ctx) -> None:
                 raise
             log(f"{key}: HF generate failed ({type(e).__name__}: {str(e)[:200]}); retrying with experts 'eager'")
             model.set_experts_implementation("eager")
-            ctx.current["hf_implementation"]["experts"] = "eager (fallback)"
+            impl["experts"] = "eager (fallback)"
             hf_generate(model, prompts, warm, ctx.deadline)
         log(f"{key}: HF warm-up {n} x ({p} + {warm}): {time.perf_counter() - t:.1f} s")
-        runs = []
+        res = ctx.current[key] = {"reps": []}
         for rep in range(ctx.reps["hf"]):
             r = hf_generate(model, prompts, o, ctx.deadline)
-            runs.append(r)
+            res["reps"].append({k: v for k, v in r.items() if k != "tokens"})
+            res.update(tok_s=med([x["tok_s"] for x in res["reps"]]), itl_p50_s=med([x["itl_p50_s"] for x in res["reps"]]))
             log(f"{key}: HF rep {rep + 1}: {n * o} tok in {r['wall_s']:.2f} s = {r['tok_s']:.1f} tok/s, "
                 f"ITL p50 {r['itl_p50_s'] * 1e3:.1f} ms")
-        ctx.current[key] = {"tok_s": med([r["tok_s"] for r in runs]), "itl_p50_s": med([r["itl_p50_s"] for r in runs]),
-                            "reps": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]}
-        engine_side = ctx.results["cases"].get("hf_engine", {}).get(key) or (
-            ctx.results["cases"].get("a", {}) if key == "hf1" else {})
-        eng_tok_s = engine_side.get("tok_s")
-        if eng_tok_s and ctx.current[key]["tok_s"]:
-            ctx.current[key]["engine_over_hf"] = eng_tok_s / ctx.current[key]["tok_s"]
-            log(f"{key}: engine {eng_tok_s:.1f} / HF {ctx.current[key]['tok_s']:.1f} tok/s = "
-                f"{ctx.current[key]['engine_over_hf']:.2f}x")
-        if key == "hf1" and "a" in ctx.tokens:  # greedy agreement with case a's first repetition
-            a, h = ctx.tokens["a"][0], runs[0]["tokens"][0]
-            common = next((i for i, (x, y) in enumerate(zip(a, h)) if x != y), min(len(a), len(h)))
-            ctx.current["greedy_common_prefix_vs_engine"] = common
-            log(f"hf1: greedy tokens equal to the engine's for the first {common} of {o} (bf16 drifts apart on near ties)")
+            if key == "hf1" and rep == 0 and "a" in ctx.tokens:  # greedy agreement with case a's first run
+                a, h = ctx.tokens["a"][0], r["tokens"][0]
+                res["greedy_common_prefix_vs_engine"] = next((i for i, (x, y) in enumerate(zip(a, h)) if x != y), len(h))
+                log(f"hf1: greedy tokens equal to the engine's for the first {res['greedy_common_prefix_vs_engine']} of "
+                    f"{o} (in bf16 they part at the first near tie)")
     del model
     rsm.free_device_memory(ctx.device)
+
+
+def derive(ctx, name: str, case: dict) -> None:
+    """Rooflines, ratios and targets' inputs from a case's medians (also for a case cut short)."""
+    bw = ctx.bandwidth["bytes_per_s"]
+    if name == "a" and case.get("itl_p50_s"):
+        case.update(roofline_s=ctx.roofline["batch1_s"], pct_of_roofline=100 * ctx.roofline["batch1_s"] / case["itl_p50_s"])
+    if name in ("b", "c"):
+        n, p, o = ctx.sizes[name]
+        step = rsm.decode_step_bytes(ctx.cfg, ctx.elem, n, p + o / 2)
+        case.update(step_roofline_bytes=step, step_roofline_s=step["total"] / bw, roofline_tok_s=n * bw / step["total"])
+        if case.get("tok_s"):
+            case["pct_of_roofline"] = 100 * case["tok_s"] / case["roofline_tok_s"]
+    if name == "c" and case.get("ttft_max_s"):
+        n, p, _ = ctx.sizes["c"]
+        flops = case["prefill_flops"] = rsm.prefill_matmul_flops(ctx.cfg, p, n)
+        case["prefill_tflop_s"] = flops["total"] / case["ttft_max_s"] / 1e12
+        if ctx.peak_flops:
+            case["prefill_pct_of_peak"] = 100 * case["prefill_tflop_s"] * 1e12 / ctx.peak_flops
+    if name == "hf":
+        engine_side = ctx.results["cases"].get("hf_engine", {})
+        for key in ("hf1", "hf64"):
+            eng = (engine_side.get(key) or (ctx.results["cases"].get("a", {}) if key == "hf1" else {})).get("tok_s")
+            if eng and (case.get(key) or {}).get("tok_s"):
+                case[key]["engine_over_hf"] = eng / case[key]["tok_s"]
+                log(f"{key}: engine {eng:.1f} / HF {case[key]['tok_s']:.1f} tok/s = {case[key]['engine_over_hf']:.2f}x")
 
 
 CASE_FUNCS = {"a": case_a, "b": case_b, "e": case_e, "hf_engine": case_hf_engine, "c": case_c, "d": case_d,
@@ -499,57 +488,52 @@ CASE_FUNCS = {"a": case_a, "b": case_b, "e": case_e, "hf_engine": case_hf_engine
 # ----------------------------------------------------------------------------- profile
 
 def profile_case(ctx) -> None:
-    """torch.profiler over --profile-steps steps of a case: decode (steady state, every sequence decoding) or
-    prefill (from the submission on). The profiler runs on this thread: it records every CUDA kernel of the
-    process, but CPU ops only of this thread (not the engine's)."""
+    """torch.profiler over --profile-steps steps of case a, b, c or e (e: b's shape, capture off): "decode" (the
+    default; steady state, from the last request's third token) or "prefill" (from the submission). The profiler
+    runs on this thread: it records every CUDA kernel of the process, CPU ops only of this thread."""
     from torch.profiler import ProfilerActivity, profile
 
     case, _, phase = ctx.args.profile.partition(":")
     phase = phase or "decode"
     if case not in ("a", "b", "c", "e") or phase not in ("decode", "prefill"):
         raise ValueError(f"--profile {ctx.args.profile}: expected a, b, c or e, optionally :decode or :prefill")
-    key, capture = ("b" if case == "e" else case), case != "e"
+    key, capture, cuda = ("b" if case == "e" else case), case != "e", ctx.device.type == "cuda"
     engine = ctx.engines.get("long" if case == "c" else "short")
     n, p, o = ctx.sizes[key]
     warm_up(ctx, engine, key, n, p, captures=(capture,))
     want = min(ctx.args.profile_steps, max(1, o - 4))
-    seen, ready, reached, target = [0], threading.Event(), threading.Event(), [None]
+    seen, ready, reached, target = [0], threading.Event(), threading.Event(), [o]
 
-    def on_tokens(k: int) -> None:  # the last request's outputs (it starts decoding last)
+    def on_tokens(k: int) -> None:  # outputs of the last request, which starts decoding last
         seen[0] = k
         if k >= 3:
             ready.set()
-        if target[0] is not None and k >= target[0]:
+        if k >= target[0]:
             reached.set()
 
     def steps() -> int | None:
         return engine.stats().get("steps")
 
     batch = Batch(engine, prompts_for(ctx, key, 0, n, p), o, capture, f"profile-{case}", (n - 1, on_tokens))
-    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else []))
-    if phase == "prefill":
-        s0, k0 = steps(), 0
-        prof.start()
-        t0 = time.perf_counter()
-        batch.start()
-        while not ready.is_set() and time.perf_counter() < ctx.deadline and (s0 is None or steps() - s0 < want):
-            time.sleep(0.001)
-    else:
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    if phase == "decode":
         batch.start()
         if not ready.wait(max(0.0, ctx.deadline - time.perf_counter())):
             raise CaseTimeout("profile: time limit before the steady state")
-        s0, k0 = steps(), seen[0]
+    prof.start()
+    t0, s0, k0 = time.perf_counter(), steps(), seen[0]
+    if phase == "decode":
         target[0] = min(k0 + want, o)
-        prof.start()
-        t0 = time.perf_counter()
         reached.wait(max(0.0, ctx.deadline - time.perf_counter()))
-    if ctx.device.type == "cuda":
+    else:
+        batch.start()
+        while not ready.is_set() and time.perf_counter() < ctx.deadline and (s0 is None or steps() - s0 < want):
+            time.sleep(0.005)
+    if cuda:
         torch.cuda.synchronize(ctx.device)
     prof.stop()
-    wall = time.perf_counter() - t0
-    s1, k1 = steps(), seen[0]
+    wall, s1, k1 = time.perf_counter() - t0, steps(), seen[0]
     batch.abort_rest()
-    n_steps = (s1 - s0) if s0 is not None and s1 is not None else (k1 - k0)
     trace = ctx.out / f"profile_{case}_{phase}.json"
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text()).get("traceEvents", [])
@@ -557,14 +541,13 @@ def profile_case(ctx) -> None:
         dst.write(src.read())
     trace.unlink()
     lm_us = 0.5 * ctx.roofline["bytes"]["lm_head"] / ctx.bandwidth["bytes_per_s"] * 1e6
-    summ = rsm.summarize_trace(events, n_steps, wall, lm_us if ctx.device.type == "cuda" else None)
+    n_steps = (s1 - s0) if s0 is not None and s1 is not None else (k1 - k0)
+    summ = rsm.summarize_trace(events, n_steps, wall, lm_us if cuda and phase == "decode" else None)
     lm_alone = rsm.time_lm_head(ctx.model, n)
-    summ.update(case=case, phase=phase, batch=n, trace=trace.name + ".gz",
-                lm_head_alone_ms=lm_alone * 1e3 if lm_alone else None)
+    summ.update(case=case, phase=phase, batch=n, trace=trace.name + ".gz", lm_head_alone_ms=lm_alone and lm_alone * 1e3)
     ctx.current.update(summ)
     log(f"profile {case}:{phase}: {n_steps} steps, wall {summ['wall_per_step_ms']:.2f} ms/step, device busy "
-        f"{summ['busy_per_step_ms']:.2f} ms/step ({100 * summ['busy_per_step_ms'] / max(summ['wall_per_step_ms'], 1e-9):.0f}%)"
-        + (f"; lm_head alone at {n} rows: {summ['lm_head_alone_ms']:.3f} ms" if lm_alone else ""))
+        f"{summ['busy_per_step_ms']:.2f} ms/step" + (f"; lm_head alone at {n} rows {lm_alone * 1e3:.3f} ms" if lm_alone else ""))
     for cls, ms in summ["classes_ms_per_step"].items():
         log(f"  {cls:14s} {ms:8.3f} ms/step")
     for k in summ["top_kernels"][:15]:
@@ -574,103 +557,94 @@ def profile_case(ctx) -> None:
 # ----------------------------------------------------------------------------- report
 
 
+def _f(x, fmt: str, none: str = "-") -> str:
+    return none if x is None else fmt.format(x)
+
+
 def _ms(s) -> str:
-    return "-" if s is None else f"{s * 1e3:.2f} ms"
+    return _f(s and s * 1e3, "{:.2f} ms")
 
 
-def _num(x, fmt="{:,.1f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
-def _met(*checks) -> str:
-    """'yes' / 'no' per (label, bool or None) check."""
-    parts = [f"{label}{'yes' if ok else 'no'}" for label, ok in checks if ok is not None]
-    return ", ".join(parts)
-
-
-def report_rows(ctx) -> list[tuple[str, str, str, str, str, str]]:
-    """(case, metric, value, % of roofline, target, met) for report.md and the final table."""
+def report_rows(ctx) -> list[tuple[str, ...]]:
+    """(case, metric, value, % of roofline, target, met) for report.md: one row per measured number."""
     R, rows = ctx.results["cases"], []
     real = ctx.results["shape"]["name"] == rsm.REAL_SHAPE and ctx.args.scale == 1.0
 
-    def add(case, metric, value, roof="", target="", met=""):
-        rows.append((case, metric, value, roof, target, met if real else ("" if not met else "n/a (not the real shape)")))
+    def add(case, metric, value, roof="", target="", *checks):
+        met = ", ".join(f"{label}{'yes' if ok else 'no'}" for label, ok in checks if ok is not None)
+        rows.append((case, metric, value, roof, target, met if real or not met else "n/a (not the real shape)"))
 
-    def le(x, limit):
-        return None if x is None else x <= limit
+    def cmp(x, op, limit):
+        return None if x is None else (x <= limit if op == "<=" else x >= limit)
 
-    def ge(x, limit):
-        return None if x is None else x >= limit
+    def shape(key):
+        n, p, o = ctx.sizes[key]
+        return f"{n} x ({p} + {o})"
 
-    for key in ("a", "b", "e", "c", "d", "hf_engine", "hf", "profile"):
-        c = R.get(key)
-        if not c:
-            continue
+    for key, c in R.items():
         if c.get("status") != "ok":
             add(key, "status", f"{c.get('status')}: {str(c.get('error') or c.get('reason') or '')[:160]}")
-        n, p, o = ctx.sizes.get({"e": "b", "hf_engine": "hf64", "hf": "hf64"}.get(key, key), (0, 0, 0))
-        shape = f"{n} x ({p} + {o})"
-        if key == "a":
-            roof = c.get("roofline_s")
-            add("a", f"decode ITL p50, {shape}", _ms(c.get("itl_p50_s")),
-                f"{_num(c.get('pct_of_roofline'), '{:.0f}')}% of {_ms(roof)}" if c.get("pct_of_roofline") else "",
-                "<= 2.8 ms (17)", _met(("", le(c.get("itl_p50_s"), 2.8e-3))))
-            add("a", "output tok/s", _num(c.get("tok_s")))
-        elif key == "b":
-            add("b", f"output tok/s, {shape}", _num(c.get("tok_s")),
-                f"{_num(c.get('pct_of_roofline'), '{:.0f}')}% of {_num(c.get('roofline_tok_s'), '{:,.0f}')}"
-                if c.get("pct_of_roofline") else "", ">= 3,000 (17); >= 1,500 (16)",
-                _met(("17: ", ge(c.get("tok_s"), 3000)), ("16: ", ge(c.get("tok_s"), 1500))))
-            add("b", "decode ITL p50", _ms(c.get("itl_p50_s")), f"step roofline {_ms(c.get('step_roofline_s'))}")
-            add("b", "TTFT p50", _ms(c.get("ttft_p50_s")))
-        elif key == "e":
-            r = c.get("tok_s_ratio_median")
-            add("e", f"capture on/off tok/s (median of {len(c.get('pairs', []))} paired ratios), {shape}",
-                _num(r, "{:.4f}"), "", "within 2% (16), 1% (17)",
-                _met(("16: ", None if r is None else abs(r - 1) <= 0.02), ("17: ", None if r is None else abs(r - 1) <= 0.01)))
-            add("e", "capture on/off decode ITL p50", _num(c.get("itl_ratio_median"), "{:.4f}"))
-        elif key == "c":
-            add("c", f"decode ITL p50, {shape}", _ms(c.get("itl_p50_s")),
-                f"step roofline {_ms(c.get('step_roofline_s'))}", "<= 25 ms (16)", _met(("", le(c.get("itl_p50_s"), 0.025))))
-            add("c", "TTFT p50", _ms(c.get("ttft_p50_s")), "", "<= 4 s (16)", _met(("", le(c.get("ttft_p50_s"), 4.0))))
-            add("c", "TTFT p99", _ms(c.get("ttft_p99_s")))
-            add("c", "prefill matmul TFLOP/s (all prompts / last first token)", _num(c.get("prefill_tflop_s")),
-                f"{_num(c.get('prefill_pct_of_peak'), '{:.0f}')}% of bf16 peak" if c.get("prefill_pct_of_peak") else "",
-                ">= 35% of peak (17)", _met(("", ge(c.get("prefill_pct_of_peak"), 35))))
-            add("c", "output tok/s", _num(c.get("tok_s")))
-        elif key == "d":
-            add("d", f"peak running, {n} x ({p} + {o}) at max_model_len {ctx.groups['capacity']['max_model_len']}",
-                _num(c.get("peak_running"), "{:d}"), "", ">= 256 (16)", _met(("", ge(c.get("peak_running"), 256))))
-            add("d", "stopped because", str(c.get("stop_reason")))
-        elif key == "hf_engine":
-            add("hf", f"engine output tok/s, {shape}", _num((c.get("hf64") or {}).get("tok_s")))
-        elif key == "hf":
-            for k, limit in (("hf1", 20), ("hf64", 8)):
-                h = c.get(k) or {}
-                n, p, o = ctx.sizes[k]
-                add("hf", f"HF generate tok/s, {n} x ({p} + {o})", _num(h.get("tok_s")))
-                add("hf", f"engine / HF, {n} x ({p} + {o})", _num(h.get("engine_over_hf"), "{:.2f}x"), "",
-                    f">= {limit}x (17)", _met(("", ge(h.get("engine_over_hf"), limit))))
-        elif key == "profile" and c.get("classes_ms_per_step"):
-            top = ", ".join(f"{k} {v:.2f}" for k, v in list(c["classes_ms_per_step"].items())[:4])
-            add("profile", f"{c.get('case')}:{c.get('phase')} ms/step: wall / device busy / top classes",
-                f"{c['wall_per_step_ms']:.2f} / {c['busy_per_step_ms']:.2f} / {top}")
+    a, b, e, c, d = (R.get(k) or {} for k in "abecd")
+    hf, hfe = R.get("hf") or {}, R.get("hf_engine") or {}
+    if a.get("reps"):
+        add("a", f"decode ITL p50, {shape('a')}", _ms(a.get("itl_p50_s")),
+            _f(a.get("pct_of_roofline"), "{:.0f}% of " + _ms(a.get("roofline_s")), ""), "<= 2.8 ms (17)",
+            ("", cmp(a.get("itl_p50_s"), "<=", 2.8e-3)))
+        add("a", "output tok/s", _f(a.get("tok_s"), "{:,.1f}"))
+    if b.get("reps"):
+        add("b", f"output tok/s, {shape('b')}", _f(b.get("tok_s"), "{:,.1f}"),
+            _f(b.get("pct_of_roofline"), "{:.0f}% of " + _f(b.get("roofline_tok_s"), "{:,.0f}"), ""),
+            ">= 3,000 (17); >= 1,500 (16)", ("17: ", cmp(b.get("tok_s"), ">=", 3000)), ("16: ", cmp(b.get("tok_s"), ">=", 1500)))
+        add("b", "decode ITL p50", _ms(b.get("itl_p50_s")), f"step roofline {_ms(b.get('step_roofline_s'))}")
+        add("b", "TTFT p50", _ms(b.get("ttft_p50_s")))
+    if e.get("pairs"):
+        r = e.get("tok_s_ratio_median")
+        add("e", f"capture on/off tok/s, median of {len(e['pairs'])} pairs, {shape('b')}", _f(r, "{:.4f}"), "",
+            "within 2% (16), 1% (17)", ("16: ", abs(r - 1) <= 0.02), ("17: ", abs(r - 1) <= 0.01))
+        add("e", "capture on/off decode ITL p50", _f(e.get("itl_ratio_median"), "{:.4f}"))
+    if c.get("reps"):
+        add("c", f"decode ITL p50, {shape('c')}", _ms(c.get("itl_p50_s")), f"step roofline {_ms(c.get('step_roofline_s'))}",
+            "<= 25 ms (16)", ("", cmp(c.get("itl_p50_s"), "<=", 0.025)))
+        add("c", "TTFT p50", _ms(c.get("ttft_p50_s")), "", "<= 4 s (16)", ("", cmp(c.get("ttft_p50_s"), "<=", 4.0)))
+        add("c", "TTFT p99", _ms(c.get("ttft_p99_s")))
+        add("c", "prefill matmul TFLOP/s (all prompts / last first token)", _f(c.get("prefill_tflop_s"), "{:,.1f}"),
+            _f(c.get("prefill_pct_of_peak"), "{:.0f}% of bf16 peak", ""), ">= 35% of peak (17)",
+            ("", cmp(c.get("prefill_pct_of_peak"), ">=", 35)))
+    if d.get("stop_reason"):
+        kv = {k: v for k, v in (d.get("stats_at_peak") or {}).items() if "block" in k or "kv" in k}
+        add("d", f"peak running, {shape('d')}, max_model_len {ctx.groups['capacity']['max_model_len']}",
+            _f(d.get("peak_running"), "{:d}"), "", ">= 256 (16)", ("", cmp(d.get("peak_running"), ">=", 256)))
+        add("d", "stopped because; KV stats at the peak", f"{d['stop_reason']}; {kv or '-'}")
+    for key, limit in (("hf1", 20), ("hf64", 8)):
+        if (hf.get(key) or {}).get("tok_s") or (hfe.get(key) or {}).get("tok_s"):
+            add("hf", f"engine tok/s, {shape(key)}", _f((hfe.get(key) or (a if key == "hf1" else {})).get("tok_s"), "{:,.1f}"))
+            add("hf", f"HF generate tok/s, {shape(key)}", _f((hf.get(key) or {}).get("tok_s"), "{:,.1f}"))
+            ratio = (hf.get(key) or {}).get("engine_over_hf")
+            add("hf", f"engine / HF, {shape(key)}", _f(ratio, "{:.2f}x"), "", f">= {limit}x (17)", ("", cmp(ratio, ">=", limit)))
+    prof = R.get("profile") or {}
+    if prof.get("classes_ms_per_step"):
+        top = ", ".join(f"{k} {v:.2f}" for k, v in list(prof["classes_ms_per_step"].items())[:5])
+        add("profile", f"{prof['case']}:{prof['phase']} ms/step: wall / device busy / top op classes",
+            f"{prof['wall_per_step_ms']:.2f} / {prof['busy_per_step_ms']:.2f} / {top}")
     return rows
 
 
 def markdown(ctx) -> str:
     res, env = ctx.results, ctx.results["environment"]
     bw = res.get("bandwidth", {}).get("bytes_per_s")
+    load = res["cases"].get("b", {}).get("routing_load") or {}
+    load = (f"busiest expert {load['max_over_mean']:.2f}x the mean, {load['distinct_per_step']:.1f} experts per layer "
+            f"per step (uniform: {load['distinct_uniform']:.1f})") if load else "not measured"
     lines = [
         f"# Real-shape benchmark: {res['shape']['name']} (scale {ctx.args.scale}), {env.get('gpu') or env['device']}",
         "",
         f"`{res['command']}` at {res['timestamp_utc']}; git {env.get('git_commit', '?')}; torch {env['torch']}, "
         f"triton {env.get('triton', '-')}, transformers {env.get('transformers', '-')}; {env['dtype']}.",
-        f"Random weights (std 0.02): the routers route near uniformly, unlike a trained model. Copy bandwidth "
-        f"{_num(bw and bw / 1e9, '{:,.0f}')} GB/s; batch-1 roofline {_ms(res.get('roofline', {}).get('batch1_s'))} "
-        f"({_num(res.get('roofline', {}).get('batch1_bytes', 0) / 1e9, '{:.2f}')} GB of weights per token). "
-        "Step rooflines: expected weights touched by the batch under uniform routing + its KV cache, at the "
-        "mean context. Targets: issue 16 / issue 17.",
+        f"Random weights, {ctx.args.init} init (real_shape_model.py): not a trained model's routing; what the warm-up "
+        f"of b routed: {load}. Copy bandwidth {_f(bw and bw / 1e9, '{:,.0f}')} GB/s; batch-1 roofline "
+        f"{_ms(res.get('roofline', {}).get('batch1_s'))} ({_f(res.get('roofline', {}).get('batch1_bytes', 0) / 1e9, '{:.2f}')} "
+        "GB of weights per token). Step rooflines: the weights a batch reads under uniform routing + its KV cache at "
+        "the mean context. Targets: (16) issue 16, (17) issue 17.",
         "",
         "| case | metric | value | % of roofline | target | met |",
         "|---|---|---:|---|---|---|",
@@ -775,6 +749,8 @@ class Ctx:
     def __init__(self, args):
         self.args = args
         self.device = torch.device(args.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         auto = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.dtype = auto if args.dtype == "auto" else getattr(torch, args.dtype)
         self.elem = torch.empty((), dtype=self.dtype).element_size()
@@ -831,8 +807,12 @@ def run_case(ctx, name: str) -> None:
         log(f"case {name}: {case['status']}: {case['error']}")
         ctx.engines.close()  # the next case starts from a fresh engine
     case["elapsed_s"] = time.perf_counter() - now
-    if ctx.engines.engine is not None:
-        case["engine"] = {**ctx.engines.info, "stats_after": ctx.engines.engine.stats()}
+    try:
+        derive(ctx, name, case)
+        if ctx.engines.engine is not None:
+            case["engine"] = {**ctx.engines.info, "stats_after": ctx.engines.engine.stats()}
+    except Exception as e:  # noqa: BLE001
+        case["derive_error"] = f"{type(e).__name__}: {e}"
     log(f"case {name}: {case['status']} in {case['elapsed_s']:.1f} s")
     write_outputs(ctx)
 
@@ -841,6 +821,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cpu" and args.threads > 0:
         torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s %(levelname)s: %(message)s")
+    logging.getLogger("moe_engine").setLevel(logging.INFO)  # the engine's own line: KV cache, graphs, kernels
     ctx = Ctx(args)
     ctx.results = {"benchmark": "loadtest/bench_real_shape.py", "command": " ".join(["bench_real_shape.py", *(argv or sys.argv[1:])]),
                    "timestamp_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

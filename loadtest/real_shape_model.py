@@ -367,7 +367,7 @@ OP_CLASSES = (
     ("attention", r"flash|fmha|attn|attention|sdpa|paged|flex|store_kv|reshape_and_cache|decode_kernel"),
     ("routing", r"topk|route|router|radix|sort|combine|softmax|bincount|scatter|cumsum|scan"),
     ("expert GEMMs", r"group|moe|expert|silu|swiglu|act_and_mul"),
-    ("dense GEMMs", r"gemm|xmma|nvjet|cutlass|cublas|matmul|sm90_|sm80_|splitk|wgmma"),
+    ("dense GEMMs", r"gemm|gemv|xmma|nvjet|cutlass|cublas|matmul|sm90_|sm80_|splitk|wgmma"),
     ("norms/rope", r"norm|rms|rope|rotary|add_square|rsqrt|mean"),
     ("copies", r"memcpy|memset|copy|catarray"),
 )
@@ -383,19 +383,19 @@ def op_class(name: str, cat: str = "kernel") -> str:
 
 def summarize_trace(events: list[dict], steps: int, wall_s: float, lm_head_min_us: float | None) -> dict:
     """Device time per op class and per kernel, and busy time (union of kernel intervals), from chrome-trace
-    events. A dense GEMM whose mean duration is at least ``lm_head_min_us`` (half of what reading lm_head's
-    weights takes at the measured bandwidth; no other dense GEMM reads that much) is counted as lm_head."""
+    events. A dense GEMM that runs at least ``lm_head_min_us`` (half of what reading lm_head's weights takes at the
+    measured bandwidth: no other dense GEMM of a decode step reads that much) is counted as lm_head."""
     dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS and "dur" in e]
     if not dev:  # CPU: no device kernels (and a profiler sees only its own thread's CPU ops)
         dev = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op" and "dur" in e]
-    kernels: dict[str, dict] = {}
+    kernels: dict[tuple[str, str], dict] = {}  # (name, class) -> count, time
     for e in dev:
-        k = kernels.setdefault(e["name"], {"count": 0, "total_us": 0.0, "class": op_class(e["name"], e["cat"])})
+        cls = op_class(e["name"], e["cat"])
+        if cls == "dense GEMMs" and lm_head_min_us and float(e["dur"]) >= lm_head_min_us:
+            cls = "lm_head"
+        k = kernels.setdefault((e["name"], cls), {"count": 0, "total_us": 0.0})
         k["count"] += 1
         k["total_us"] += float(e["dur"])
-    for name, k in kernels.items():
-        if k["class"] == "dense GEMMs" and lm_head_min_us and k["total_us"] / k["count"] >= lm_head_min_us:
-            k["class"] = "lm_head"
     busy, end = 0.0, None  # union of [ts, ts + dur]
     for start, stop in sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in dev):
         if end is None or start > end:
@@ -405,11 +405,11 @@ def summarize_trace(events: list[dict], steps: int, wall_s: float, lm_head_min_u
             busy += stop - end
             end = stop
     classes: dict[str, float] = {}
-    for k in kernels.values():
-        classes[k["class"]] = classes.get(k["class"], 0.0) + k["total_us"]
+    for (_, cls), k in kernels.items():
+        classes[cls] = classes.get(cls, 0.0) + k["total_us"]
     per = max(steps, 1)
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["total_us"])[:25]
     return {"steps": steps, "wall_per_step_ms": wall_s / per * 1e3, "busy_per_step_ms": busy / per / 1e3,
             "kernel_time_per_step_ms": sum(classes.values()) / per / 1e3,
             "classes_ms_per_step": {c: t / per / 1e3 for c, t in sorted(classes.items(), key=lambda kv: -kv[1])},
-            "top_kernels": [{"name": n, **k, "per_step_us": k["total_us"] / per} for n, k in top]}
+            "top_kernels": [{"name": n, "class": c, **k, "per_step_us": k["total_us"] / per} for (n, c), k in top]}

@@ -58,7 +58,7 @@ def test_every_case_runs_through_the_engine_and_reports_sane_numbers(tiny_run):
     for key in ("hf1", "hf64"):
         assert hf[key]["tok_s"] > 0 and hf[key]["engine_over_hf"] > 0
     # float32, same seed: the engine and transformers hold the same weights and agree on every greedy token
-    assert hf["greedy_common_prefix_vs_engine"] == sizes["hf1"][2]
+    assert hf["hf1"]["greedy_common_prefix_vs_engine"] == sizes["hf1"][2]
     prof = cases["profile"]
     assert prof["steps"] >= 1 and prof["wall_per_step_ms"] > 0
     assert json.loads(gzip.open(out / prof["trace"]).read())["traceEvents"]
