@@ -25,10 +25,19 @@ Engine versions: ``EngineConfig`` is built from the fields the installed engine 
 dropped). On an engine without ``gpu_memory_utilization`` (slot KV cache) the KV budget is 85% of free memory,
 as the baseline of issue 16 was measured.
 
+Random weights: ``--init balanced`` (default) keeps the routing near uniform; every weight normal(0, 0.02)
+(``--init std0.02``) makes every token pick the same experts past layer 2 (real_shape_model.py says why). The
+warm-up of case b reports what the weights routed.
+
 Usage:
-    python loadtest/bench_real_shape.py --quick --out $OUT/bench          # H200, about 5 minutes
+    python loadtest/bench_real_shape.py --quick --out $OUT/bench          # H200, about 5 minutes (paged engine)
     python loadtest/bench_real_shape.py --cases c --profile c:prefill     # profile: kernel time per op class
     .venv/bin/python loadtest/bench_real_shape.py --shape tiny --device cpu --scale 0.05 --quick   # CPU, <1 min
+Without --quick (5 repetitions of a, 3 of b and c, 2 of HF after a full-length HF warm-up) a run takes 10+
+minutes: split it with --cases (``--cases hf`` alone also runs the engine side of the comparison).
+
+This file is longer than the project's usual ~450 lines: one benchmark, whose engine driving, cases, profile
+and report share one context object (``Ctx``); the model and its rooflines live in real_shape_model.py.
 
 Output: progress lines with elapsed seconds; after every case ``results.json`` (every number, the engine
 config, torch/triton/transformers/GPU, git commit) and ``report.md`` (case, metric, value, % of roofline,
@@ -46,7 +55,6 @@ import json
 import logging
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -811,6 +819,7 @@ def run_case(ctx, name: str) -> None:
         derive(ctx, name, case)
         if ctx.engines.engine is not None:
             case["engine"] = {**ctx.engines.info, "stats_after": ctx.engines.engine.stats()}
+            log(f"engine stats() after {name}: {case['engine']['stats_after']}")
     except Exception as e:  # noqa: BLE001
         case["derive_error"] = f"{type(e).__name__}: {e}"
     log(f"case {name}: {case['status']} in {case['elapsed_s']:.1f} s")
