@@ -1,0 +1,416 @@
+"""The real-shape benchmark's model: Qwen3-30B-A3B's shape with random weights built on the device, and the
+bytes and FLOPs its steps must move (the rooflines the benchmark reports against).
+
+- ``SHAPES``: Hugging Face ``config.json`` dicts. ``qwen3-30b-a3b`` is the real model's config (48 layers,
+  hidden 2048, 32 query / 4 KV heads of 128, 128 experts top-8, expert width 768, vocabulary 151,936);
+  ``tiny`` (4 layers, hidden 256, 16 experts top-4, vocabulary 1024) runs on a CPU in seconds.
+- ``build_engine_model`` / ``build_hf_model``: moe_engine's ``MoEForCausalLM`` / transformers' model built on
+  the ``meta`` device, moved with ``to_empty`` (one allocation per parameter, no checkpoint, no second copy),
+  every parameter filled in place by ``fill_random_``. Parameter names are the same in both (moe_engine uses
+  HF's v5 names) and each parameter's values depend only on (seed, init, name, shape, dtype, device), so the
+  two models built with one seed hold identical weights.
+- Initialisation and routing. With every weight normal(0, 0.02) the routing of a random model collapses: past
+  layer 2 nearly every token picks the same experts (measured on the CPU, bf16, with this shape's attention
+  and 48 layers but 16 experts top-2: in most layers the busiest expert got every one of 384 tokens), because
+  attention's near-uniform weights average the values of the whole prefix into a vector all tokens share, and
+  it dominates the residual stream. A 64-token decode step would then read as few as 8 experts per layer
+  instead of ~126 and look far cheaper than a real model's. ``init="balanced"`` (the default) keeps the
+  residual stream token-specific: embeddings normal(0, 1), the projections that write into it (``o_proj``,
+  ``down_proj``) normal(0, 0.02 / sqrt(2 * layers)) (GPT-2's scaled init), the rest normal(0, 0.02), norms 1.
+  On the same test the routing is then near uniform in every layer (busiest expert 1.2-1.7x the mean, what
+  random draws give). ``init="std0.02"`` is the plain one, for comparison.
+  ``routing_stats`` measures what a run actually routed.
+- ``weight_bytes_per_token`` (batch-1 decode reads), ``decode_step_bytes`` (a batch of B decode tokens, experts
+  as uniform routing hits them), ``prefill_matmul_flops``, ``measure_copy_bandwidth`` (the HBM roofline's
+  denominator), ``time_lm_head``.
+- ``summarize_trace``: a torch.profiler chrome trace -> device time per op class and kernel, busy time.
+"""
+from __future__ import annotations
+
+import gc
+import re
+import statistics
+import time
+import zlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B config.json
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "decoder_sparse_step": 1,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+TINY = {
+    **QWEN3_30B_A3B,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "head_dim": 64,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "max_window_layers": 4,
+    "moe_intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+}
+
+SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY}
+REAL_SHAPE = "qwen3-30b-a3b"
+
+Log = Callable[[str], None]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_device_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- building
+
+
+INITS = ("balanced", "std0.02")
+
+
+def init_std(name: str, init: str, num_layers: int) -> float | None:
+    """Standard deviation of a parameter's normal init (None: fill with 1.0, the norms); see the docstring."""
+    if name.endswith("norm.weight"):
+        return None
+    if init == "balanced":
+        if "embed_tokens" in name:
+            return 1.0
+        if name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
+            return 0.02 / (2 * num_layers) ** 0.5
+    elif init != "std0.02":
+        raise ValueError(f"unknown init {init!r}; known: {', '.join(INITS)}")
+    return 0.02
+
+
+@torch.no_grad()
+def fill_random_(model: nn.Module, seed: int, init: str = "balanced", log: Log | None = None,
+                 chunk_elems: int = 1 << 27) -> int:
+    """Fill every parameter in place (``init_std``) from a generator seeded by (seed, parameter name), chunk by
+    chunk so no temporary of a parameter's size exists. Returns the bytes filled; logs about every 10 GB."""
+    params = list(model.named_parameters())  # a tied weight appears once
+    num_layers = model.config.num_hidden_layers
+    total = sum(p.nbytes for _, p in params)
+    done, next_report, start = 0, 10e9, time.perf_counter()
+    for name, p in params:
+        std = init_std(name, init, num_layers)
+        if std is None:
+            p.fill_(1.0)
+        else:
+            gen = torch.Generator(device=p.device)
+            gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62))
+            flat = p.view(-1)
+            for lo in range(0, flat.numel(), chunk_elems):
+                flat[lo : lo + chunk_elems].normal_(0.0, std, generator=gen)
+        done += p.nbytes
+        if log is not None and (done >= next_report or done == total):
+            _sync(p.device)
+            log(f"  filled {done / 1e9:6.1f} / {total / 1e9:.1f} GB ({time.perf_counter() - start:5.1f} s)")
+            next_report = done + 10e9
+    return total
+
+
+def _check_materialised(model: nn.Module) -> None:
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left on the meta device after building: {', '.join(left[:5])}")
+
+
+def build_engine_model(raw: dict, device: torch.device, dtype: torch.dtype, seed: int, init: str = "balanced",
+                       log: Log | None = None):
+    """(moe_engine MoEForCausalLM with random weights on ``device``, its MoEConfig)."""
+    from moe_engine.config import config_from_dict
+    from moe_engine.model import MoEForCausalLM
+
+    cfg = config_from_dict(raw)
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    model.to(dtype)  # on meta: no memory; the dtype of the parameters to_empty allocates
+    for name, p in list(model.named_parameters()):  # HF's keep-in-fp32 rules (e.g. DeepSeek's router)
+        want = model.param_dtype(name, dtype)
+        if p.dtype != want:
+            module_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attr,
+                    nn.Parameter(torch.empty(p.shape, dtype=want, device="meta"), requires_grad=False))
+    model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor
+        model.lm_head.weight = model.model.embed_tokens.weight
+    fill_random_(model, seed, init, log)
+    model.init_buffers(device)  # RoPE tables (non-persistent buffers)
+    _check_materialised(model)
+    return model.eval(), cfg
+
+
+def build_hf_model(raw: dict, device: torch.device, dtype: torch.dtype, seed: int, init: str = "balanced",
+                   log: Log | None = None, attn_implementation: str | None = None,
+                   experts_implementation: str | None = None):
+    """transformers' model for ``raw`` (e.g. Qwen3MoeForCausalLM) with the same random weights as
+    ``build_engine_model`` gives for the same seed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = type(AutoConfig.for_model(raw["model_type"])).from_dict(dict(raw))
+    kw = {"dtype": dtype}
+    if attn_implementation:
+        kw["attn_implementation"] = attn_implementation
+    if experts_implementation:
+        kw["experts_implementation"] = experts_implementation
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, **kw)
+    model.to_empty(device=device)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    model.requires_grad_(False)
+    fill_random_(model, seed, init, log)
+    # Non-persistent buffers (the RoPE inverse frequencies) were computed on meta and to_empty left them
+    # uninitialised: rebuild them from the config (on the CPU, as HF computes them at init).
+    for module in model.modules():
+        names = getattr(module, "_non_persistent_buffers_set", ())
+        if names:
+            fresh = type(module)(model.config)
+            for n in names:
+                setattr(module, n, getattr(fresh, n).to(device))
+    _check_materialised(model)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- rooflines
+
+
+def weight_bytes_per_token(cfg, elem: int) -> dict[str, int]:
+    """Weight bytes one decode token reads (batch 1): per layer the attention projections, q/k norms, layer
+    norms, router and the K chosen experts' gate_up + down; then the final norm, lm_head and one embedding
+    row. (A dense MLP layer, if any, reads its whole MLP.)"""
+    H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    L, n_moe = cfg.num_hidden_layers, len(cfg.moe_layers)
+    qkv_bias = (Hq + 2 * Hkv) * D if cfg.qkv_bias else 0
+    qk_norm = {"head": 2 * D, "full": (Hq + Hkv) * D}.get(cfg.qk_norm, 0)
+    per_expert = 3 * cfg.moe_intermediate_size * H  # gate_up [2I, H] + down [H, I]
+    elems = {
+        "attention q/k/v/o projections": L * (H * Hq * D + 2 * H * Hkv * D + Hq * D * H + qkv_bias),
+        "q/k norms": L * qk_norm,
+        "layer norms (2 per layer) + final norm": (2 * L + 1) * H,
+        "routers": n_moe * cfg.num_experts * H,
+        f"experts ({cfg.num_experts_per_tok} of {cfg.num_experts} per layer, gate_up + down)":
+            n_moe * cfg.num_experts_per_tok * per_expert,
+        "dense MLP layers": (L - n_moe) * 3 * cfg.intermediate_size * H,
+        "lm_head": cfg.vocab_size * H,
+        "embedding row": H,
+    }
+    return {k: v * elem for k, v in elems.items() if v}
+
+
+def kv_bytes_per_token(cfg, elem: int) -> int:
+    """K and V of one token in every layer (grouped-query attention)."""
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def expected_distinct_experts(cfg, tokens: int) -> float:
+    """Experts per MoE layer that at least one of ``tokens`` tokens picks, if each picks K of E uniformly."""
+    E, K = cfg.num_experts, cfg.num_experts_per_tok
+    return E * (1.0 - (1.0 - K / E) ** tokens)
+
+
+def decode_step_bytes(cfg, elem: int, batch: int, mean_context: float) -> dict[str, float]:
+    """Bytes a decode step of ``batch`` sequences must read: the weights (experts: the expected number hit
+    under uniform routing) and the KV cache of every sequence at ``mean_context`` tokens."""
+    per_token = weight_bytes_per_token(cfg, elem)
+    experts_key = next(k for k in per_token if k.startswith("experts"))
+    one_expert_all_layers = per_token[experts_key] / cfg.num_experts_per_tok
+    weights = sum(per_token.values()) - per_token[experts_key]
+    weights += one_expert_all_layers * expected_distinct_experts(cfg, batch) + (batch - 1) * cfg.hidden_size * elem
+    kv = batch * mean_context * kv_bytes_per_token(cfg, elem)
+    return {"weights": weights, "kv_cache": kv, "total": weights + kv}
+
+
+def prefill_matmul_flops(cfg, prompt_len: int, num_seqs: int) -> dict[str, float]:
+    """Matmul FLOPs of prefilling ``num_seqs`` prompts of ``prompt_len`` tokens: 2 x weights touched per token
+    (projections, router, K experts, dense MLPs), causal attention QK^T and PV, and lm_head for the last token."""
+    H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    L, n_moe = cfg.num_hidden_layers, len(cfg.moe_layers)
+    per_token = L * (H * Hq * D + 2 * H * Hkv * D + Hq * D * H)
+    per_token += n_moe * (cfg.num_experts * H + cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size * H)
+    per_token += (L - n_moe) * 3 * cfg.intermediate_size * H
+    linear = 2.0 * per_token * prompt_len * num_seqs
+    attention = 2.0 * Hq * D * prompt_len * (prompt_len + 1) * L * num_seqs  # QK^T + PV, causal half
+    lm_head = 2.0 * cfg.vocab_size * H * num_seqs
+    return {"linear": linear, "attention": attention, "lm_head": lm_head, "total": linear + attention + lm_head}
+
+
+def bf16_dense_peak_flops(device: torch.device) -> float | None:
+    """Published dense bf16 tensor-core peak of the GPU, where known (H100/H200 SXM: 989 TFLOP/s)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12)):
+        if key in name:
+            return peak
+    return None
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> dict:
+    """Device-to-device copy bandwidth: (bytes read + bytes written) / time of one large ``copy_``; median of
+    ``iters`` copies after 3 warm-up copies."""
+    nbytes = nbytes or ((2 << 30) if device.type == "cuda" else (64 << 20))
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    free_device_memory(device)
+    med = statistics.median(times)
+    return {"bytes_per_s": 2 * nbytes / med, "best_bytes_per_s": 2 * nbytes / min(times), "buffer_bytes": nbytes,
+            "iters": iters, "method": "copy_ of one buffer into another; (read + written bytes) / median time"}
+
+
+@torch.no_grad()
+def time_lm_head(model, rows: int, iters: int = 20) -> float | None:
+    """Seconds of the engine's ``compute_logits`` (lm_head matmul + float32 logits) for ``rows`` hidden rows
+    alone (CUDA only): the profile's cross-check of what its lm_head class should add up to per step."""
+    device = model.device
+    if device.type != "cuda":
+        return None
+    x = torch.randn(rows, model.config.hidden_size, device=device, dtype=model.dtype)
+    for _ in range(3):
+        model.compute_logits(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        model.compute_logits(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def routing_stats(rows, cfg, batch: int, seed: int = 0) -> dict:
+    """Routing rows [R, L, K] (numpy) -> expert load per MoE layer (busiest and idlest expert over the mean,
+    worst layer) and the mean number of distinct experts per layer that random groups of ``batch`` rows hit
+    (what a decode step of ``batch`` sequences reads), next to the uniform-routing expectation."""
+    import numpy as np
+
+    E, layers = cfg.num_experts, list(cfg.moe_layers)
+    loads = [np.bincount(rows[:, layer].ravel(), minlength=E) for layer in layers]
+    order = np.random.default_rng(seed).permutation(rows.shape[0])
+    groups = [order[i : i + batch] for i in range(0, len(order) - batch + 1, batch)][:64] or [order]
+    distinct = [len(np.unique(rows[g][:, layer])) for g in groups for layer in layers]
+    return {"rows": int(rows.shape[0]), "max_over_mean": float(max(c.max() / c.mean() for c in loads)),
+            "min_over_mean": float(min(c.min() / c.mean() for c in loads)),
+            "distinct_per_step": float(np.mean(distinct)), "distinct_uniform": expected_distinct_experts(cfg, batch)}
+
+
+# ----------------------------------------------------------------------------- profile traces
+
+# Op class of a kernel, from its name (first match wins; the top-kernel table shows each kernel's class, so a
+# misfiled kernel is visible). Triton kernels of kernels.py: _add_square / _rms_norm_tail / _qk_norm_rope
+# (norms/rope), _route / _combine (routing), _store_kv (attention: the KV write).
+OP_CLASSES = (
+    ("sampling", r"argmax|multinomial|exponential|sampl|log_?softmax|gumbel"),
+    ("attention", r"flash|fmha|attn|attention|sdpa|paged|flex|store_kv|reshape_and_cache|decode_kernel"),
+    ("routing", r"topk|route|router|radix|sort|combine|softmax|bincount|scatter|cumsum|scan"),
+    ("expert GEMMs", r"group|moe|expert|silu|swiglu|act_and_mul"),
+    ("dense GEMMs", r"gemm|gemv|xmma|nvjet|cutlass|cublas|matmul|sm90_|sm80_|splitk|wgmma"),
+    ("norms/rope", r"norm|rms|rope|rotary|add_square|rsqrt|mean"),
+    ("copies", r"memcpy|memset|copy|catarray"),
+)
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def op_class(name: str, cat: str = "kernel") -> str:
+    if cat in ("gpu_memcpy", "gpu_memset"):
+        return "copies"
+    low = name.lower()
+    return next((cls for cls, rx in OP_CLASSES if re.search(rx, low)), "other")
+
+
+def summarize_trace(events: list[dict], steps: int, wall_s: float, lm_head_min_us: float | None) -> dict:
+    """Device time per op class and per kernel, and busy time (union of kernel intervals), from chrome-trace
+    events. A dense GEMM that runs at least ``lm_head_min_us`` (half of what reading lm_head's weights takes at the
+    measured bandwidth: no other dense GEMM of a decode step reads that much) is counted as lm_head."""
+    dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS and "dur" in e]
+    if not dev:  # CPU: no device kernels (and a profiler sees only its own thread's CPU ops)
+        dev = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op" and "dur" in e]
+    kernels: dict[tuple[str, str], dict] = {}  # (name, class) -> count, time
+    for e in dev:
+        cls = op_class(e["name"], e["cat"])
+        if cls == "dense GEMMs" and lm_head_min_us and float(e["dur"]) >= lm_head_min_us:
+            cls = "lm_head"
+        k = kernels.setdefault((e["name"], cls), {"count": 0, "total_us": 0.0})
+        k["count"] += 1
+        k["total_us"] += float(e["dur"])
+    busy, end = 0.0, None  # union of [ts, ts + dur]
+    for start, stop in sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in dev):
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    classes: dict[str, float] = {}
+    for (_, cls), k in kernels.items():
+        classes[cls] = classes.get(cls, 0.0) + k["total_us"]
+    per = max(steps, 1)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1]["total_us"])[:25]
+    return {"steps": steps, "wall_per_step_ms": wall_s / per * 1e3, "busy_per_step_ms": busy / per / 1e3,
+            "kernel_time_per_step_ms": sum(classes.values()) / per / 1e3,
+            "classes_ms_per_step": {c: t / per / 1e3 for c, t in sorted(classes.items(), key=lambda kv: -kv[1])},
+            "top_kernels": [{"name": n, "class": c, **k, "per_step_us": k["total_us"] / per} for (n, c), k in top]}

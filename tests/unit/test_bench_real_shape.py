@@ -1,0 +1,117 @@
+"""loadtest/bench_real_shape.py on the CPU: the whole script on the tiny shape (every case, the profile, the
+report files), and the parts of real_shape_model.py its numbers rest on (weight bytes per token, identical
+random weights in the engine and in transformers, routing of the random inits, the profile's busy time).
+
+The script run is a subprocess (about 20-40 s here), marked slow."""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "loadtest"))
+import real_shape_model as rsm  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("real_shape")
+    cmd = [sys.executable, str(REPO / "loadtest" / "bench_real_shape.py"), "--shape", "tiny", "--device", "cpu",
+           "--scale", "0.05", "--quick", "--reps", "2", "--warmup-tokens", "4", "--d-stall-s", "5",
+           "--cases", "a,b,c,d,e,hf", "--profile", "b", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out, json.loads((out / "results.json").read_text()), proc.stdout
+
+
+@pytest.mark.slow
+def test_every_case_runs_through_the_engine_and_reports_sane_numbers(tiny_run):
+    out, res, stdout = tiny_run
+    cases, sizes = res["cases"], res["sizes"]
+    assert {k: c["status"] for k, c in cases.items()} == dict.fromkeys(
+        ("a", "b", "e", "hf_engine", "c", "d", "profile", "hf"), "ok")
+    for name in ("a", "b", "c"):
+        c, (n, p, o) = cases[name], sizes[name]
+        assert len(c["reps"]) >= 1
+        for rep in c["reps"]:  # every request ran to its length; Batch.check verified tokens and routing rows
+            assert rep["complete"] and rep["output_tokens"] == n * o
+            assert rep["tok_s"] > 0 and rep["itl_p50_s"] > 0
+            assert 0 < rep["ttft_p50_s"] <= rep["ttft_max_s"] <= rep["wall_s"]
+        assert c["tok_s"] > 0 and c["itl_p50_s"] > 0 and c["ttft_p50_s"] <= c["wall_s"]
+    assert 0 < cases["a"]["pct_of_roofline"] and cases["a"]["roofline_s"] > 0
+    assert 0 < cases["b"]["pct_of_roofline"] and cases["c"]["step_roofline_s"] > 0
+    n, p, _ = sizes["b"]
+    load = cases["b"]["routing_load"]  # the warm-up's rows: prompt + 4 outputs - 1 per request
+    assert load["rows"] == n * (p + 4 - 1) and 1 <= load["distinct_per_step"] <= res["shape"]["config"]["num_experts"]
+    pairs = cases["e"]["pairs"]
+    assert len(pairs) == 2 and all(pr["on"]["tok_s"] > 0 and pr["off"]["tok_s"] > 0 for pr in pairs)
+    assert min(pr["tok_s_ratio"] for pr in pairs) <= cases["e"]["tok_s_ratio_median"] <= max(pr["tok_s_ratio"] for pr in pairs)
+    d = cases["d"]
+    assert 1 <= d["peak_running"] <= d["requests"] and d["stop_reason"]
+    hf = cases["hf"]
+    for key in ("hf1", "hf64"):
+        assert hf[key]["tok_s"] > 0 and hf[key]["engine_over_hf"] > 0
+    # float32, same seed: the engine and transformers hold the same weights and agree on every greedy token
+    assert hf["hf1"]["greedy_common_prefix_vs_engine"] == sizes["hf1"][2]
+    prof = cases["profile"]
+    assert prof["steps"] >= 1 and prof["wall_per_step_ms"] > 0
+    assert json.loads(gzip.open(out / prof["trace"]).read())["traceEvents"]
+    report = (out / "report.md").read_text()
+    for row in ("| a | decode ITL p50", "| b | output tok/s", "| e | capture on/off", "| c | TTFT p50",
+                "| d | peak running", "| hf | engine / HF"):
+        assert row in report, row
+    assert res["environment"]["torch"] == torch.__version__ and res["bandwidth"]["bytes_per_s"] > 0
+
+
+def test_weight_bytes_per_token_of_the_real_shape_is_the_issues_6_1_gb():
+    from moe_engine.config import config_from_dict
+
+    cfg = config_from_dict(rsm.QWEN3_30B_A3B)
+    per_token = rsm.weight_bytes_per_token(cfg, elem=2)
+    assert abs(sum(per_token.values()) / 1e9 - 6.1) < 0.05  # issue 17: 6.1 GB -> 1.42 ms at 4.3 TB/s
+    assert per_token["lm_head"] == 151936 * 2048 * 2
+    step = rsm.decode_step_bytes(cfg, 2, batch=1, mean_context=0)
+    assert step["total"] == pytest.approx(sum(per_token.values()))
+
+
+def test_engine_and_transformers_models_get_identical_weights():
+    model, _ = rsm.build_engine_model(rsm.TINY, torch.device("cpu"), torch.float32, seed=3)
+    hf = rsm.build_hf_model(rsm.TINY, torch.device("cpu"), torch.float32, seed=3)
+    mine, theirs = dict(model.named_parameters()), dict(hf.named_parameters())
+    assert set(mine) == set(theirs)
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert torch.equal(hf.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
+    other, _ = rsm.build_engine_model(rsm.TINY, torch.device("cpu"), torch.float32, seed=4)
+    assert not torch.equal(other.lm_head.weight, model.lm_head.weight)
+
+
+def test_balanced_init_routes_near_uniformly_where_plain_init_collapses():
+    from moe_engine.model import reference_forward
+
+    ids = torch.randint(3, rsm.TINY["vocab_size"], (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    stats = {}
+    for init in rsm.INITS:
+        model, cfg = rsm.build_engine_model(rsm.TINY, torch.device("cpu"), torch.float32, 0, init)
+        stats[init] = rsm.routing_stats(reference_forward(model, ids)[1].numpy(), cfg, batch=8)
+    assert stats["balanced"]["max_over_mean"] < 1.5
+    assert stats["balanced"]["distinct_per_step"] == pytest.approx(stats["balanced"]["distinct_uniform"], rel=0.05)
+    assert stats["std0.02"]["max_over_mean"] > 2.5
+
+
+def test_profile_busy_time_is_the_union_of_kernel_intervals():
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "_route_kernel", "ts": 5, "dur": 10},  # overlaps the first
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 30, "dur": 4},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},  # host side: not device time
+    ]
+    s = rsm.summarize_trace(events, steps=2, wall_s=100e-6, lm_head_min_us=None)
+    assert s["busy_per_step_ms"] == pytest.approx((15 + 4) / 2 / 1e3)
+    assert s["kernel_time_per_step_ms"] == pytest.approx((10 + 10 + 4) / 2 / 1e3)
+    assert s["classes_ms_per_step"] == pytest.approx({"dense GEMMs": 5e-3, "routing": 5e-3, "copies": 2e-3})
