@@ -225,11 +225,11 @@ def weight_bytes_per_token(cfg, elem: int) -> dict[str, int]:
     """Weight bytes one decode token reads (batch 1): per layer the attention projections, q/k norms, layer
     norms, router and the K chosen experts' gate_up + down; then the final norm, lm_head and one embedding
     row. (A dense MLP layer, if any, reads its whole MLP.)"""
-    H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    H, D, Hq, Hkv = cfg.hidden_size, cfg.attention.head_dim, cfg.attention.num_heads, cfg.attention.num_kv_heads
     L, n_moe = cfg.num_hidden_layers, len(cfg.moe_layers)
-    qkv_bias = (Hq + 2 * Hkv) * D if cfg.qkv_bias else 0
-    qk_norm = {"head": 2 * D, "full": (Hq + Hkv) * D}.get(cfg.qk_norm, 0)
-    per_expert = 3 * cfg.moe_intermediate_size * H  # gate_up [2I, H] + down [H, I]
+    qkv_bias = (Hq + 2 * Hkv) * D if cfg.attention.qkv_bias else 0
+    qk_norm = {"head": 2 * D, "full": (Hq + Hkv) * D}.get(cfg.attention.qk_norm, 0)
+    per_expert = 3 * cfg.experts.intermediate_size * H  # gate_up [2I, H] + down [H, I]
     elems = {
         "attention q/k/v/o projections": L * (H * Hq * D + 2 * H * Hkv * D + Hq * D * H + qkv_bias),
         "q/k norms": L * qk_norm,
@@ -246,7 +246,7 @@ def weight_bytes_per_token(cfg, elem: int) -> dict[str, int]:
 
 def kv_bytes_per_token(cfg, elem: int) -> int:
     """K and V of one token in every layer (grouped-query attention)."""
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+    return cfg.num_hidden_layers * 2 * cfg.attention.num_kv_heads * cfg.attention.head_dim * elem
 
 
 def expected_distinct_experts(cfg, tokens: int) -> float:
@@ -270,10 +270,10 @@ def decode_step_bytes(cfg, elem: int, batch: int, mean_context: float) -> dict[s
 def prefill_matmul_flops(cfg, prompt_len: int, num_seqs: int) -> dict[str, float]:
     """Matmul FLOPs of prefilling ``num_seqs`` prompts of ``prompt_len`` tokens: 2 x weights touched per token
     (projections, router, K experts, dense MLPs), causal attention QK^T and PV, and lm_head for the last token."""
-    H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    H, D, Hq, Hkv = cfg.hidden_size, cfg.attention.head_dim, cfg.attention.num_heads, cfg.attention.num_kv_heads
     L, n_moe = cfg.num_hidden_layers, len(cfg.moe_layers)
     per_token = L * (H * Hq * D + 2 * H * Hkv * D + Hq * D * H)
-    per_token += n_moe * (cfg.num_experts * H + cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size * H)
+    per_token += n_moe * (cfg.num_experts * H + cfg.num_experts_per_tok * 3 * cfg.experts.intermediate_size * H)
     per_token += (L - n_moe) * 3 * cfg.intermediate_size * H
     linear = 2.0 * per_token * prompt_len * num_seqs
     attention = 2.0 * Hq * D * prompt_len * (prompt_len + 1) * L * num_seqs  # QK^T + PV, causal half
