@@ -20,6 +20,7 @@ import itertools
 import logging
 import threading
 
+import numpy as np
 import torch
 
 from .block_manager import BlockManager
@@ -68,7 +69,8 @@ class Engine:
         keep_rows = ec.enable_prefix_caching and ec.enable_routed_experts
         L, K = cfg.num_hidden_layers, cfg.num_experts_per_tok
         self.blocks = BlockManager(num_blocks - 1, bs, ec.enable_prefix_caching,
-                                   routing_shape=(L, K) if keep_rows else None)
+                                   routing_shape=(L, K) if keep_rows else None,
+                                   routing_dtype=np.uint8 if cfg.num_experts <= 256 else np.uint16)
         self.runner = ModelRunner(
             model, num_blocks, bs, self.step_tokens, self.max_num_seqs, self.max_model_len,
             capture_routing=ec.enable_routed_experts, graphs_off=graphs_off,
