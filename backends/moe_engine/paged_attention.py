@@ -140,8 +140,8 @@ if triton is not None:
     def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
         """The sequence whose query tiles hold tile pid: sequence b's tiles start at cu[b] // BLOCK_Q + b
         (strictly increasing in b, and enough tiles for ceil(q_len / BLOCK_Q))."""
-        lo: tl.int32 = 0
-        hi = num_seqs
+        lo = pid * 0  # tensors from the start: an int argument equal to 1 arrives as a constant
+        hi = pid * 0 + num_seqs
         while lo < hi:
             mid = (lo + hi) // 2
             if tl.load(cu_ptr + mid) // BLOCK_Q + mid <= pid:
@@ -431,6 +431,19 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_l
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
 
 
+def _fit_shared_memory(block_m: int, tile_n: int, min_block_m: int, common: dict, esize: int, stages: int):
+    """Halve the query tile, then the key tile, until Q plus the pipelined K/V tiles fit in ~160 KiB of shared
+    memory (fp32 or head dims of 256 with the prefill defaults would not compile on an H100/H200)."""
+    def smem(bm, tn):
+        return (bm * common["DK_PAD"] + stages * tn * (common["DK_PAD"] + common["DV_PAD"])) * esize
+
+    while smem(block_m, tile_n) > 160 * 1024 and block_m > min_block_m:
+        block_m //= 2
+    while smem(block_m, tile_n) > 160 * 1024 and tile_n > 16:
+        tile_n //= 2
+    return block_m, tile_n
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, Dk]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dk]
@@ -501,10 +514,11 @@ def paged_attention(
         return out
 
     if max_query_len == 1:
-        block_m, block_q, tile_n, warps = max(config.decode_block_m, _pow2(G)), 1, config.decode_tile_n, config.decode_num_warps
+        block_m, tile_n, warps = max(config.decode_block_m, _pow2(G)), config.decode_tile_n, config.decode_num_warps
     else:
-        block_m = max(config.prefill_block_m, _pow2(G))
-        block_q, tile_n, warps = block_m // G, config.prefill_tile_n, config.prefill_num_warps
+        block_m, tile_n, warps = max(config.prefill_block_m, _pow2(G)), config.prefill_tile_n, config.prefill_num_warps
+        block_m, tile_n = _fit_shared_memory(block_m, tile_n, max(_pow2(G), 16), common, q.element_size(), config.num_stages)
+    block_q = 1 if max_query_len == 1 else block_m // G
     _launch(
         _attn_2d_kernel, (T // block_q + B, Hkv),
         out, q, k_cache, v_cache, sinks if sinks is not None else q, block_tables, cu_seqlens_q, seq_lens,
