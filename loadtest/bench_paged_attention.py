@@ -19,6 +19,7 @@ blocks handed out from a shuffled free list (block tables not contiguous).
     .venv/bin/python loadtest/bench_paged_attention.py --quick    # fewer shapes and reps (< 1 min)
     .venv/bin/python loadtest/bench_paged_attention.py --check    # max error, kernel vs reference, same shapes
     .venv/bin/python loadtest/bench_paged_attention.py --sweep    # decode: every split count; prefill: tile configs
+    .venv/bin/python loadtest/bench_paged_attention.py --sweep --cases prefill --reps 10
 
 ``--check`` exits 1 if an error exceeds 2% of the reference's largest magnitude. ``--smoke`` runs tiny shapes
 on the CPU under Triton's interpreter (tests the script, measures nothing).
@@ -57,6 +58,7 @@ def parse_args():
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 50, quick 10)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA comparison")
+    p.add_argument("--cases", default="decode,prefill", help="comma-separated: decode, prefill")
     return p.parse_args()
 
 
@@ -353,6 +355,9 @@ def main() -> int:
         print(f"GPU {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
               f"triton {getattr(pa.triton, '__version__', '?')}")
     reps = args.reps or reps
+    cases = set(args.cases.split(","))
+    decode_shapes = decode_shapes if "decode" in cases else []
+    prefill_shapes = prefill_shapes if "prefill" in cases else []
     print(f"Hq {HQ}, Hkv {HKV}, D {D}, {str(dtype).split('.')[-1]}, block size {args.block_size}, {reps} reps")
     timer = Timer(device, reps, warmup)
     rows, check_rows = [], []

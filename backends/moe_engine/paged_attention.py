@@ -534,6 +534,18 @@ def paged_attention(
 # Torch reference
 
 
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """cache [num_blocks, block_size, H, D], block_tables [B, max_blocks] -> [B, num_tokens, H, D]: each
+    sequence's first num_tokens cache rows, contiguous (positions past a sequence's length hold whatever its
+    blocks hold, or block 0's rows where the table has no entry). For op-by-op paths: the reference, MLA's
+    latent expansion."""
+    num_blocks, block_size = cache.shape[:2]
+    B = block_tables.shape[0]
+    nblk = -(-num_tokens // block_size)
+    tables = block_tables[:, :nblk].long().clamp(0, num_blocks - 1)  # entries past a sequence's blocks: any
+    return cache[tables].reshape(B, nblk * block_size, *cache.shape[2:])[:, :num_tokens]
+
+
 def _dense(
     q: torch.Tensor,  # [n, Hq, Lq, Dk]
     keys: torch.Tensor,  # [n, Hkv, Lk, Dk]
@@ -583,7 +595,6 @@ def paged_attention_reference(
     ``max_query_len`` / ``max_seq_len`` are not needed (host copies give the exact lengths)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sinks, sliding_window)
     T, Hq, Dk = q.shape
-    num_blocks, block_size, Hkv = k_cache.shape[:3]
     Dv = v_cache.shape[3]
     result = q.new_zeros(T, Hq, Dv)
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
@@ -596,13 +607,11 @@ def paged_attention_reference(
             continue
         n, Lq, Lk = len(group), max(q_lens[b] for b in group), max(lens[b] for b in group)
         idx = torch.tensor(group, device=device)
-        nblk = -(-Lk // block_size)
-        tables = block_tables[idx, :nblk].long().clamp(0, num_blocks - 1)  # [n, nblk]; unused entries are masked
         kv_len = seq_lens[idx].long()  # [n]
         k_pos = torch.arange(Lk, device=device)  # [Lk]
         valid = k_pos[None, :] < kv_len[:, None]  # [n, Lk]
-        keys = k_cache[tables].reshape(n, nblk * block_size, Hkv, Dk)[:, :Lk]
-        values = v_cache[tables].reshape(n, nblk * block_size, Hkv, Dv)[:, :Lk]
+        keys = gather_blocks(k_cache, block_tables[idx], Lk)  # [n, Lk, Hkv, Dk]
+        values = gather_blocks(v_cache, block_tables[idx], Lk)
         keys = keys.masked_fill(~valid[:, :, None, None], 0).transpose(1, 2)  # [n, Hkv, Lk, Dk]
         values = values.masked_fill(~valid[:, :, None, None], 0).transpose(1, 2)  # [n, Hkv, Lk, Dv]
 

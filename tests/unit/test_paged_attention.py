@@ -244,6 +244,12 @@ def test_store_kv_copies_each_token_to_its_slot_exactly(dtype):
         assert torch.equal(ref_k, expected_k) and torch.equal(ref_v, expected_v)
 
 
+def test_gather_blocks_returns_each_sequence_in_order():
+    step = make_step([0, 21], [5, 1], hq=2, hkv=2, dk=16, block_size=8, seed=5)
+    got = pa.gather_blocks(step.k_cache.cpu(), step.block_tables.cpu(), 22)  # [B, 22, Hkv, Dk]
+    assert torch.equal(got[1], step.keys[1]) and torch.equal(got[0, :5], step.keys[0])
+
+
 def test_bad_arguments_raise_clear_errors():
     step = make_step([3], [2], hq=4, hkv=2, dk=16, block_size=8)
     q, kc, vc, bt, cu, sl = (t.cpu() for t in step.args())
