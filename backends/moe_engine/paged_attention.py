@@ -24,8 +24,10 @@ sliding window W only the W most recent of them (itself included), as HF's and a
   from ``seq_lens``; each writes a partial (max, sum, unnormalised output) and a second kernel merges them
   (and adds the sink). ``choose_num_splits`` is the recommended rule.
 
-Both are CUDA-graph capturable: no host syncs, grids from host ints only (T, B, Hkv, num_splits). Rows of
-``out`` for tokens past ``cu_seqlens_q[B]`` (padding) are not written. Results agree with the reference
+Both are CUDA-graph capturable: no host syncs, grids from host ints only (T, B, Hkv, num_splits). Padding:
+rows of ``out`` for tokens past ``cu_seqlens_q[B]`` are not written; a sequence with seq_len 0 (a padded decode
+entry) gets zero rows and reads nothing through its block table row, which may hold anything. A block table
+entry is only read for positions < seq_len. Results agree with the reference
 within float tolerance (not bit-exact: different summation order); ``store_kv`` is an exact copy.
 
 ``paged_attention_reference`` is the op-by-op torch path (CPU engine, tests, ``--check`` of the benchmark):
@@ -599,8 +601,8 @@ def paged_attention_reference(
     result = q.new_zeros(T, Hq, Dv)
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     q_lens = [cu[b + 1] - cu[b] for b in range(len(lens))]
-    decode = [b for b, n in enumerate(q_lens) if n == 1]
-    others = [b for b, n in enumerate(q_lens) if n > 1]
+    decode = [b for b, n in enumerate(q_lens) if n == 1 and lens[b] > 0]  # no keys (padding): zero rows
+    others = [b for b, n in enumerate(q_lens) if n > 1 and lens[b] > 0]
     device = q.device
     for group in (decode, others):
         if not group:

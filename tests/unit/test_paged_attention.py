@@ -116,7 +116,7 @@ CASES = [
     ("mixed_decode_prefill", [30, 0, 70, 0, 19], [1, 1, 1, 24, 5], 4, 1, 80, 80, 16, None, False),
     ("dk_ne_dv", [5, 0], [1, 18], 4, 2, 64, 32, 8, None, False),
     ("sliding_window", [50, 0, 33], [1, 26, 7], 8, 2, 16, 16, 8, 7, False),
-    ("sinks", [9, 0, 40], [1, 17, 3], 4, 2, 64, 64, 16, None, True),
+    ("sinks_g3", [9, 0, 40], [1, 17, 3], 6, 2, 64, 64, 16, None, True),
     ("window_and_sinks_decode", [0, 60, 29], [1, 1, 1], 6, 2, 64, 64, 16, 20, True),
     ("length_one_and_g8", [0, 0], [1, 2], 8, 1, 64, 64, 16, None, False),
 ]
@@ -176,20 +176,27 @@ def test_split_k_decode_matches_dense_attention(window, with_sinks, num_splits, 
 
 @needs_kernels
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_padding_sequences_and_tokens_are_left_alone(num_splits):
-    """What CUDA-graph padding looks like: a sequence with no query in this step and tokens past the last
-    sequence. Their output rows keep whatever `out` held; the real rows are right."""
+def test_padding_entries_read_nothing(num_splits):
+    """What CUDA-graph padding looks like: a sequence with no query in this step, a padded decode entry (one
+    query, no keys, a garbage block table row) and tokens past the last sequence. The padded decode row comes
+    out zero without a block read, the rows past cu_seqlens_q[B] keep what `out` held, the real rows are right."""
     step = make_step([10, 40], [1, 1], hq=4, hkv=2, dk=16, block_size=8, seed=3)
-    T = 4  # two real tokens, two padding rows at the end
-    q = torch.cat([step.q, torch.randn(2, 4, 16).to(DEVICE)])
-    cu = torch.tensor([0, 1, 1, 2], dtype=torch.int32, device=DEVICE)  # the middle sequence has no query
-    seq_lens = torch.tensor([11, 0, 41], dtype=torch.int32, device=DEVICE)
-    tables = torch.cat([step.block_tables[:1], step.block_tables[:1] * 0 + 10**6, step.block_tables[1:]])
-    out = torch.full((T, 4, 16), 7.0, device=DEVICE)
-    pa.paged_attention(q, step.k_cache, step.v_cache, tables, cu, seq_lens, max_query_len=1, max_seq_len=41,
-                       scale=step.scale, out=out, num_splits=num_splits, config=SMALL)
-    assert_close(out[:2], dense_float64(step), torch.float32, "real rows")
-    assert torch.equal(out[2:], torch.full((2, 4, 16), 7.0, device=DEVICE))
+    q = torch.cat([step.q[:1], torch.randn(1, 4, 16).to(DEVICE), step.q[1:], torch.randn(2, 4, 16).to(DEVICE)])
+    cu = torch.tensor([0, 1, 1, 2, 3], dtype=torch.int32, device=DEVICE)  # sequence 1: no query; 2: padding
+    seq_lens = torch.tensor([11, 0, 0, 41], dtype=torch.int32, device=DEVICE)
+    garbage = step.block_tables[:1] * 0 + 10**6
+    tables = torch.cat([step.block_tables[:1], garbage, garbage, step.block_tables[1:]])
+    args = (q, step.k_cache, step.v_cache, tables, cu, seq_lens)
+    kw = dict(max_query_len=1, max_seq_len=41, scale=step.scale)
+    out = torch.full((5, 4, 16), 7.0, device=DEVICE)
+    pa.paged_attention(*args, **kw, out=out, num_splits=num_splits, config=SMALL)
+    expected = dense_float64(step)
+    assert_close(out[[0, 2]], expected, torch.float32, "real rows")
+    assert torch.equal(out[1], torch.zeros(4, 16, device=DEVICE))
+    assert torch.equal(out[3:], torch.full((2, 4, 16), 7.0, device=DEVICE))
+    reference = pa.paged_attention_reference(*(t.cpu() for t in args), **kw)
+    assert_close(reference[[0, 2]], expected, torch.float32, "reference real rows")
+    assert not reference[[1, 3, 4]].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
