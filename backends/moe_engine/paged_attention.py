@@ -257,16 +257,17 @@ if triton is not None:
         scale_log2, window,
         s_qt, s_qh, s_bt,
         s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
-        Hq: tl.constexpr, G: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-        TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        Hq: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
         HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         """Program (sequence, kv head, split) of a decode step: the G heads' one query over split's share of
-        the keys (whole tiles, split evenly at run time). Empty splits write (-inf, 0, 0)."""
+        the keys (whole tiles, split evenly at run time). Empty splits write (-inf, 0, 0). The split count is
+        the grid's third dimension (one compiled kernel for every count)."""
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        num_splits = tl.num_programs(2)
         q_start = tl.load(cu_ptr + seq)
         if tl.load(cu_ptr + seq + 1) == q_start:  # no query for this sequence (a padding entry)
             return
@@ -283,7 +284,7 @@ if triton is not None:
         lo = 0
         if HAS_WINDOW:
             lo = tl.maximum(qpos - window + 1, 0) // TILE_N * TILE_N
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len - lo, TILE_N), NUM_SPLITS)
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len - lo, TILE_N), num_splits)
         key_lo = lo + split * tiles_per_split * TILE_N
         key_hi = tl.minimum(key_lo + tiles_per_split * TILE_N, seq_len)
 
@@ -296,7 +297,7 @@ if triton is not None:
             window, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2,
             DK, DV, DK_PAD, DV_PAD, BLOCK_SIZE, TILE_N, HAS_WINDOW, IEEE, INTERPRET,
         )
-        part = (seq * Hq + head) * NUM_SPLITS + split  # [BLOCK_M]
+        part = (seq * Hq + head) * num_splits + split  # [BLOCK_M]
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         dv = tl.arange(0, DV_PAD)
@@ -304,8 +305,8 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits_kernel(
-        out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, cu_ptr, s_ot, s_oh,
-        Hq: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+        out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, cu_ptr, s_ot, s_oh, num_splits,
+        Hq: tl.constexpr, SPLITS_PAD: tl.constexpr,
         DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         """Program (sequence, query head): out = sum_s exp2(m_s - M) acc_s / (sum_s exp2(m_s - M) l_s [+ sink])."""
@@ -315,8 +316,8 @@ if triton is not None:
         if tl.load(cu_ptr + seq + 1) == tok:
             return
         s = tl.arange(0, SPLITS_PAD)
-        s_ok = s < NUM_SPLITS
-        part = (seq * Hq + head) * NUM_SPLITS + s
+        s_ok = s < num_splits
+        part = (seq * Hq + head) * num_splits + s
         pm = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
         pl = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
         big = tl.max(pm, axis=0)
@@ -503,14 +504,14 @@ def paged_attention(
             _attn_split_kernel, (B, Hkv, num_splits),
             part_m, part_l, part_acc, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
             scale_log2, window, q.stride(0), q.stride(1), block_tables.stride(0), *cache_strides,
-            Hq=Hq, G=G, NUM_SPLITS=num_splits, BLOCK_M=block_m, TILE_N=config.decode_tile_n, **common,
+            Hq=Hq, G=G, BLOCK_M=block_m, TILE_N=config.decode_tile_n, **common,
             num_warps=config.decode_num_warps, num_stages=config.num_stages,
         )
         _launch(
             _merge_splits_kernel, (B, Hq),
             out, part_m, part_l, part_acc, sinks if sinks is not None else part_m, cu_seqlens_q,
-            out.stride(0), out.stride(1),
-            Hq=Hq, NUM_SPLITS=num_splits, SPLITS_PAD=_pow2(num_splits), DV=Dv, DV_PAD=common["DV_PAD"],
+            out.stride(0), out.stride(1), num_splits,
+            Hq=Hq, SPLITS_PAD=_pow2(num_splits), DV=Dv, DV_PAD=common["DV_PAD"],
             HAS_SINKS=sinks is not None, num_warps=4, num_stages=1,
         )
         return out
