@@ -16,9 +16,10 @@ sliding window W only the W most recent of them (itself included), as HF's and a
 * ``_attn_2d_kernel``, any step (decode, prefill from empty, chunks with cached context, mixed): a program
   takes BLOCK_Q query tokens of one sequence times the G = Hq / Hkv query heads of one kv head (BLOCK_M =
   BLOCK_Q * G rows, so a K/V tile is read once for all G heads: grouped-query attention without repeated K/V),
-  and walks that sequence's keys block by block through its block table with an online (flash) softmax in
-  float32. A program finds its sequence by binary search over ``cu_seqlens_q``; the grid is the upper bound
-  ``T // BLOCK_Q + B`` tiles (extra programs exit), so no host value depends on the data.
+  and walks that sequence's keys in tiles of TILE_N (each key's block looked up in its block table) with
+  an online (flash) softmax in float32. A program finds its sequence by binary search over ``cu_seqlens_q``;
+  the grid is the upper bound ``T // BLOCK_Q + B`` tiles (extra programs exit), so no host value depends on
+  the data.
 * ``_attn_split_kernel`` + ``_merge_splits_kernel``, decode steps (one query per sequence) with long contexts
   (flash-decoding): each (sequence, kv head) splits its keys into ``num_splits`` ranges, computed at run time
   from ``seq_lens``; each writes a partial (max, sum, unnormalised output) and a second kernel merges them
@@ -27,8 +28,8 @@ sliding window W only the W most recent of them (itself included), as HF's and a
 Both are CUDA-graph capturable: no host syncs, grids from host ints only (T, B, Hkv, num_splits). Padding:
 rows of ``out`` for tokens past ``cu_seqlens_q[B]`` are not written; a sequence with seq_len 0 (a padded decode
 entry) gets zero rows and reads nothing through its block table row, which may hold anything. A block table
-entry is only read for positions < seq_len. Results agree with the reference
-within float tolerance (not bit-exact: different summation order); ``store_kv`` is an exact copy.
+entry is only read for positions < seq_len. Results agree with the reference within float tolerance (not
+bit-exact: another summation order); ``store_kv`` is an exact copy.
 
 ``paged_attention_reference`` is the op-by-op torch path (CPU engine, tests, ``--check`` of the benchmark):
 it gathers each sequence's blocks and computes exactly as attention.py's ``attend_cached`` (same mask, SDPA
@@ -37,7 +38,6 @@ host copies of ``cu_seqlens_q`` / ``seq_lens`` and is therefore not capturable.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -89,8 +89,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
     Splits only while (sequence, kv head) programs are fewer than two waves of the GPU, each split keeping at
     least 512 keys; a power of two, at most 64. Under CUDA graphs pass the largest ``max_seq_len`` a graph
-    replays with (e.g. max_model_len): the kernel sizes each sequence's ranges from its own length, so splits
-    past a short sequence's keys exit at once."""
+    replays with (e.g. max_model_len): the kernel sizes each sequence's ranges from its own length, and splits
+    beyond a short sequence's keys do no work."""
     programs = max(num_seqs * num_kv_heads, 1)
     want = _pow2(-(-2 * num_sms // programs))
     by_length = max(max_seq_len // 512, 1)
