@@ -1,0 +1,642 @@
+"""Attention over a paged KV cache: the cache write, two Triton kernels, and the torch reference.
+
+Cache layout (per layer, allocated by the KV cache): ``k_cache [num_blocks, block_size, Hkv, Dk]`` and
+``v_cache [num_blocks, block_size, Hkv, Dv]`` in the model dtype, ``block_size`` a power of two. Token p of a
+sequence lives at block ``block_tables[b, p // block_size]``, offset ``p % block_size``; its flat slot is
+``block * block_size + offset``.
+
+A step's T query tokens are B sequences' chunks concatenated (``cu_seqlens_q [B+1]`` offsets). Sequence b has
+``seq_lens[b]`` keys in the cache after ``store_kv`` wrote this step's k/v, and its q_len queries are its LAST
+q_len positions: query i sits at ``seq_lens[b] - q_len + i`` and attends the keys at positions <= its own; with a
+sliding window W only the W most recent of them (itself included), as HF's and attention.py's masks. Sinks
+(GPT-OSS): one logit per query head joins the softmax denominator and carries no value.
+
+``paged_attention`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) runs one of two kernels, picked from host ints:
+
+* ``_attn_2d_kernel``, any step (decode, prefill from empty, chunks with cached context, mixed): a program
+  takes BLOCK_Q query tokens of one sequence times the G = Hq / Hkv query heads of one kv head (BLOCK_M =
+  BLOCK_Q * G rows, so a K/V tile is read once for all G heads: grouped-query attention without repeated K/V),
+  and walks that sequence's keys in tiles of TILE_N (each key's block looked up in its block table) with
+  an online (flash) softmax in float32. A program finds its sequence by binary search over ``cu_seqlens_q``;
+  the grid is the upper bound ``T // BLOCK_Q + B`` tiles (extra programs exit), so no host value depends on
+  the data.
+* ``_attn_split_kernel`` + ``_merge_splits_kernel``, decode steps (one query per sequence) with long contexts
+  (flash-decoding): each (sequence, kv head) splits its keys into ``num_splits`` ranges, computed at run time
+  from ``seq_lens``; each writes a partial (max, sum, unnormalised output) and a second kernel merges them
+  (and adds the sink). ``choose_num_splits`` is the recommended rule.
+
+Both are CUDA-graph capturable: no host syncs, grids from host ints only (T, B, Hkv, num_splits). Padding:
+rows of ``out`` for tokens past ``cu_seqlens_q[B]`` are not written; a sequence with seq_len 0 (a padded decode
+entry) gets zero rows and reads nothing through its block table row, which may hold anything. A block table
+entry is only read for positions < seq_len. Results agree with the reference within float tolerance (not
+bit-exact: another summation order); ``store_kv`` is an exact copy.
+
+``paged_attention_reference`` is the op-by-op torch path (CPU engine, tests, ``--check`` of the benchmark):
+it gathers each sequence's blocks and computes exactly as attention.py's ``attend_cached`` (same mask, SDPA
+in the model dtype, HF-eager sinks), so a CPU engine on it keeps the HF parity of attention.py. It reads
+host copies of ``cu_seqlens_q`` / ``seq_lens`` and is therefore not capturable.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU wheels of torch do not bring Triton
+    triton = None
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can run on tensors of this device (CUDA, or any device when interpreting)."""
+    return triton is not None and (interpreting() or torch.device(device).type == "cuda")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch options. Defaults are for Hopper with head dims up to 128; tests shrink the
+    tiles to cover many tiles with short sequences."""
+
+    prefill_block_m: int = 128  # query rows (tokens x G heads) per program when some sequence has > 1 query
+    prefill_tile_n: int = 64  # keys per iteration, prefill
+    prefill_num_warps: int = 8
+    decode_block_m: int = 16  # rows per program of a decode step (at least G rounded to a power of two)
+    decode_tile_n: int = 64  # keys per iteration, decode (2-D and split kernels)
+    decode_num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_CONFIG = KernelConfig()
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """Recommended split count for a decode step, from host ints only (1 = no split, the 2-D kernel).
+
+    Splits only while (sequence, kv head) programs are fewer than two waves of the GPU, each split keeping at
+    least 512 keys; a power of two, at most 64. Under CUDA graphs pass the largest ``max_seq_len`` a graph
+    replays with (e.g. max_model_len): the kernel sizes each sequence's ranges from its own length, and splits
+    beyond a short sequence's keys do no work."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    want = _pow2(-(-2 * num_sms // programs))
+    by_length = max(max_seq_len // 512, 1)
+    return max(1, min(want, 1 << (by_length.bit_length() - 1), 64))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kv_kernel(
+        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+        s_kt, s_kh, s_vt, s_vh,  # source strides (token, head); unit last stride
+        s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,  # cache strides (block, offset, head); unit last stride
+        H, DK: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        """Token program_id(0): its k [H, DK] and v [H, DV] copied to slot_mapping[t] (skipped when < 0)."""
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot < 0:
+            return
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        h = tl.arange(0, BLOCK_H)[:, None]
+        dk = tl.arange(0, BLOCK_DK)[None, :]
+        mk = (h < H) & (dk < DK)
+        k = tl.load(k_ptr + t * s_kt + h * s_kh + dk, mask=mk)
+        tl.store(kc_ptr + blk * s_kcb + off * s_kco + h * s_kch + dk, k, mask=mk)
+        dv = tl.arange(0, BLOCK_DV)[None, :]
+        mv = (h < H) & (dv < DV)
+        v = tl.load(v_ptr + t * s_vt + h * s_vh + dv, mask=mv)
+        tl.store(vc_ptr + blk * s_vcb + off * s_vco + h * s_vch + dv, v, mask=mv)
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        """a @ b accumulated in float32. fp32 operands use full-precision products (no TF32). The interpreter
+        multiplies bf16 operands as their raw uint16 bits, so there they are widened first."""
+        if INTERPRET:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
+    def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+        """The sequence whose query tiles hold tile pid: sequence b's tiles start at cu[b] // BLOCK_Q + b
+        (strictly increasing in b, and enough tiles for ceil(q_len / BLOCK_Q))."""
+        lo = pid * 0  # tensors from the start: an int argument equal to 1 arrives as a constant
+        hi = pid * 0 + num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(cu_ptr + mid) // BLOCK_Q + mid <= pid:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @triton.jit
+    def _attend_tiles(
+        q, m_i, l_i, acc, qpos, key_lo, key_hi,
+        k_cache_ptr, v_cache_ptr, table_ptr, kvh, window,
+        s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2,
+        DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        """Online softmax of the rows of q [BLOCK_M, DK_PAD] (positions qpos [BLOCK_M]) over keys [key_lo,
+        key_hi) of one sequence (key_lo a multiple of TILE_N; key_hi <= its length). Causal and window masks
+        per row; keys past key_hi are neither loaded nor attended. Scores in log2 units."""
+        offs_n = tl.arange(0, TILE_N)
+        dk = tl.arange(0, DK_PAD)
+        dv = tl.arange(0, DV_PAD)
+        for start in range(key_lo, key_hi, TILE_N):
+            kpos = start + offs_n  # [TILE_N]
+            kvalid = kpos < key_hi
+            blk = tl.load(table_ptr + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
+            off = kpos % BLOCK_SIZE
+            kt = tl.load(  # [DK_PAD, TILE_N]
+                k_cache_ptr + blk[None, :] * s_kb + off[None, :] * s_ko + kvh * s_kh + dk[:, None],
+                mask=kvalid[None, :] & (dk[:, None] < DK), other=0.0,
+            )
+            s = _dot(q, kt, IEEE, INTERPRET) * scale_log2  # [BLOCK_M, TILE_N]
+            allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+            if HAS_WINDOW:
+                allowed = allowed & (kpos[None, :] > qpos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(  # [TILE_N, DV_PAD]
+                v_cache_ptr + blk[:, None] * s_vb + off[:, None] * s_vo + kvh * s_vh + dv[None, :],
+                mask=kvalid[:, None] & (dv[None, :] < DV), other=0.0,
+            )
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, INTERPRET)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _attn_2d_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, sinks_ptr, tables_ptr, cu_ptr, seq_lens_ptr,
+        num_seqs, scale_log2, window,
+        s_qt, s_qh, s_ot, s_oh, s_bt,
+        s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
+        G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        """Program (query tile, kv head): BLOCK_Q tokens of one sequence x its G query heads, rows m ->
+        (token m // G, head kvh * G + m % G)."""
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq = _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q)
+        q_start = tl.load(cu_ptr + seq)
+        q_len = tl.load(cu_ptr + seq + 1) - q_start
+        tile = pid - (q_start // BLOCK_Q + seq)
+        if tile * BLOCK_Q >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context = seq_len - q_len
+
+        m = tl.arange(0, BLOCK_M)
+        qi = tile * BLOCK_Q + m // G  # query index inside the sequence's chunk
+        row_ok = (m < BLOCK_Q * G) & (qi < q_len)
+        head = kvh * G + m % G
+        qpos = context + qi  # [BLOCK_M] absolute positions
+        tok = (q_start + qi).to(tl.int64)
+        dk = tl.arange(0, DK_PAD)
+        q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + dk[None, :],
+                    mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+
+        if HAS_SINKS:
+            m_i = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # the sink: exp2(0) = 1 in l_i
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+
+        first = context + tile * BLOCK_Q  # position of the tile's first query
+        key_hi = tl.minimum(first + BLOCK_Q, seq_len)  # keys after the tile's last query are never seen
+        key_lo = 0
+        if HAS_WINDOW:
+            key_lo = tl.maximum(first - window + 1, 0) // TILE_N * TILE_N
+        m_i, l_i, acc = _attend_tiles(
+            q, m_i, l_i, acc, qpos, key_lo, key_hi, k_cache_ptr, v_cache_ptr, tables_ptr + seq * s_bt, kvh,
+            window, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2,
+            DK, DV, DK_PAD, DV_PAD, BLOCK_SIZE, TILE_N, HAS_WINDOW, IEEE, INTERPRET,
+        )
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        dv = tl.arange(0, DV_PAD)
+        tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + dv[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+
+    @triton.jit
+    def _attn_split_kernel(
+        part_m_ptr, part_l_ptr, part_acc_ptr,  # [B, Hq, S], [B, Hq, S], [B, Hq, S, DV_PAD] float32
+        q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, cu_ptr, seq_lens_ptr,
+        scale_log2, window,
+        s_qt, s_qh, s_bt,
+        s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
+        Hq: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        """Program (sequence, kv head, split) of a decode step: the G heads' one query over split's share of
+        the keys (whole tiles, split evenly at run time). Empty splits write (-inf, 0, 0). The split count is
+        the grid's third dimension (one compiled kernel for every count)."""
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        num_splits = tl.num_programs(2)
+        q_start = tl.load(cu_ptr + seq)
+        if tl.load(cu_ptr + seq + 1) == q_start:  # no query for this sequence (a padding entry)
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        qpos = seq_len - 1
+
+        m = tl.arange(0, BLOCK_M)
+        row_ok = m < G
+        head = kvh * G + m
+        dk = tl.arange(0, DK_PAD)
+        q = tl.load(q_ptr + q_start.to(tl.int64) * s_qt + head[:, None] * s_qh + dk[None, :],
+                    mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(qpos - window + 1, 0) // TILE_N * TILE_N
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len - lo, TILE_N), num_splits)
+        key_lo = lo + split * tiles_per_split * TILE_N
+        key_hi = tl.minimum(key_lo + tiles_per_split * TILE_N, seq_len)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+        m_i, l_i, acc = _attend_tiles(
+            q, m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.int32) + qpos, key_lo, key_hi,
+            k_cache_ptr, v_cache_ptr, tables_ptr + seq * s_bt, kvh,
+            window, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2,
+            DK, DV, DK_PAD, DV_PAD, BLOCK_SIZE, TILE_N, HAS_WINDOW, IEEE, INTERPRET,
+        )
+        part = (seq * Hq + head) * num_splits + split  # [BLOCK_M]
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        dv = tl.arange(0, DV_PAD)
+        tl.store(part_acc_ptr + part[:, None] * DV_PAD + dv[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit
+    def _merge_splits_kernel(
+        out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, cu_ptr, s_ot, s_oh, num_splits,
+        Hq: tl.constexpr, SPLITS_PAD: tl.constexpr,
+        DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+    ):
+        """Program (sequence, query head): out = sum_s exp2(m_s - M) acc_s / (sum_s exp2(m_s - M) l_s [+ sink])."""
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        tok = tl.load(cu_ptr + seq)
+        if tl.load(cu_ptr + seq + 1) == tok:
+            return
+        s = tl.arange(0, SPLITS_PAD)
+        s_ok = s < num_splits
+        part = (seq * Hq + head) * num_splits + s
+        pm = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
+        pl = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
+        big = tl.max(pm, axis=0)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+            big = tl.maximum(big, sink)
+        big = tl.where(big == float("-inf"), 0.0, big)
+        w = tl.where(s_ok, tl.exp2(pm - big), 0.0)  # [SPLITS_PAD]; empty splits weigh 0
+        total = tl.sum(w * pl, axis=0)
+        if HAS_SINKS:
+            total += tl.exp2(sink - big)
+        dv = tl.arange(0, DV_PAD)
+        pacc = tl.load(part_acc_ptr + part[:, None] * DV_PAD + dv[None, :], mask=s_ok[:, None], other=0.0)
+        o = tl.sum(pacc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + tok.to(tl.int64) * s_ot + head * s_oh + dv, o.to(out_ptr.dtype.element_ty), mask=dv < DV)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Host wrappers
+
+
+def _check_triton(device: torch.device) -> None:
+    if not available(device):
+        raise RuntimeError(
+            f"paged attention kernels need Triton and a CUDA device (or TRITON_INTERPRET=1); got {device}: "
+            "use the *_reference functions"
+        )
+
+
+def _launch(kernel, grid, *args, num_warps: int | None = None, num_stages: int | None = None, **meta):
+    if interpreting() or num_warps is None:
+        return kernel[grid](*args, **meta)
+    return kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **meta)
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"caches must be [num_blocks, block_size, Hkv, D]: {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if k.shape[1:] != k_cache.shape[2:] or v.shape[1:] != v_cache.shape[2:] or k.shape[0] != v.shape[0]:
+        raise ValueError(
+            f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match the caches' [Hkv, D] "
+            f"{tuple(k_cache.shape[2:])} / {tuple(v_cache.shape[2:])}"
+        )
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise TypeError(f"k/v dtypes {k.dtype}/{v.dtype} differ from the cache's {k_cache.dtype}")
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, Dk]
+    v: torch.Tensor,  # [T, Hkv, Dv]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dk]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
+    slot_mapping: torch.Tensor,  # [T] int64 (or int32): flat slot of each token, < 0 = skip (padding)
+) -> None:
+    """Write each token's k/v at its flat slot (block * block_size + offset): one Triton launch, an exact
+    copy (same dtype required). Capturable: grid T."""
+    _check_triton(k.device)
+    _check_kv(k, v, k_cache, v_cache)
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("caches need a unit last stride")
+    T, H, DK = k.shape
+    DV = v.shape[-1]
+    if T == 0:
+        return
+    k, v = _unit_last(k), _unit_last(v)
+    _launch(
+        _store_kv_kernel, (T,), k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H, DK=DK, DV=DV, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=_pow2(H), BLOCK_DK=_pow2(DK), BLOCK_DV=_pow2(DV),
+    )
+
+
+def store_kv_reference(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Torch version of ``store_kv`` (same arguments). Reads which slots are valid on the host."""
+    _check_kv(k, v, k_cache, v_cache)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[keep]
+    v_cache[blocks, offsets] = v[keep]
+
+
+def _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sinks, sliding_window):
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(f"q must be [T, Hq, Dk] and caches [num_blocks, block_size, Hkv, D]; got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    Hq, Dk = q.shape[1], q.shape[2]
+    Hkv, block_size = k_cache.shape[2], k_cache.shape[1]
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != Dk:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q and caches must share a dtype among {_DTYPES}: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    B = seq_lens.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] < B or cu_seqlens_q.shape[0] != B + 1:
+        raise ValueError(f"block_tables [B, max_blocks], cu_seqlens_q [B+1], seq_lens [B]: got "
+                         f"{tuple(block_tables.shape)}, {tuple(cu_seqlens_q.shape)}, {tuple(seq_lens.shape)}")
+    if sinks is not None and sinks.shape != (Hq,):
+        raise ValueError(f"sinks must be [Hq] = [{Hq}], got {tuple(sinks.shape)}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+
+
+def _fit_shared_memory(block_m: int, tile_n: int, min_block_m: int, common: dict, esize: int, stages: int):
+    """Halve the query tile, then the key tile, until Q plus the pipelined K/V tiles fit in ~160 KiB of shared
+    memory (fp32 or head dims of 256 with the prefill defaults would not compile on an H100/H200)."""
+    def smem(bm, tn):
+        return (bm * common["DK_PAD"] + stages * tn * (common["DK_PAD"] + common["DV_PAD"])) * esize
+
+    while smem(block_m, tile_n) > 160 * 1024 and block_m > min_block_m:
+        block_m //= 2
+    while smem(block_m, tile_n) > 160 * 1024 and tile_n > 16:
+        tile_n //= 2
+    return block_m, tile_n
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, Dk]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dk]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [B+1] int32: query offsets into T
+    seq_lens: torch.Tensor,  # [B] int32: keys in the cache per sequence (this step's included)
+    *,
+    max_query_len: int,  # host upper bound of cu_seqlens_q[b+1] - cu_seqlens_q[b] (1: a decode step)
+    max_seq_len: int,  # host upper bound of seq_lens (only used to choose num_splits)
+    scale: float,
+    sliding_window: int | None = None,  # window W: a query sees the W most recent positions, itself included
+    sinks: torch.Tensor | None = None,  # [Hq] per-head sink logits (GPT-OSS)
+    out: torch.Tensor | None = None,  # [T, Hq, Dv], q's dtype, unit last stride
+    num_splits: int | None = None,  # decode split-K count; None: choose_num_splits(...)
+    config: KernelConfig = DEFAULT_CONFIG,
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """Causal attention of a step's queries over their sequences' paged keys (see the module docstring).
+
+    Decode steps (max_query_len == 1) with num_splits > 1 take the split-K kernels, everything else the 2-D
+    kernel; the choice and every grid come from host ints. Output rows of tokens past cu_seqlens_q[B] are
+    left as they are."""
+    _check_triton(q.device)
+    _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sinks, sliding_window)
+    T, Hq, Dk = q.shape
+    Hkv, block_size, Dv = k_cache.shape[2], k_cache.shape[1], v_cache.shape[3]
+    B, G = seq_lens.shape[0], Hq // Hkv
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("caches need a unit last stride")
+    q = _unit_last(q)
+    if out is None:
+        out = torch.empty(T, Hq, Dv, dtype=q.dtype, device=q.device)
+    elif out.shape != (T, Hq, Dv) or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [T, Hq, Dv] = {(T, Hq, Dv)} of {q.dtype} with a unit last stride")
+    if T == 0 or B == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(B, Hkv, max_seq_len) if max_query_len == 1 else 1
+
+    common = dict(
+        DK=Dk, DV=Dv, DK_PAD=max(_pow2(Dk), 16), DV_PAD=max(_pow2(Dv), 16), BLOCK_SIZE=block_size,
+        HAS_WINDOW=sliding_window is not None, IEEE=q.dtype == torch.float32, INTERPRET=interpreting(),
+    )
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    scale_log2 = float(scale) * _LOG2E
+    window = int(sliding_window or 0)
+
+    if max_query_len == 1 and num_splits > 1:
+        block_m = max(config.decode_block_m, _pow2(G))
+        part_m = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(B, Hq, num_splits, common["DV_PAD"], dtype=torch.float32, device=q.device)
+        _launch(
+            _attn_split_kernel, (B, Hkv, num_splits),
+            part_m, part_l, part_acc, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+            scale_log2, window, q.stride(0), q.stride(1), block_tables.stride(0), *cache_strides,
+            Hq=Hq, G=G, BLOCK_M=block_m, TILE_N=config.decode_tile_n, **common,
+            num_warps=config.decode_num_warps, num_stages=config.num_stages,
+        )
+        _launch(
+            _merge_splits_kernel, (B, Hq),
+            out, part_m, part_l, part_acc, sinks if sinks is not None else part_m, cu_seqlens_q,
+            out.stride(0), out.stride(1), num_splits,
+            Hq=Hq, SPLITS_PAD=_pow2(num_splits), DV=Dv, DV_PAD=common["DV_PAD"],
+            HAS_SINKS=sinks is not None, num_warps=4, num_stages=1,
+        )
+        return out
+
+    if max_query_len == 1:
+        block_m, tile_n, warps = max(config.decode_block_m, _pow2(G)), config.decode_tile_n, config.decode_num_warps
+    else:
+        block_m, tile_n, warps = max(config.prefill_block_m, _pow2(G)), config.prefill_tile_n, config.prefill_num_warps
+        block_m, tile_n = _fit_shared_memory(block_m, tile_n, max(_pow2(G), 16), common, q.element_size(), config.num_stages)
+    block_q = 1 if max_query_len == 1 else block_m // G
+    _launch(
+        _attn_2d_kernel, (T // block_q + B, Hkv),
+        out, q, k_cache, v_cache, sinks if sinks is not None else q, block_tables, cu_seqlens_q, seq_lens,
+        B, scale_log2, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *cache_strides,
+        G=G, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, HAS_SINKS=sinks is not None, **common,
+        num_warps=warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Torch reference
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """cache [num_blocks, block_size, H, D], block_tables [B, max_blocks] -> [B, num_tokens, H, D]: each
+    sequence's first num_tokens cache rows, contiguous (positions past a sequence's length hold whatever its
+    blocks hold, or block 0's rows where the table has no entry). For op-by-op paths: the reference, MLA's
+    latent expansion."""
+    num_blocks, block_size = cache.shape[:2]
+    B = block_tables.shape[0]
+    nblk = -(-num_tokens // block_size)
+    tables = block_tables[:, :nblk].long().clamp(0, num_blocks - 1)  # entries past a sequence's blocks: any
+    return cache[tables].reshape(B, nblk * block_size, *cache.shape[2:])[:, :num_tokens]
+
+
+def _dense(
+    q: torch.Tensor,  # [n, Hq, Lq, Dk]
+    keys: torch.Tensor,  # [n, Hkv, Lk, Dk]
+    values: torch.Tensor,  # [n, Hkv, Lk, Dv]
+    mask: torch.Tensor,  # [n, 1, Lq, Lk] bool, True = may attend
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:  # [n, Hq, Lq, Dv]
+    """attention.py's ``attend_cached`` arithmetic: SDPA in the model dtype, or HF eager with sinks."""
+    Hq, Hkv = q.shape[1], keys.shape[1]
+    if Hkv != Hq:
+        keys = keys.repeat_interleave(Hq // Hkv, dim=1)
+        values = values.repeat_interleave(Hq // Hkv, dim=1)
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    n, _, Lq, _ = q.shape
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [n, Hq, Lq, Lk]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).reshape(1, Hq, 1, 1).expand(n, Hq, Lq, 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,  # accepted for a drop-in signature; unused
+    config: KernelConfig | None = None,  # idem
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """``paged_attention`` op by op: per group of sequences (single-query ones, then the others, so that
+    decode rows are not padded to a prefill chunk), gather the blocks into [n, Hkv, Lk, D], pad queries to
+    [n, Hq, Lq, Dk], mask as attention.py does, and run ``_dense``. Stale cache contents past a sequence's
+    length are zeroed before use (they may be anything, NaN included). Rows of padding tokens are zero.
+    ``max_query_len`` / ``max_seq_len`` are not needed (host copies give the exact lengths)."""
+    _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sinks, sliding_window)
+    T, Hq, Dk = q.shape
+    Dv = v_cache.shape[3]
+    result = q.new_zeros(T, Hq, Dv)
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    q_lens = [cu[b + 1] - cu[b] for b in range(len(lens))]
+    decode = [b for b, n in enumerate(q_lens) if n == 1 and lens[b] > 0]  # no keys (padding): zero rows
+    others = [b for b, n in enumerate(q_lens) if n > 1 and lens[b] > 0]
+    device = q.device
+    for group in (decode, others):
+        if not group:
+            continue
+        n, Lq, Lk = len(group), max(q_lens[b] for b in group), max(lens[b] for b in group)
+        idx = torch.tensor(group, device=device)
+        kv_len = seq_lens[idx].long()  # [n]
+        k_pos = torch.arange(Lk, device=device)  # [Lk]
+        valid = k_pos[None, :] < kv_len[:, None]  # [n, Lk]
+        keys = gather_blocks(k_cache, block_tables[idx], Lk)  # [n, Lk, Hkv, Dk]
+        values = gather_blocks(v_cache, block_tables[idx], Lk)
+        keys = keys.masked_fill(~valid[:, :, None, None], 0).transpose(1, 2)  # [n, Hkv, Lk, Dk]
+        values = values.masked_fill(~valid[:, :, None, None], 0).transpose(1, 2)  # [n, Hkv, Lk, Dv]
+
+        rows, seq_i, q_i, q_pos_list = [], [], [], []
+        for i, b in enumerate(group):
+            for j in range(q_lens[b]):
+                rows.append(cu[b] + j)
+                seq_i.append(i)
+                q_i.append(j)
+                q_pos_list.append(lens[b] - q_lens[b] + j)
+        rows_t, seq_t, qi_t = (torch.tensor(x, device=device) for x in (rows, seq_i, q_i))
+        q_pad = q.new_zeros(n, Lq, Hq, Dk)
+        q_pad[seq_t, qi_t] = q[rows_t]
+        q_pos = torch.full((n, Lq), -1, dtype=torch.long, device=device)  # -1 = padding
+        q_pos[seq_t, qi_t] = torch.tensor(q_pos_list, device=device)
+        allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # [n, Lq, Lk]
+        if sliding_window is not None:
+            allowed &= k_pos[None, None, :] > (q_pos[:, :, None] - sliding_window)
+        allowed[:, :, 0] |= q_pos < 0  # padding rows attend key 0 (no empty softmax row); dropped below
+        o = _dense(q_pad.transpose(1, 2), keys, values, allowed[:, None], scale, sinks)  # [n, Hq, Lq, Dv]
+        result[rows_t] = o.transpose(1, 2)[seq_t, qi_t]
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result

@@ -1,0 +1,284 @@
+"""Attention over the paged KV cache (moe_engine/paged_attention.py).
+
+Each case builds a step the way the engine will: sequences with some context already cached and a chunk of
+new queries, their blocks taken from a shuffled free list (block tables neither contiguous nor ordered), the
+cache pre-filled with NaN so that anything read outside a sequence's keys poisons the result. The Triton
+kernels (under the interpreter on CPU, as tests/unit/test_kernels.py; ``MOE_TEST_DEVICE=cuda`` compiles them)
+are compared with the torch reference, and both with an independent float64 computation per sequence on the
+contiguous keys and values (plain causal softmax attention, heads repeated), so the reference is checked too.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moe_engine import paged_attention as pa
+from moe_engine.attention import ForwardBatch, LayerKV, attend_cached, cached_kv
+
+DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
+needs_kernels = pytest.mark.skipif(not pa.available(DEVICE), reason="Triton (or its interpreter) unavailable")
+
+# Small tiles: short sequences still span several key tiles and several query tiles per program grid.
+SMALL = pa.KernelConfig(prefill_block_m=16, prefill_tile_n=16, decode_block_m=16, decode_tile_n=16)
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@dataclass
+class Step:
+    q: torch.Tensor  # [T, Hq, Dk]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    keys: list  # per sequence [seq_len, Hkv, Dk]: what the cache holds, contiguous
+    values: list
+    q_lens: list
+    scale: float
+
+    def args(self):
+        return self.q, self.k_cache, self.v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens
+
+    def kw(self, **extra):
+        return dict(max_query_len=max(self.q_lens), max_seq_len=int(self.seq_lens.max()), scale=self.scale, **extra)
+
+
+def make_step(contexts, q_lens, *, hq, hkv, dk, dv=None, block_size=16, dtype=torch.float32, seed=0) -> Step:
+    """Sequences with contexts[b] cached tokens plus q_lens[b] new ones (already stored, as after store_kv)."""
+    dv = dk if dv is None else dv
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(contexts, q_lens)]
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 5  # a few never used
+    free = torch.randperm(num_blocks, generator=g).tolist()  # shuffled free list
+    max_blocks = max(blocks_per_seq) + 2
+    tables = torch.full((len(seq_lens), max_blocks), 10**6, dtype=torch.int32)  # unused entries: garbage
+    k_cache = torch.full((num_blocks, block_size, hkv, dk), float("nan"), dtype=dtype)
+    v_cache = torch.full((num_blocks, block_size, hkv, dv), float("nan"), dtype=dtype)
+    keys, values = [], []
+    for b, s in enumerate(seq_lens):
+        own = [free.pop() for _ in range(blocks_per_seq[b])]
+        tables[b, : len(own)] = torch.tensor(own, dtype=torch.int32)
+        k = torch.randn(s, hkv, dk, generator=g).to(dtype)
+        v = torch.randn(s, hkv, dv, generator=g).to(dtype)
+        for p in range(s):
+            k_cache[own[p // block_size], p % block_size] = k[p]
+            v_cache[own[p // block_size], p % block_size] = v[p]
+        keys.append(k)
+        values.append(v)
+    T = sum(q_lens)
+    q = torch.randn(T, hq, dk, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    to = lambda x: x.to(DEVICE)  # noqa: E731
+    return Step(to(q), to(k_cache), to(v_cache), to(tables), to(cu), to(torch.tensor(seq_lens, dtype=torch.int32)),
+                keys, values, list(q_lens), scale=dk**-0.5)
+
+
+def dense_float64(step: Step, sliding_window=None, sinks=None) -> torch.Tensor:
+    """Independent check: per sequence, softmax(q k^T * scale) v in float64 on the contiguous k/v, heads
+    repeated, query i at position seq_len - q_len + i, causal (and windowed: the W most recent positions)."""
+    outs = []
+    cu = step.cu_seqlens_q.tolist()
+    for b, (k, v) in enumerate(zip(step.keys, step.values)):
+        q = step.q[cu[b] : cu[b + 1]].cpu().double()  # [n, Hq, Dk]
+        n, hq = q.shape[:2]
+        g = hq // k.shape[1]
+        k = k.double().repeat_interleave(g, dim=1)  # [L, Hq, Dk]
+        v = v.double().repeat_interleave(g, dim=1)
+        L = k.shape[0]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * step.scale  # [Hq, n, L]
+        q_pos = torch.arange(L - n, L)[:, None]
+        k_pos = torch.arange(L)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:  # one extra logit per head in the denominator, no value
+            scores = torch.cat([scores, sinks.double().cpu().view(hq, 1, 1).expand(hq, n, 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :L]
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
+    return torch.cat(outs)
+
+
+def assert_close(actual, expected, dtype, what):
+    err = (actual.cpu().double() - expected.cpu().double()).abs().max().item()
+    torch.testing.assert_close(actual.cpu().double(), expected.cpu().double(), **TOL[dtype], msg=f"{what}: max err {err}")
+
+
+# (name, contexts, q_lens, hq, hkv, dk, dv, block_size, window, sinks)
+CASES = [
+    ("decode", [0, 16, 40, 71], [1, 1, 1, 1], 8, 2, 64, 64, 16, None, False),
+    ("prefill_from_empty", [0, 0], [13, 34], 4, 4, 16, 16, 8, None, False),
+    ("chunks_with_context", [37, 16], [20, 9], 16, 2, 128, 128, 32, None, False),
+    ("mixed_decode_prefill", [30, 0, 70, 0, 19], [1, 1, 1, 24, 5], 4, 1, 80, 80, 16, None, False),
+    ("dk_ne_dv", [5, 0], [1, 18], 4, 2, 64, 32, 8, None, False),
+    ("sliding_window", [50, 0, 33], [1, 26, 7], 8, 2, 16, 16, 8, 7, False),
+    ("sinks_g3", [9, 0, 40], [1, 17, 3], 6, 2, 64, 64, 16, None, True),
+    ("window_and_sinks_decode", [0, 60, 29], [1, 1, 1], 6, 2, 64, 64, 16, 20, True),
+    ("length_one_and_g8", [0, 0], [1, 2], 8, 1, 64, 64, 16, None, False),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name,contexts,q_lens,hq,hkv,dk,dv,bs,window,with_sinks", CASES, ids=[c[0] for c in CASES])
+def test_kernel_and_reference_match_dense_attention(name, contexts, q_lens, hq, hkv, dk, dv, bs, window, with_sinks, dtype):
+    step = make_step(contexts, q_lens, hq=hq, hkv=hkv, dk=dk, dv=dv, block_size=bs, dtype=dtype, seed=len(name))
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(1)).to(DEVICE) if with_sinks else None
+    kw = step.kw(sliding_window=window, sinks=sinks)
+    expected = dense_float64(step, window, sinks)
+    reference = pa.paged_attention_reference(*step.args(), **kw)
+    out = pa.paged_attention(*step.args(), **kw, config=SMALL, num_splits=1)
+    assert out.shape == (sum(q_lens), hq, dv) and out.dtype == dtype
+    assert torch.isfinite(out).all(), "read a NaN outside the sequences' keys"
+    assert_close(reference, expected, dtype, "reference vs dense")
+    assert_close(out, expected, dtype, "kernel vs dense")
+    assert_close(out, reference, dtype, "kernel vs reference")
+
+
+@needs_kernels
+def test_default_tiles_prefill_and_decode():
+    """The shipped tile sizes (128-row query tiles, 64-key tiles) on a mixed step and a decode step."""
+    for contexts, q_lens in (([3, 0, 90], [1, 150, 40]), ([200, 5], [1, 1])):
+        step = make_step(contexts, q_lens, hq=8, hkv=2, dk=64, block_size=16, seed=7)
+        out = pa.paged_attention(*step.args(), **step.kw(), num_splits=1)
+        assert_close(out, dense_float64(step), torch.float32, f"default tiles {q_lens}")
+
+
+SPLIT_CASES = [  # (window, with_sinks, num_splits, dtype)
+    (None, False, 2, torch.float32),
+    (None, False, 3, torch.float32),
+    (None, True, 8, torch.float32),
+    (13, False, 4, torch.float32),
+    (25, True, 5, torch.bfloat16),
+    (None, False, 11, torch.bfloat16),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("window,with_sinks,num_splits,dtype", SPLIT_CASES)
+def test_split_k_decode_matches_dense_attention(window, with_sinks, num_splits, dtype):
+    """Flash-decoding: lengths not divisible by the block, tile or split counts, a sequence of one token, and
+    more splits than a short sequence has tiles (the empty splits must weigh nothing)."""
+    contexts = [0, 36, 150, 233]
+    step = make_step(contexts, [1] * len(contexts), hq=8, hkv=2, dk=64, block_size=16, dtype=dtype, seed=num_splits)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(2)).to(DEVICE) if with_sinks else None
+    kw = step.kw(sliding_window=window, sinks=sinks)
+    out = pa.paged_attention(*step.args(), **kw, num_splits=num_splits, config=SMALL)
+    assert torch.isfinite(out).all()
+    assert_close(out, dense_float64(step, window, sinks), dtype, f"split-K x{num_splits} vs dense")
+    if num_splits == 3:
+        assert_close(out, pa.paged_attention(*step.args(), **kw, num_splits=1, config=SMALL), dtype, "split vs 2-D")
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_padding_entries_read_nothing(num_splits):
+    """What CUDA-graph padding looks like: a sequence with no query in this step, a padded decode entry (one
+    query, no keys, a garbage block table row) and tokens past the last sequence. The padded decode row comes
+    out zero without a block read, the rows past cu_seqlens_q[B] keep what `out` held, the real rows are right."""
+    step = make_step([10, 40], [1, 1], hq=4, hkv=2, dk=16, block_size=8, seed=3)
+    q = torch.cat([step.q[:1], torch.randn(1, 4, 16).to(DEVICE), step.q[1:], torch.randn(2, 4, 16).to(DEVICE)])
+    cu = torch.tensor([0, 1, 1, 2, 3], dtype=torch.int32, device=DEVICE)  # sequence 1: no query; 2: padding
+    seq_lens = torch.tensor([11, 0, 0, 41], dtype=torch.int32, device=DEVICE)
+    garbage = step.block_tables[:1] * 0 + 10**6
+    tables = torch.cat([step.block_tables[:1], garbage, garbage, step.block_tables[1:]])
+    args = (q, step.k_cache, step.v_cache, tables, cu, seq_lens)
+    kw = dict(max_query_len=1, max_seq_len=41, scale=step.scale)
+    out = torch.full((5, 4, 16), 7.0, device=DEVICE)
+    pa.paged_attention(*args, **kw, out=out, num_splits=num_splits, config=SMALL)
+    expected = dense_float64(step)
+    assert_close(out[[0, 2]], expected, torch.float32, "real rows")
+    assert torch.equal(out[1], torch.zeros(4, 16, device=DEVICE))
+    assert torch.equal(out[3:], torch.full((2, 4, 16), 7.0, device=DEVICE))
+    reference = pa.paged_attention_reference(*(t.cpu() for t in args), **kw)
+    assert_close(reference[[0, 2]], expected, torch.float32, "reference real rows")
+    assert not reference[[1, 3, 4]].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reference_computes_exactly_as_slot_attention(dtype):
+    """The reference keeps attention.py's arithmetic (HF parity of the CPU engine): same bits as
+    ``attend_cached`` over a slot cache holding the same keys, for a mixed step (decodes first, as the engine
+    plans them) and for one fresh sequence."""
+    for contexts, q_lens in (([5, 33, 0, 12], [1, 1, 21, 6]), ([0], [48])):
+        step = make_step(contexts, q_lens, hq=4, hkv=2, dk=16, block_size=8, dtype=dtype, seed=11)
+        max_len = int(step.seq_lens.max())
+        slot_k = torch.zeros(len(contexts), 2, max_len, 16, dtype=dtype)
+        slot_v = torch.zeros_like(slot_k)
+        for b, (k, v) in enumerate(zip(step.keys, step.values)):
+            slot_k[b, :, : k.shape[0]] = k.transpose(0, 1)
+            slot_v[b, :, : v.shape[0]] = v.transpose(0, 1)
+        batch = ForwardBatch.build(list(range(len(contexts))), contexts, q_lens, "cpu")
+        for sinks in (None, torch.randn(4).to(dtype)):
+            parts = batch.parts or [(0, batch.num_tokens, batch)]
+            q = step.q.cpu()
+            expected = torch.cat([
+                attend_cached(q[a:b], *cached_kv(LayerKV(slot_k, slot_v), sub), sub, step.scale, 9, sinks)
+                for a, b, sub in parts
+            ])
+            got = pa.paged_attention_reference(*(t.cpu() for t in step.args()), **step.kw(sliding_window=9, sinks=sinks))
+            assert torch.equal(got, expected), (q_lens, sinks is not None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_store_kv_copies_each_token_to_its_slot_exactly(dtype):
+    """Bit-exact copy to slot = block * block_size + offset; slots < 0 (padding) are skipped and every other
+    cache entry is untouched. The torch version does the same."""
+    g = torch.Generator().manual_seed(0)
+    for block_size in (8, 32):
+        num_blocks, T, hkv, dk, dv = 6, 9, 3, 64, 32
+        k = torch.randn(T, hkv, dk, generator=g).to(dtype)
+        v = torch.randn(T, hkv, dv, generator=g).to(dtype)
+        slots = torch.randperm(num_blocks * block_size, generator=g)[:T]
+        slots[[2, 7]] = -1
+        k_cache = torch.randn(num_blocks, block_size, hkv, dk, generator=g).to(dtype)
+        v_cache = torch.randn(num_blocks, block_size, hkv, dv, generator=g).to(dtype)
+        expected_k, expected_v = k_cache.clone(), v_cache.clone()
+        for t, s in enumerate(slots.tolist()):
+            if s >= 0:
+                expected_k[s // block_size, s % block_size] = k[t]
+                expected_v[s // block_size, s % block_size] = v[t]
+        dev = [x.to(DEVICE) for x in (k, v, k_cache, v_cache, slots)]
+        pa.store_kv(*dev)
+        assert torch.equal(dev[2].cpu(), expected_k) and torch.equal(dev[3].cpu(), expected_v)
+        ref_k, ref_v = k_cache.clone(), v_cache.clone()
+        pa.store_kv_reference(k, v, ref_k, ref_v, slots)
+        assert torch.equal(ref_k, expected_k) and torch.equal(ref_v, expected_v)
+
+
+def test_gather_blocks_returns_each_sequence_in_order():
+    step = make_step([0, 21], [5, 1], hq=2, hkv=2, dk=16, block_size=8, seed=5)
+    got = pa.gather_blocks(step.k_cache.cpu(), step.block_tables.cpu(), 22)  # [B, 22, Hkv, Dk]
+    assert torch.equal(got[1], step.keys[1]) and torch.equal(got[0, :5], step.keys[0])
+
+
+def test_bad_arguments_raise_clear_errors():
+    step = make_step([3], [2], hq=4, hkv=2, dk=16, block_size=8)
+    q, kc, vc, bt, cu, sl = (t.cpu() for t in step.args())
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        pa.paged_attention_reference(q[:, :3], kc, vc, bt, cu, sl, **step.kw())
+    with pytest.raises(TypeError, match="dtype"):
+        pa.paged_attention_reference(q.double(), kc, vc, bt, cu, sl, **step.kw())
+    with pytest.raises(ValueError, match="sinks"):
+        pa.paged_attention_reference(q, kc, vc, bt, cu, sl, **step.kw(sinks=torch.zeros(3)))
+    with pytest.raises(ValueError, match="power of two"):
+        pa.paged_attention_reference(q, kc[:, :6], vc[:, :6], bt, cu, sl, **step.kw())
+    with pytest.raises(TypeError, match="differ from the cache"):
+        pa.store_kv_reference(torch.zeros(1, 2, 16, dtype=torch.bfloat16), torch.zeros(1, 2, 16), kc, vc,
+                              torch.zeros(1, dtype=torch.long))
+
+
+def test_num_splits_rule():
+    """Split only while programs are scarce, keep >= 512 keys per split, powers of two, at most 64."""
+    for num_seqs in (1, 2, 16, 64, 256):
+        for max_len in (100, 1024, 8192, 32768):
+            n = pa.choose_num_splits(num_seqs, 4, max_len, num_sms=132)
+            assert n >= 1 and n & (n - 1) == 0 and n <= 64
+            assert n == 1 or max_len // n >= 512
+            assert n == 1 or num_seqs * 4 * (n // 2) < 2 * 132  # half as many splits would not fill two waves
+    assert pa.choose_num_splits(1, 4, 32768) == 64 and pa.choose_num_splits(256, 4, 32768) == 1
