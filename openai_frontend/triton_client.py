@@ -198,10 +198,24 @@ class EngineError(Exception):
     CANCELLED = "cancelled"
     INTERNAL = "internal"
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.code = code  # the OpenAI error code when it is not the kind's usual one
+
+
+# Triton's words for "the model's backend is gone" (a dead python stub, a model that is not loaded, a
+# restricted API): a 503 the watchdog resolves by restarting, not a 500 and not "overloaded".
+_BACKEND_DOWN_HINTS = (
+    "stub process", "is not healthy", "is not ready", "unknown model", "restricted",
+    "failed to connect", "connection refused", "socket closed",
+)
+
+
+def backend_unavailable(message: str) -> EngineError:
+    return EngineError(EngineError.UNAVAILABLE, f"the model backend is unavailable: {message}",
+                       code="backend_unavailable")
 
 
 _INVALID_HINTS = (
@@ -221,6 +235,11 @@ def classify_error(message: str) -> EngineError:
     code, so the code name in the message (if any) or known wordings decide.
     """
     low = message.lower()
+    if low.startswith("unavailable:"):  # the moe backend: its queue is full, or its engine stopped
+        rest = message.split(": ", 1)[1]
+        if "not running" in rest:
+            return backend_unavailable(rest)
+        return EngineError(EngineError.UNAVAILABLE, rest, code="overloaded")
     # The moe backend starts every error with its kind; the wording hints below are for other models.
     for prefix, kind in (
         ("invalid request:", EngineError.INVALID),
@@ -230,6 +249,8 @@ def classify_error(message: str) -> EngineError:
     ):
         if low.startswith(prefix):
             return EngineError(kind, message.split(": ", 1)[1] if prefix.endswith(":") else message)
+    if any(h in low for h in _BACKEND_DOWN_HINTS):
+        return backend_unavailable(message)
     if "cancel" in low:
         return EngineError(EngineError.CANCELLED, message)
     if any(h in low for h in _UNAVAILABLE_HINTS):
@@ -250,9 +271,12 @@ class Engine(Protocol):
 
 
 class TritonEngine:
-    def __init__(self, url: str, model_name: str) -> None:
+    """``headers``: sent with every call (moe-serve's per-run Triton key, see triton_server.TritonAccess)."""
+
+    def __init__(self, url: str, model_name: str, headers: dict[str, str] | None = None) -> None:
         self.url = url
         self.model_name = model_name
+        self.headers = headers
         self._client = grpcaio.InferenceServerClient(url=url)
 
     async def close(self) -> None:
@@ -261,14 +285,14 @@ class TritonEngine:
     async def is_ready(self, timeout_s: float = 2.0) -> bool:
         try:
             return bool(
-                await self._client.is_server_ready(client_timeout=timeout_s)
-                and await self._client.is_model_ready(self.model_name, client_timeout=timeout_s)
+                await self._client.is_server_ready(headers=self.headers, client_timeout=timeout_s)
+                and await self._client.is_model_ready(self.model_name, headers=self.headers, client_timeout=timeout_s)
             )
         except (InferenceServerException, grpc.RpcError, asyncio.TimeoutError, OSError):
             return False
 
     async def model_info(self) -> ModelInfo:
-        config = await self._client.get_model_config(self.model_name, as_json=True)
+        config = await self._client.get_model_config(self.model_name, headers=self.headers, as_json=True)
         return ModelInfo.from_model_config(config)
 
     async def generate(self, request: EngineRequest, request_id: str) -> AsyncIterator[EngineOutput]:
@@ -287,7 +311,7 @@ class TritonEngine:
         async def one_request():
             yield payload
 
-        call = self._client.stream_infer(one_request())
+        call = self._client.stream_infer(one_request(), headers=self.headers)
         finished = False
         try:
             async for result, error in call:
@@ -307,8 +331,9 @@ class TritonEngine:
             code = e.code()
             if code == grpc.StatusCode.CANCELLED:
                 raise EngineError(EngineError.CANCELLED, e.details() or "cancelled") from e
-            kind = EngineError.UNAVAILABLE if code == grpc.StatusCode.UNAVAILABLE else EngineError.INTERNAL
-            raise EngineError(kind, f"Triton: {code.name}: {e.details()}") from e
+            if code == grpc.StatusCode.UNAVAILABLE:
+                raise backend_unavailable(f"Triton: {code.name}: {e.details()}") from e
+            raise EngineError(EngineError.INTERNAL, f"Triton: {code.name}: {e.details()}") from e
         except InferenceServerException as e:
             finished = True
             raise classify_error(e.message()) from e
