@@ -149,6 +149,8 @@ class BackendWatchdog(threading.Thread):
         self._client = None
 
     def finish(self) -> None:
+        """moe-serve no longer needs Triton: stop watching (a tritonserver this thread restarted gets
+        SIGTERM when the thread ends, which the caller's own stop then completes)."""
         self._finished.set()
 
     # -- probes ------------------------------------------------------------

@@ -246,11 +246,19 @@ class TritonPythonModel:
         # The family must outlive its metrics: keep it in the dict too.
         metrics = {k: family.Metric(labels={**labels, "state": k}) for k in ("running", "waiting", "free_slots")}
         metrics["_family"] = family
+        # Liveness and progress, for moe-serve's watchdog: steps must grow while requests are in the engine.
+        for key, help_text in (("steps", "Engine steps run since the model was loaded"),
+                               ("alive", "1 while the engine thread runs, 0 once it died")):
+            fam = pb_utils.MetricFamily(name=f"moe_engine_{key}", description=help_text,
+                                        kind=pb_utils.MetricFamily.GAUGE)
+            metrics[key] = fam.Metric(labels=labels)
+            metrics[f"_{key}_family"] = fam
         return metrics
 
     def _update_metrics(self) -> None:
-        for key, value in self.engine.stats().items():
-            if key in self._metrics and key != "_family":
+        stats = dict(self.engine.stats(), alive=0 if self.engine.dead is not None else 1)
+        for key, value in stats.items():
+            if key in self._metrics and not key.startswith("_"):
                 self._metrics[key].set(value)
 
     def _poll_cancellations(self) -> None:
