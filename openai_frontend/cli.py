@@ -160,19 +160,24 @@ def resolve_checkpoint(model: str | None) -> Path:
     return path.resolve()
 
 
+def usage_error(message: str) -> SystemExit:
+    print(f"moe-serve: error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
 def read_key(value: str | None, path: str | None, flag: str) -> str | None:
     """A key from its flag/env or from a file (first line); SystemExit on a bad combination."""
     if path is None:
         return value or None
     if value:
-        raise SystemExit(f"moe-serve: error: give {flag} or {flag}-file, not both")
+        raise usage_error(f"give {flag} or {flag}-file, not both")
     try:
         lines = Path(path).read_text().strip().splitlines()
     except OSError as exc:
-        raise SystemExit(f"moe-serve: error: {flag}-file {path}: {exc.strerror}") from None
+        raise usage_error(f"{flag}-file {path}: {exc.strerror}") from None
     key = lines[0].strip() if lines else ""
     if not key:
-        raise SystemExit(f"moe-serve: error: {flag}-file {path} is empty")
+        raise usage_error(f"{flag}-file {path} is empty")
     return key
 
 
@@ -180,15 +185,15 @@ def triton_access(args) -> TritonAccess:  # noqa: ANN001 - argparse namespace
     key = read_key(args.triton_api_key, args.triton_api_key_file, "--triton-api-key")
     if key is None:
         if not is_loopback(args.triton_host):
-            raise SystemExit(
-                f"moe-serve: error: --triton-host {args.triton_host} would expose Triton beyond this machine; "
+            raise usage_error(
+                f"--triton-host {args.triton_host} would expose Triton beyond this machine; "
                 "that needs --triton-api-key (or MOE_SERVE_TRITON_API_KEY / --triton-api-key-file)"
             )
         return TritonAccess.private()
     try:
         return TritonAccess.with_key(key, args.triton_host)
     except TritonError as exc:
-        raise SystemExit(f"moe-serve: error: {exc}") from None
+        raise usage_error(str(exc)) from None
 
 
 def _uvicorn_server(config):  # noqa: ANN001, ANN202
