@@ -1,6 +1,7 @@
 """A moe-serve of its own, as users start it (Triton private): what an attacker on the host can reach,
-a killed python stub (in-flight requests end with 503 at once, /health 503, the backend comes back),
-and SIGTERM with a long stream in flight (an error event, then [DONE]; nothing left running).
+the request deadline (504, the engine slot comes back), a killed python stub (in-flight requests end with
+503 at once, /health 503, the backend comes back), and SIGTERM with a long stream in flight (an error
+event, then [DONE]; nothing left running).
 
 The tests run in file order on one server; the last one stops it.
 """
@@ -31,7 +32,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     s = start_server(tmp_path_factory.mktemp("private"), ["--max-model-len", str(MAX_MODEL_LEN),
-                     "--max-backend-restarts", "1", "--shutdown-timeout", "2"], api_key=API_KEY,
+                     "--max-backend-restarts", "1", "--shutdown-timeout", "2", "--request-timeout", "4"],
+                     api_key=API_KEY,
                      triton_api_key=None)
     yield s
     if s.proc.poll() is None:
@@ -113,6 +115,24 @@ def test_triton_is_private_and_model_control_is_off(server, tmp_path):
     r = httpx.post(server.base_url + "/completions", headers=AUTH,
                    json={"model": server.model, "prompt": "still serving", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def engine_running(server) -> float:
+    text = httpx.get(server.root_url + "/metrics").text  # the engine's gauges, on the API's port
+    line = next(x for x in text.splitlines() if x.startswith('moe_engine_requests{model="moe",state="running"'))
+    return float(line.split()[-1])
+
+
+def test_a_request_past_its_deadline_is_cancelled_and_answered_504(server):
+    t0 = time.monotonic()
+    r = httpx.post(server.base_url + "/completions", headers=AUTH, timeout=60,
+                   json={"model": server.model, "prompt": "x", "max_tokens": 1000, "ignore_eos": True})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+    assert 3.9 < time.monotonic() - t0 < 8
+    deadline = time.monotonic() + 5
+    while engine_running(server) != 0:  # the engine let it go
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
 
 
 def test_killed_stub_ends_in_flight_requests_with_503_then_the_backend_comes_back(server):
