@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,6 +195,8 @@ class TritonServer:
         # stop/kill remove exactly this run's regions, also those a killed stub leaves behind.
         self.shm_prefix = f"moe_serve_{os.getpid()}_{secrets.token_hex(4)}_"
         self.proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()  # start vs stop: the watchdog may be restarting while moe-serve stops
+        self._stopped = False
         self._socket_dir: Path | None = None
         if not self.access.shared:
             sock = self.run_dir / "grpc.sock"
@@ -274,13 +277,16 @@ class TritonServer:
         return env
 
     def start(self) -> None:
-        if not self.access.shared:
-            Path(f"{self._socket}:0").unlink(missing_ok=True)
-        cmd = self.command()
-        shown = [c if "restrict" not in c else c.split("=")[0] + "=<hidden>" for c in cmd]
-        log.info("starting tritonserver: %s", " ".join(shown))
-        # Its own session: a Ctrl-C in the terminal reaches moe-serve only, which then stops Triton in order.
-        self.proc = subprocess.Popen(cmd, env=self.env(), start_new_session=True, preexec_fn=_die_with_parent)
+        with self._lock:
+            if self._stopped:
+                raise TritonError("tritonserver is being stopped for good")
+            if not self.access.shared:
+                Path(f"{self._socket}:0").unlink(missing_ok=True)
+            cmd = self.command()
+            shown = [c if "restrict" not in c else c.split("=")[0] + "=<hidden>" for c in cmd]
+            log.info("starting tritonserver: %s", " ".join(shown))
+            # Its own session: a Ctrl-C in the terminal reaches moe-serve only, which then stops Triton in order.
+            self.proc = subprocess.Popen(cmd, env=self.env(), start_new_session=True, preexec_fn=_die_with_parent)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -334,6 +340,8 @@ class TritonServer:
         self.remove_shm()
 
     def stop(self, timeout: float = 20.0) -> None:
+        with self._lock:
+            self._stopped = True  # no restart from here on
         if self.proc is not None and self.proc.poll() is None:
             log.info("stopping tritonserver (pid %d)", self.proc.pid)
             _signal_group(self.proc.pid, signal.SIGTERM)

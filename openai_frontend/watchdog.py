@@ -254,6 +254,8 @@ class BackendWatchdog(threading.Thread):
             self.triton.start()  # a child of this thread, which lives until moe-serve stops Triton
             self.triton.wait_ready(self.load_timeout_s)
         except TritonError as exc:
+            if self._finished.is_set():
+                return False  # moe-serve is stopping Triton itself
             log.error("restarting tritonserver failed: %s", exc)
             self.triton.kill()
             self.on_give_up(f"{reason}; restart failed: {exc}")
