@@ -101,8 +101,12 @@ ENV HOME=/home/moe \
     MOE_SERVE_PORT=9000
 RUN python -c "from moe_engine.tiny import ensure_tiny_checkpoint; print(ensure_tiny_checkpoint())"
 
-# The OpenAI API. Triton's own ports (8000 HTTP, 8001 gRPC, 8002 metrics) stay on the
-# container's loopback unless MOE_SERVE_TRITON_HOST=0.0.0.0 and -p 8000-8002:8000-8002.
+# The OpenAI API. Triton has no port by default (gRPC is a unix socket in moe-serve's run
+# directory, HTTP is off, metrics stay on the container's loopback); Triton clients get in only
+# with a key: -e MOE_SERVE_TRITON_API_KEY=... -e MOE_SERVE_TRITON_HOST=0.0.0.0 -p 8000-8001:8000-8001.
+# Keys go in the environment or a mounted file (--api-key-file), never in the command.
+# Stopping: moe-serve gives in-flight requests --shutdown-timeout (30 s) after SIGTERM, so
+# `docker stop -t 40`; with --restart=on-failure Docker restarts it when it gives up on a backend.
 EXPOSE 9000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python", "/opt/moe-serve/docker/healthcheck.py"]

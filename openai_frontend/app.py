@@ -4,6 +4,15 @@
 connection is opened in the lifespan; the model metadata (``moe_metadata``)
 is fetched from the model config then and, if Triton is not ready yet,
 retried in the background (``/health`` says 503 until it is loaded).
+
+Middleware, outermost first: ``_FrontMiddleware`` (API key, request
+metrics), :class:`~.lifecycle.RequestGuard` (body limit, availability gate,
+deadlines, aborts).  ``app.state.server_state`` is the
+:class:`~.lifecycle.ServerState` that moe-serve's watchdog and signal
+handlers drive.  With a key set, everything but ``/health`` and ``/metrics``
+needs it: ``/health`` is for load balancers and container health checks,
+``/metrics`` for Prometheus scrapers, as in vLLM (both show only aggregate
+numbers, never request content).
 """
 
 from __future__ import annotations
@@ -21,9 +30,20 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .config import FrontendConfig
-from .errors import ClientDisconnected, OpenAIError, ServiceUnavailableError, install_error_handlers, model_not_found
+from .errors import (
+    BadRequestError,
+    ClientDisconnected,
+    OpenAIError,
+    ServiceUnavailableError,
+    backend_unavailable,
+    install_error_handlers,
+    model_not_found,
+    shutting_down,
+)
 from .http_utils import check_api_key
+from .lifecycle import RequestGuard, ServerState
 from .metrics import CONTENT_TYPE, Metrics
+from .openapi_doc import documented_openapi
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from .responses import disconnected_response
 from .serving import ServingContext
@@ -38,6 +58,7 @@ logger = logging.getLogger(__name__)
 _GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 _KNOWN_ENDPOINTS = frozenset(_GENERATION_ENDPOINTS + ("/v1/models", "/health", "/metrics"))
 _PROTECTED_PREFIXES = ("/v1/", "/inference/")
+_PROTECTED_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
 class _FrontMiddleware:
@@ -65,7 +86,7 @@ class _FrontMiddleware:
             await send(message)
 
         try:
-            if self.api_key is not None and path.startswith(_PROTECTED_PREFIXES):
+            if self.api_key is not None and (path.startswith(_PROTECTED_PREFIXES) or path in _PROTECTED_PATHS):
                 headers = dict(scope.get("headers") or [])
                 auth = headers.get(b"authorization")
                 try:
@@ -117,6 +138,7 @@ async def _load_model_info(ctx: ServingContext, timeout_s: float) -> None:
         if ctx.tokenizer.vocab_size > info.vocab_size:
             logger.warning("tokenizer has %d tokens but the model only %d", ctx.tokenizer.vocab_size, info.vocab_size)
         ctx.metrics.configure(info)
+        ctx.tokenizer.set_max_model_len(info.max_model_len)  # text longer than any prompt that fits: 400 early
         ctx.model = info
         logger.info("serving %s: %s", ctx.cfg.served_model_name, info)
         return
@@ -125,14 +147,24 @@ async def _load_model_info(ctx: ServingContext, timeout_s: float) -> None:
 def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
     """The API app.  ``engine`` replaces the Triton client (tests only)."""
     tokenizer = Tokenizer.from_dir(cfg.checkpoint_dir)
-    metrics = Metrics()
+    metrics = Metrics(cfg.triton_metrics_url)
     ctx = ServingContext(cfg, engine, tokenizer, metrics)
+    state = ServerState(cfg.retry_after_s)
+    own_engine = engine is None
+
+    async def reconnect() -> None:
+        """After a backend restart: a fresh channel (the old one may sit in its reconnect backoff)."""
+        if own_engine:
+            old, ctx.client = ctx.client, TritonClient(cfg.triton_grpc_url, cfg.triton_model_name, cfg.triton_headers)
+            await old.close()
+
+    state.on_backend_up = reconnect
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        own_engine = engine is None
+        state.loop = asyncio.get_running_loop()
         if own_engine:
-            ctx.client = TritonClient(cfg.triton_grpc_url, cfg.triton_model_name)
+            ctx.client = TritonClient(cfg.triton_grpc_url, cfg.triton_model_name, cfg.triton_headers)
         loader = asyncio.create_task(_load_model_info(ctx, cfg.startup_timeout_s))
         try:
             await asyncio.wait_for(asyncio.shield(loader), timeout=min(5.0, cfg.startup_timeout_s))
@@ -148,8 +180,12 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
 
     app = FastAPI(title="moe-serve", version="0.1.0", lifespan=lifespan, strict_content_type=False)
     app.state.ctx = ctx
+    app.state.server_state = state
     install_error_handlers(app)
-    app.add_middleware(_FrontMiddleware, cfg=cfg, metrics=metrics)
+    app.add_middleware(RequestGuard, state=state, metrics=metrics, max_request_bytes=cfg.max_request_bytes,
+                       request_timeout_s=cfg.request_timeout_s)
+    app.add_middleware(_FrontMiddleware, cfg=cfg, metrics=metrics)  # added last: outermost
+    app.openapi = lambda: documented_openapi(app)
 
     async def guarded(handler: Callable[..., Awaitable[Response]], req: Any, raw: Request) -> Response:
         try:
@@ -160,13 +196,18 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if state.draining:
+            return shutting_down(cfg.retry_after_s).to_response()
+        if state.backend_error is not None:
+            return backend_unavailable(cfg.retry_after_s).to_response()
         if ctx.model is not None and await ctx.client.is_ready():
             return Response(status_code=200)
         return ServiceUnavailableError("Triton or the model is not ready.", code="not_ready").to_response()
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        # In a thread: the engine gauges are fetched from Triton's metrics port.
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
@@ -184,6 +225,10 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        if req.chat_template is not None and not cfg.trust_request_chat_template:
+            # A template is code: rendering one from a client is opt-in (vLLM's --trust-request-chat-template).
+            raise BadRequestError("`chat_template` in requests is disabled on this server (the operator can "
+                                  "enable it with --trust-request-chat-template).", param="chat_template")
         return await guarded(create_chat_completion, req, raw)
 
     @app.post("/inference/v1/generate")

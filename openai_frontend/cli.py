@@ -1,13 +1,23 @@
-"""`moe-serve`: start tritonserver with the moe model, then serve the OpenAI API.
+"""`moe-serve`: start a locked-down tritonserver with the moe model, then serve the OpenAI API.
 
 Flags follow vLLM's names; each also reads an environment variable
-(MOE_SERVE_<FLAG>, e.g. MOE_SERVE_PORT=9000) for containers. SIGINT/SIGTERM
-stop the API and tritonserver (and its python stubs); if tritonserver dies,
-moe-serve says so and exits non-zero.
+(MOE_SERVE_<FLAG>, e.g. MOE_SERVE_PORT=9000) for containers. Keys are best
+passed through the environment or a file (a command line is visible in `ps`).
+
+Lifecycle (README "Health, failures and shutdown"):
+- the watchdog (watchdog.py) watches tritonserver, its python stub and the
+  engine; on a failure every in-flight request ends with a 503 at once,
+  /health turns 503, and tritonserver is restarted (at most
+  --max-backend-restarts times in ten minutes); past that moe-serve exits 1;
+- SIGTERM/SIGINT: stop accepting, let in-flight requests finish for
+  --shutdown-timeout seconds, end the rest with a 503 (an SSE error event and
+  [DONE] for streams), stop tritonserver, exit 0. A second signal ends the
+  in-flight requests at once.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -22,9 +32,12 @@ from moe_engine.engine_config import EngineConfig
 from .triton_server import (
     DEFAULT_MODEL_REPOSITORY,
     DEFAULT_MOE_BACKEND,
+    KEY_NAME,
+    TritonAccess,
     TritonError,
     TritonPorts,
     TritonServer,
+    is_loopback,
     model_config_with_parameters,
 )
 
@@ -61,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--served-model-name", default=None, help="model name in the API (default: the checkpoint's folder name)")
     add("--host", default="127.0.0.1", help="API bind address")
     add("--port", type=int, default=9000, help="API port")
-    add("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every request")
+    add("--api-key", default=None,
+        help="require 'Authorization: Bearer <key>' (all but /health and /metrics); on the command line it is "
+             "visible in `ps`: prefer the environment variable or --api-key-file")
+    add("--api-key-file", default=None, help="file whose first line is the API key")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights dtype")
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="engine device")
     add("--max-num-seqs", type=int, default=None, help="sequences running at once (default: 256 on CUDA, 64 on CPU)")
@@ -121,10 +137,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="CUDA: op-by-op forward instead of the fused Triton kernels (same results; debugging)",
     )
-    add("--triton-http-port", type=int, default=8000, help="tritonserver HTTP port")
-    add("--triton-grpc-port", type=int, default=8001, help="tritonserver gRPC port")
-    add("--triton-metrics-port", type=int, default=8002, help="tritonserver metrics port")
-    add("--triton-host", default="127.0.0.1", help="tritonserver bind address (0.0.0.0 to expose it)")
+    add("--request-timeout", type=float, default=3600.0,
+        help="seconds a generation request may run; past it the request is cancelled and answered 504 (0: none)")
+    add("--max-request-bytes", type=int, default=16 * 2**20, help="largest request body; larger ones get 413 (0: none)")
+    add("--shutdown-timeout", type=float, default=30.0,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are ended with a 503")
+    add("--max-backend-restarts", type=int, default=3,
+        help="restarts of a failed tritonserver within ten minutes before moe-serve exits 1 (0: exit at once)")
+    add("--engine-stall-timeout", type=float, default=10.0,
+        help="seconds without an engine step while it holds requests before the backend counts as stuck")
+    add("--trust-request-chat-template", action="store_true", default=False,
+        help="accept `chat_template` in chat requests (a template is code; off by default, as vLLM)")
+    add("--triton-api-key", default=None,
+        help="let Triton clients in: gRPC and HTTP listen on --triton-host and need the header "
+             f"'{KEY_NAME}: <key>' (gRPC metadata 'triton-grpc-protocol-{KEY_NAME}'); without it Triton has no "
+             "HTTP port and its gRPC is a private unix socket")
+    add("--triton-api-key-file", default=None, help="file whose first line is the Triton API key")
+    add("--triton-http-port", type=int, default=8000, help="tritonserver HTTP port (with --triton-api-key)")
+    add("--triton-grpc-port", type=int, default=8001, help="tritonserver gRPC port (with --triton-api-key)")
+    add("--triton-metrics-port", type=int, default=8002, help="tritonserver metrics port (always on 127.0.0.1)")
+    add("--triton-host", default="127.0.0.1",
+        help="tritonserver bind address with --triton-api-key (an address beyond loopback needs the key)")
     add("--tritonserver", default=None, help="tritonserver binary (default: PATH, else the pytriton wheel's)")
     add("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY), help="Triton model repository")
     add("--moe-backend", default=str(DEFAULT_MOE_BACKEND), help="directory of the moe backend's model.py")
@@ -146,11 +179,64 @@ def resolve_checkpoint(model: str | None) -> Path:
     return path.resolve()
 
 
+def usage_error(message: str) -> SystemExit:
+    print(f"moe-serve: error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def read_key(value: str | None, path: str | None, flag: str) -> str | None:
+    """A key from its flag/env or from a file (first line); SystemExit on a bad combination."""
+    if path is None:
+        return value or None
+    if value:
+        raise usage_error(f"give {flag} or {flag}-file, not both")
+    try:
+        lines = Path(path).read_text().strip().splitlines()
+    except OSError as exc:
+        raise usage_error(f"{flag}-file {path}: {exc.strerror}") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise usage_error(f"{flag}-file {path} is empty")
+    return key
+
+
+def triton_access(args) -> TritonAccess:  # noqa: ANN001 - argparse namespace
+    key = read_key(args.triton_api_key, args.triton_api_key_file, "--triton-api-key")
+    if key is None:
+        if not is_loopback(args.triton_host):
+            raise usage_error(
+                f"--triton-host {args.triton_host} would expose Triton beyond this machine; "
+                "that needs --triton-api-key (or MOE_SERVE_TRITON_API_KEY / --triton-api-key-file)"
+            )
+        return TritonAccess.private()
+    try:
+        return TritonAccess.with_key(key, args.triton_host)
+    except TritonError as exc:
+        raise usage_error(str(exc)) from None
+
+
+def _uvicorn_server(config):  # noqa: ANN001, ANN202
+    """A uvicorn.Server whose signal handling stays moe-serve's (graceful shutdown, second signal)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # noqa: ANN202
+            yield
+
+    return Server(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    api_key = read_key(args.api_key, args.api_key_file, "--api-key")
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in (sys.argv if argv is None else argv)):
+        log.warning("--api-key on the command line is visible to every local user in `ps`; "
+                    "use MOE_SERVE_API_KEY or --api-key-file")
+    access = triton_access(args)
     checkpoint = resolve_checkpoint(args.model)
     try:
         cfg = load_config(checkpoint)
@@ -202,43 +288,58 @@ def main(argv: list[str] | None = None) -> int:
     }
     repo = Path(args.model_repository)
     try:
+        config = model_config_with_parameters(repo / TRITON_MODEL / "config.pbtxt", parameters)
         triton = TritonServer(
-            model_repository=repo,
+            model_config=config,
+            model_name=TRITON_MODEL,
             ports=TritonPorts(args.triton_http_port, args.triton_grpc_port, args.triton_metrics_port),
+            access=access,
             binary=args.tritonserver,
             shm_bytes=args.triton_shm_mb * 2**20,
-            host=args.triton_host,
             moe_backend=Path(args.moe_backend),
             run_dir=args.run_dir,
         )
-    except TritonError as exc:
+    except (TritonError, OSError) as exc:
         print(f"moe-serve: error: {exc}", file=sys.stderr)
         return 2
 
-    stopping = threading.Event()
     uvicorn_server = None
+    state = None
+    watchdog = None
+    exit_code = 0
+    signals = 0
 
-    def on_signal(signum, frame):
-        stopping.set()
-        if uvicorn_server is not None:
+    def on_signal(signum, frame):  # noqa: ANN001
+        nonlocal signals
+        signals += 1
+        if watchdog is not None:
+            watchdog.shutting_down.set()
+        if uvicorn_server is None:
+            raise KeyboardInterrupt  # still starting: stop Triton and leave
+        if signals == 1:
+            log.info("%s: finishing in-flight requests (at most %.0f s), then stopping",
+                     signal.Signals(signum).name, args.shutdown_timeout)
+            state.begin_shutdown(args.shutdown_timeout)
             uvicorn_server.should_exit = True
         else:
-            raise KeyboardInterrupt
+            log.info("%s again: ending in-flight requests now", signal.Signals(signum).name)
+            state.end_now()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    exit_code = 0
     try:
         triton.start()
-        triton.wait_live()
         log.info("loading %s from %s", cfg.architecture, checkpoint)
-        triton.load_model(TRITON_MODEL, model_config_with_parameters(repo / TRITON_MODEL / "config.pbtxt", parameters))
-        log.info("model %r is READY on tritonserver (gRPC %s, HTTP %s)", TRITON_MODEL, triton.grpc_url, triton.http_url)
+        triton.wait_ready()
+        log.info("model %r is READY on tritonserver (%s)", TRITON_MODEL,
+                 f"gRPC {triton.grpc_url}, HTTP {triton.http_url}, key header {KEY_NAME!r}" if access.shared
+                 else "private: gRPC on a unix socket, no HTTP")
 
         import uvicorn
 
         from .app import create_app
         from .config import FrontendConfig
+        from .watchdog import BackendWatchdog
 
         app = create_app(
             FrontendConfig(
@@ -246,29 +347,44 @@ def main(argv: list[str] | None = None) -> int:
                 served_model_name=served_name,
                 checkpoint_dir=str(checkpoint),
                 triton_model_name=TRITON_MODEL,
-                api_key=args.api_key,
+                api_key=api_key,
                 enable_routed_experts=not args.disable_routed_experts,
                 max_pending_requests=args.max_pending_requests,
+                triton_headers=access.grpc_headers,
+                triton_metrics_url=triton.metrics_url,
+                max_request_bytes=args.max_request_bytes or None,
+                request_timeout_s=args.request_timeout or None,
+                trust_request_chat_template=args.trust_request_chat_template,
             )
         )
-        uvicorn_server = uvicorn.Server(
-            uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        state = app.state.server_state
+        metrics = app.state.ctx.metrics
+        from .lifecycle import CLEANUP_WAIT_S
+
+        uvicorn_server = _uvicorn_server(
+            uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                           timeout_graceful_shutdown=args.shutdown_timeout + CLEANUP_WAIT_S + 2)
         )
-        uvicorn_server.install_signal_handlers = lambda: None  # ours (above) stay in charge
 
-        def watch_triton():
+        def on_up():
+            metrics.backend_restarts.inc()
+            state.backend_up()
+
+        def on_give_up(reason):
             nonlocal exit_code
-            while not stopping.wait(0.5):
-                if not triton.alive():
-                    log.error("tritonserver died (exit code %s); shutting down", triton.proc.returncode)
-                    exit_code = 1
-                    uvicorn_server.should_exit = True
-                    return
+            log.error("the backend failed (%s); moe-serve exits (status 1) for its supervisor to restart it", reason)
+            exit_code = 1
+            uvicorn_server.should_exit = True
 
-        threading.Thread(target=watch_triton, name="triton-watchdog", daemon=True).start()
+        watchdog = BackendWatchdog(
+            triton, on_down=state.backend_down, on_up=on_up, on_give_up=on_give_up,
+            max_restarts=args.max_backend_restarts, stall_timeout_s=args.engine_stall_timeout,
+        )
+        watchdog.arm()
+        watchdog.start()
         log.info("OpenAI API on http://%s:%d/v1 (model %r)", args.host, args.port, served_name)
         uvicorn_server.run()
-        if not stopping.is_set() and exit_code == 0 and not uvicorn_server.started:
+        if signals == 0 and exit_code == 0 and not uvicorn_server.started:
             exit_code = 1  # e.g. the API port was taken
     except TritonError as exc:
         log.error("%s", exc)
@@ -276,8 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.info("interrupted")
     finally:
-        stopping.set()
+        if watchdog is not None:
+            watchdog.finish()  # from now on Triton going away is intended
         triton.stop()
+        if watchdog is not None:
+            watchdog.join(10)
     log.info("stopped")
     return exit_code
 

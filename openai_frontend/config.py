@@ -18,3 +18,9 @@ class FrontendConfig:
     retry_after_s: int = 1  # Retry-After header value on overload
     max_logprobs: int = 20  # upper bound for logprobs / top_logprobs
     startup_timeout_s: float = 120.0  # how long to keep polling Triton for the model at start
+    # Reliability and security (README "Security", "Health, failures and shutdown").
+    triton_headers: dict[str, str] | None = None  # moe-serve's Triton key, sent with every gRPC call
+    triton_metrics_url: str | None = None  # Triton's metrics (loopback): engine gauges copied into /metrics
+    max_request_bytes: int | None = 16 * 2**20  # bodies over this get 413; None = no limit
+    request_timeout_s: float | None = 3600.0  # a generation request running longer gets 504; None = no limit
+    trust_request_chat_template: bool = False  # accept `chat_template` in requests (as vLLM's flag)

@@ -4,6 +4,14 @@ Every error leaves the server as
 ``{"error": {"message", "type", "param", "code"}}`` with a meaningful HTTP
 status; handlers for FastAPI's own errors (validation, 404/405, malformed
 JSON) are installed by :func:`install_error_handlers`.
+
+Statuses: 400 invalid request (never 422), 401 key, 404 model/route, 413 body
+over ``--max-request-bytes``, 503 + Retry-After when the server cannot take
+the request now (code ``overloaded``: admission limit or engine queue full;
+``backend_unavailable``: Triton or the model failed and is restarting;
+``shutting_down``; ``model_not_ready``), 504 ``request_timeout`` past
+``--request-timeout``. Error bodies are ASCII JSON, so no client input (a
+lone surrogate, say) can break their encoding.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .protocol import InvalidUnicodeError
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +61,15 @@ class OpenAIError(Exception):
         }
 
     def to_response(self) -> JSONResponse:
-        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=self.headers)
+        return _AsciiJSONResponse(self.to_dict(), status_code=self.status_code, headers=self.headers)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())  # ASCII: safe whatever the message holds
+
+
+class _AsciiJSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 class BadRequestError(OpenAIError):
@@ -80,6 +98,52 @@ class ServiceUnavailableError(OpenAIError):
 
     def __init__(self, message: str, *, retry_after_s: int = 1, code: str | None = "overloaded") -> None:
         super().__init__(message, code=code, headers={"Retry-After": str(int(retry_after_s))})
+
+
+def backend_unavailable(retry_after_s: int = 1) -> ServiceUnavailableError:
+    return ServiceUnavailableError(
+        "The model backend failed and is being restarted; retry later.",
+        retry_after_s=retry_after_s, code="backend_unavailable",
+    )
+
+
+def shutting_down(retry_after_s: int = 1) -> ServiceUnavailableError:
+    err = ServiceUnavailableError("The server is shutting down; retry on another replica or later.",
+                                  retry_after_s=retry_after_s, code="shutting_down")
+    err.headers["Connection"] = "close"
+    return err
+
+
+class RequestTooLargeError(OpenAIError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"The request body is larger than the server's limit of {limit} bytes "
+                         "(--max-request-bytes).", code="request_too_large", headers={"Connection": "close"})
+
+
+class RequestTimeoutError(OpenAIError):
+    """The request ran past --request-timeout; its engine work was cancelled."""
+
+    status_code = 504
+    error_type = "server_error"
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"The request did not finish within the server's limit of {timeout_s:g} s "
+                         "(--request-timeout); it was cancelled.", code="request_timeout")
+
+
+class PromptTooLongError(BadRequestError):
+    """A text prompt longer than any prompt that fits the context (checked before tokenizing it)."""
+
+    def __init__(self, num_chars: int, max_chars: int, max_model_len: int, at_least: bool = False) -> None:
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens, which no text longer than "
+            f"{max_chars} characters fits in with this tokenizer; the prompt has {'at least ' * at_least}"
+            f"{num_chars} characters. Please reduce the length of the prompt.",
+            code="context_length_exceeded",
+        )
 
 
 class InternalServerError(OpenAIError):
@@ -140,6 +204,13 @@ def validation_error_to_openai(exc: RequestValidationError) -> BadRequestError:
     if not errors:
         return BadRequestError("Invalid request.")
     err = errors[0]
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidUnicodeError):
+        prefix = _param_from_loc(tuple(err.get("loc", ())), body)
+        param = ".".join(p for p in (prefix, cause.param) if p) or None
+        where = f"`{param}`" if param else "The request"
+        return BadRequestError(f"{where} contains invalid Unicode (a lone surrogate).", param=param,
+                               code="invalid_unicode")
     if err.get("type") == "json_invalid":
         ctx = err.get("ctx") or {}
         detail = ctx.get("error", "")
@@ -161,7 +232,15 @@ def validation_error_to_openai(exc: RequestValidationError) -> BadRequestError:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        cause = exc.__cause__
+        if isinstance(exc, ServiceUnavailableError) and getattr(cause, "kind", None) == "unavailable":
+            # An engine-side 503 (queue full, backend down): the engine error knows which, and no
+            # other layer counted it as a rejection (the admission limit counts its own).
+            exc.code = getattr(cause, "code", None) or exc.code
+            metrics = getattr(getattr(request.app.state, "ctx", None), "metrics", None)
+            if metrics is not None:
+                metrics.rejected.inc()
         return exc.to_response()
 
     @app.exception_handler(RequestValidationError)

@@ -4,16 +4,23 @@ Expert selections are kept in a numpy array ``[num_layers, num_experts]``
 (per-layer ``np.bincount`` over each choice's final routed array) and exposed
 through a custom collector, so a request costs a few vectorised adds rather
 than thousands of labelled counter increments.
+
+The engine's own gauges (``moe_engine_*``: requests by state, steps, and any
+the moe backend adds) live on Triton's metrics port, which stays on
+127.0.0.1; :class:`_EngineGauges` copies them into this registry when it is
+scraped, so the API's ``/metrics`` alone shows everything.
 """
 
 from __future__ import annotations
 
 import threading
+import urllib.request
 from collections.abc import Iterable
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from .generation import Hooks
@@ -71,8 +78,30 @@ class _ExpertSelections(Collector):
         yield fam
 
 
+class _EngineGauges(Collector):
+    """The ``moe_engine_*`` families of Triton's metrics endpoint, fetched at each scrape (1 s timeout)."""
+
+    def __init__(self, url: str | None) -> None:
+        self.url = url
+
+    def collect(self) -> Iterable[Metric]:
+        if not self.url:
+            return
+        try:
+            with urllib.request.urlopen(self.url, timeout=1.0) as r:
+                text = r.read().decode("utf-8", "replace")
+        except OSError:
+            return  # Triton down or restarting: the watchdog and /health say so
+        for family in text_string_to_metric_families(text):
+            if family.name.startswith("moe_engine_"):
+                yield family
+
+    def describe(self) -> Iterable[Metric]:
+        return ()  # families known only at scrape time
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, triton_metrics_url: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -97,7 +126,20 @@ class Metrics:
         )
         self.routed_rows = Counter("moe_serve_routed_experts_rows", "Token rows of routed experts sent.", registry=r)
         self.pending = Gauge("moe_serve_pending_choices", "Choices in flight (Triton requests).", registry=r)
-        self.rejected = Counter("moe_serve_rejected_requests", "Requests rejected for overload.", registry=r)
+        self.rejected = Counter(
+            "moe_serve_rejected_requests",
+            "Generation requests answered 503 before any work: admission limit, engine queue full, backend "
+            "unavailable, shutting down (each counted once).",
+            registry=r,
+        )
+        self.aborted = Counter(
+            "moe_serve_aborted_requests",
+            "In-flight generation requests the server ended: timeout (--request-timeout), backend_failure, "
+            "shutdown (past --shutdown-timeout).",
+            ["reason"], registry=r,
+        )
+        self.backend_restarts = Counter("moe_serve_backend_restarts", "Times the watchdog restarted tritonserver.",
+                                        registry=r)
         self.disconnects = Counter(
             "moe_serve_client_disconnects",
             "Requests whose client went away before the end (their Triton requests are cancelled).",
@@ -105,6 +147,7 @@ class Metrics:
         )
         self.expert_selections = _ExpertSelections()
         r.register(self.expert_selections)
+        r.register(_EngineGauges(triton_metrics_url))
 
     def configure(self, model: ModelInfo) -> None:
         self.expert_selections.configure(model)

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer, model_validator
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -32,6 +32,43 @@ def now() -> int:
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class InvalidUnicodeError(ValueError):
+    """A string of the request holds a lone surrogate (JSON "\\ud800"): it cannot be tokenized nor encoded."""
+
+    def __init__(self, param: str) -> None:
+        super().__init__(f"`{param}` contains invalid Unicode (a lone surrogate)")
+        self.param = param
+
+
+def check_unicode(value: Any, path: str = "") -> None:
+    """Raise :class:`InvalidUnicodeError` naming the first string (or key) that is not valid Unicode."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidUnicodeError(path) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str):
+                check_unicode(k, path)
+            check_unicode(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if type(v) is not int:  # long token-id lists: skip the common case fast
+                check_unicode(v, f"{path}[{i}]")
+
+
+class _ValidUnicode(_Base):
+    """Request bodies: every string, ids and names included, must be valid Unicode (400 otherwise)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        check_unicode(data)
+        return data
 
 
 def _unsupported(name: str, neutral: Any):
@@ -56,7 +93,7 @@ class StreamOptions(_Base):
     continuous_usage_stats: bool | None = False
 
 
-class GenerationRequestFields(_Base):
+class GenerationRequestFields(_ValidUnicode):
     """Body fields shared by all three generation endpoints: sampling, stop rules, output and routing options.
 
     Serving turns them into a :class:`~.triton_client.BackendRequest`; the
@@ -69,7 +106,7 @@ class GenerationRequestFields(_Base):
     top_k: int | None = Field(None, le=INT32_MAX)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     include_stop_str_in_output: bool = False
@@ -88,7 +125,7 @@ class GenerationRequestFields(_Base):
     min_p: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     use_beam_search: bool | None = False
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
@@ -267,9 +304,9 @@ class GenerateSamplingParams(GenerationRequestFields):
     detokenize: bool = True
 
 
-class GenerateRequest(_Base):
+class GenerateRequest(_ValidUnicode):
     request_id: str | None = None
-    token_ids: list[int] = Field(..., min_length=1)
+    token_ids: list[StrictInt] = Field(..., min_length=1)
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     model: str | None = None
     stream: bool = False

@@ -2,11 +2,18 @@
 
 For scripts that need a whole server (integration tests, load tests,
 benchmarks): free ports are picked, output goes to a log file, and ``stop``
-sends SIGTERM as a user's Ctrl-C would.
+sends SIGTERM as a user's Ctrl-C would. Keys travel in the environment
+(MOE_SERVE_API_KEY, MOE_SERVE_TRITON_API_KEY), not on the command line.
+
+By default the server lets Triton clients in with a generated key
+(``triton_api_key=True``: gRPC and HTTP on 127.0.0.1, ``triton_grpc_headers``
+/ ``triton_http_headers`` to send); ``triton_api_key=None`` starts it as
+users get it by default, with Triton private (no port but metrics).
 """
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -39,6 +46,15 @@ class ServerProcess:
     model: str
     log_path: Path
     checkpoint_dir: str = ""
+    triton_api_key: str | None = None
+
+    @property
+    def triton_grpc_headers(self) -> dict[str, str]:
+        return {"triton-grpc-protocol-moe-serve-key": self.triton_api_key} if self.triton_api_key else {}
+
+    @property
+    def triton_http_headers(self) -> dict[str, str]:
+        return {"moe-serve-key": self.triton_api_key} if self.triton_api_key else {}
 
     @property
     def root_url(self) -> str:
@@ -84,6 +100,7 @@ def start_server(
     model_name: str = "tiny-mixtral",
     timeout: float = 600.0,
     env: dict | None = None,
+    triton_api_key: str | bool | None = True,
 ) -> ServerProcess:
     """Start `moe-serve` (the console script next to this Python) and wait for /health = 200."""
     port, http, grpc, metrics = free_ports(4)
@@ -94,12 +111,20 @@ def start_server(
         "--triton-http-port", str(http),
         "--triton-grpc-port", str(grpc),
         "--triton-metrics-port", str(metrics),
-        *(["--api-key", api_key] if api_key else []),
         *args,
     ]
+    if triton_api_key is True:
+        triton_api_key = secrets.token_urlsafe(16)
+    child_env = {k: v for k, v in os.environ.items() if not (k.startswith("MOE_SERVE_") and k.endswith("API_KEY"))}
+    child_env.update(env or {})
+    if api_key:
+        child_env["MOE_SERVE_API_KEY"] = api_key
+    if triton_api_key:
+        child_env["MOE_SERVE_TRITON_API_KEY"] = triton_api_key
     with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = ServerProcess(proc, port, http, grpc, metrics, api_key, model_name, log_path)
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
+    server = ServerProcess(proc, port, http, grpc, metrics, api_key, model_name, log_path,
+                           triton_api_key=triton_api_key or None)
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:

@@ -53,7 +53,7 @@ def backend_error_to_openai(e: BackendError, retry_after_s: int = 1) -> OpenAIEr
     if e.kind == BackendError.INVALID:
         return BadRequestError(e.message)
     if e.kind == BackendError.UNAVAILABLE:
-        return ServiceUnavailableError(e.message, retry_after_s=retry_after_s)
+        return ServiceUnavailableError(e.message, retry_after_s=retry_after_s, code=e.code or "overloaded")
     if e.kind == BackendError.CANCELLED:
         return ServiceUnavailableError(f"request cancelled by the server: {e.message}", retry_after_s=retry_after_s,
                                        code="cancelled")

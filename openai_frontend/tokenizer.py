@@ -5,12 +5,28 @@ No ``transformers`` here: ``tokenizer.json`` is loaded with the Rust
 renders it (sandboxed jinja2, ``trim_blocks``/``lstrip_blocks``, ``tojson``,
 ``raise_exception``, ``strftime_now``), and streaming text comes from an
 incremental detokenizer that never emits a broken UTF-8 sequence.
+
+Bounds (hostile input must not cost more than it can ever be worth):
+- ``encode`` refuses, before tokenizing, a text longer than
+  ``max_model_len * max_token_chars`` characters (``set_max_model_len``):
+  every token covers at most ``max_token_chars`` characters of text (the
+  longest vocabulary entry), so such a text cannot fit in the context.
+- Rendering a chat template stops past ``max_chars`` characters of output or
+  ``timeout_s`` seconds (checked at every output piece and every call the
+  template makes); ``*``, ``**`` and ``%`` and integer arguments of calls and
+  filters are capped, so one expression cannot allocate gigabytes. Best
+  effort for templates from requests, which are off unless the operator
+  trusts them (``--trust-request-chat-template``).
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
 import os
+import re
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
@@ -21,6 +37,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import PromptTooLongError
 
 # How many prompt tokens seed the detokenizer's context (as vLLM), so that
 # the first generated token decodes with the right leading space.
@@ -69,12 +87,67 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# Rendering limits (per render; ChatTemplate.max_chars / timeout_s override the defaults).
+DEFAULT_MAX_RENDERED_CHARS = 4 * 2**20
+DEFAULT_RENDER_TIMEOUT_S = 2.0
+MAX_TEMPLATE_INT_ARG = 100_000  # a width, count or repeat factor a template may pass
+_deadline: contextvars.ContextVar[float] = contextvars.ContextVar("chat_template_deadline", default=float("inf"))
+_FORMAT_WIDTH = re.compile(r"%[-#0 +]*(\*|\d{6,})")
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """jinja2's sandbox plus size and time caps on what a template's expressions may do."""
+
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    def call_binop(self, context, operator, left, right):  # noqa: ANN001 - jinja2's signature
+        _check_deadline()
+        if operator == "**" and isinstance(right, int) and isinstance(left, int) and abs(left) > 1:
+            if right > 64:
+                raise jinja2.exceptions.SecurityError("exponent too large in chat template")
+        elif operator == "*":
+            seq, n = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > DEFAULT_MAX_RENDERED_CHARS:
+                raise jinja2.exceptions.SecurityError("repeated sequence too long in chat template")
+        elif operator == "%" and isinstance(left, str) and _FORMAT_WIDTH.search(left):
+            raise jinja2.exceptions.SecurityError("format width too large in chat template")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: ANN001, N805 - jinja2's signature
+        _check_deadline()
+        _check_int_args(args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _check_deadline() -> None:
+    if time.monotonic() > _deadline.get():
+        raise jinja2.exceptions.SecurityError("chat template took too long to render")
+
+
+def _check_int_args(args: tuple, kwargs: dict) -> None:
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_TEMPLATE_INT_ARG:
+            raise jinja2.exceptions.SecurityError(f"integer argument {v} too large in chat template")
+
+
+def _capped_filter(f):  # noqa: ANN001, ANN202
+    @functools.wraps(f)  # keeps jinja2's pass_context / pass_environment marks
+    def capped(*args, **kwargs):
+        _check_deadline()
+        _check_int_args(args, kwargs)
+        return f(*args, **kwargs)
+
+    return capped
+
+
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
+    env.filters = {name: _capped_filter(f) for name, f in env.filters.items()}
+    env.globals.pop("lipsum", None)  # lipsum(n) writes paragraphs of filler; no template needs it
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
@@ -85,6 +158,9 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
+        self.max_chars = DEFAULT_MAX_RENDERED_CHARS
+        self.timeout_s = DEFAULT_RENDER_TIMEOUT_S
+        self.max_model_len: int | None = None  # set when max_chars is the context's bound (Tokenizer)
         try:
             self._template = _compile_template(source)
         except jinja2.TemplateSyntaxError as e:
@@ -116,7 +192,9 @@ class ChatTemplate:
         if tools is not None:
             ctx["tools"] = tools
         try:
-            rendered = template.render(**ctx)
+            rendered = self._bounded_render(template, ctx)
+        except (ChatTemplateError, PromptTooLongError):
+            raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(str(e)) from e
         except Exception as e:  # noqa: BLE001 - template code is user data
@@ -124,6 +202,25 @@ class ChatTemplate:
         if continue_final_message:
             rendered = _cut_after_final_message(rendered, messages)
         return rendered
+
+    def _bounded_render(self, template: jinja2.Template, ctx: dict[str, Any]) -> str:
+        pieces: list[str] = []
+        size = 0
+        deadline = time.monotonic() + self.timeout_s
+        token = _deadline.set(deadline)
+        try:
+            for piece in template.generate(**ctx):
+                size += len(piece)
+                if size > self.max_chars:
+                    if self.max_model_len is not None:
+                        raise PromptTooLongError(size, self.max_chars, self.max_model_len, at_least=True)
+                    raise ChatTemplateError(f"the rendered prompt is longer than {self.max_chars} characters")
+                if time.monotonic() > deadline:
+                    raise ChatTemplateError(f"rendering took longer than {self.timeout_s:g} s")
+                pieces.append(piece)
+        finally:
+            _deadline.reset(token)
+        return "".join(pieces)
 
 
 def _cut_after_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
@@ -152,6 +249,8 @@ class Tokenizer:
     eos_token: str | None
     chat_template: ChatTemplate | None
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
+    max_prompt_chars: int | None = None  # set_max_model_len; None = no check
+    max_model_len: int | None = None
 
     @classmethod
     def from_dir(cls, checkpoint_dir: str) -> Tokenizer:
@@ -174,10 +273,31 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of text one token can stand for at most: its vocabulary entry's length (byte-level
+        and metaspace entries spell one character per character of text; escapes like <0x0A> are longer)."""
+        return max((len(t) for t in self.hf.get_vocab(with_added_tokens=True)), default=1)
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Refuse texts that cannot fit ``max_model_len`` tokens before tokenizing them (and bound rendering)."""
+        self.max_model_len = max_model_len
+        self.max_prompt_chars = max_model_len * self.max_token_chars
+        if self.chat_template is not None and self.max_prompt_chars < self.chat_template.max_chars:
+            self.chat_template.max_chars = self.max_prompt_chars
+            self.chat_template.max_model_len = max_model_len
+
+    def _check_length(self, text: str) -> None:
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise PromptTooLongError(len(text), self.max_prompt_chars, self.max_model_len or 0)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._check_length(text)
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        for text in texts:
+            self._check_length(text)
         return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

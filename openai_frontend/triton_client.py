@@ -204,10 +204,24 @@ class BackendError(Exception):
     CANCELLED = "cancelled"
     INTERNAL = "internal"
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.code = code  # the OpenAI error code when it is not the kind's usual one
+
+
+# Triton's words for "the model's backend is gone" (a dead python stub, a model that is not loaded, a
+# restricted API): a 503 the watchdog resolves by restarting, not a 500 and not "overloaded".
+_BACKEND_DOWN_HINTS = (
+    "stub process", "is not healthy", "is not ready", "unknown model", "restricted",
+    "failed to connect", "connection refused", "socket closed",
+)
+
+
+def backend_unavailable(message: str) -> BackendError:
+    return BackendError(BackendError.UNAVAILABLE, f"the model backend is unavailable: {message}",
+                        code="backend_unavailable")
 
 
 # How the moe backend (backends/moe/model.py) starts its error messages.  Triton's stream responses carry only
@@ -229,9 +243,18 @@ def classify_error(message: str) -> BackendError:
     """
     for prefix, kind in _KIND_PREFIXES:
         if message.startswith(prefix):
-            return BackendError(kind, message[len(prefix) :])
+            rest = message[len(prefix) :]
+            if kind == BackendError.UNAVAILABLE:  # the engine stopped, or its waiting queue is full
+                if "not running" in rest:
+                    return backend_unavailable(rest)
+                return BackendError(kind, rest, code="overloaded")
+            return BackendError(kind, rest)
     if message.startswith(_CANCELLED_MESSAGE):
         return BackendError(BackendError.CANCELLED, message)
+    # Not the backend's words: Triton's own. Those that mean the backend is gone (a dead stub, a model that is
+    # not ready) are 503s the watchdog resolves; anything else is internal.
+    if any(h in message.lower() for h in _BACKEND_DOWN_HINTS):
+        return backend_unavailable(message)
     return BackendError(BackendError.INTERNAL, message)
 
 
@@ -239,8 +262,10 @@ def classify_status(code: grpc.StatusCode | None, message: str) -> BackendError:
     """Map a gRPC status (the whole call failed) to a :class:`BackendError`."""
     if code == grpc.StatusCode.CANCELLED:
         return BackendError(BackendError.CANCELLED, message or "cancelled")
-    kind = BackendError.UNAVAILABLE if code == grpc.StatusCode.UNAVAILABLE else BackendError.INTERNAL
-    return BackendError(kind, f"Triton: {code.name if code is not None else 'UNKNOWN'}: {message}")
+    text = f"Triton: {code.name if code is not None else 'UNKNOWN'}: {message}"
+    if code == grpc.StatusCode.UNAVAILABLE:  # Triton itself cannot be reached
+        return backend_unavailable(text)
+    return BackendError(BackendError.INTERNAL, text)
 
 
 class BackendClient(Protocol):
@@ -254,11 +279,13 @@ class BackendClient(Protocol):
 
 
 class TritonClient:
-    """The moe backend through Triton's gRPC API (implements :class:`BackendClient`)."""
+    """The moe backend through Triton's gRPC API (implements :class:`BackendClient`). ``headers``: sent with every
+    call (moe-serve's per-run Triton key, see triton_server.TritonAccess)."""
 
-    def __init__(self, url: str, model_name: str) -> None:
+    def __init__(self, url: str, model_name: str, headers: dict[str, str] | None = None) -> None:
         self.url = url
         self.model_name = model_name
+        self.headers = headers
         self._client = grpcaio.InferenceServerClient(url=url)
 
     async def close(self) -> None:
@@ -267,14 +294,14 @@ class TritonClient:
     async def is_ready(self, timeout_s: float = 2.0) -> bool:
         try:
             return bool(
-                await self._client.is_server_ready(client_timeout=timeout_s)
-                and await self._client.is_model_ready(self.model_name, client_timeout=timeout_s)
+                await self._client.is_server_ready(headers=self.headers, client_timeout=timeout_s)
+                and await self._client.is_model_ready(self.model_name, headers=self.headers, client_timeout=timeout_s)
             )
         except (InferenceServerException, grpc.RpcError, asyncio.TimeoutError, OSError):
             return False
 
     async def model_info(self) -> ModelInfo:
-        config = await self._client.get_model_config(self.model_name, as_json=True)
+        config = await self._client.get_model_config(self.model_name, headers=self.headers, as_json=True)
         return ModelInfo.from_model_config(config)
 
     async def generate(self, request: BackendRequest, request_id: str) -> AsyncIterator[BackendOutput]:
@@ -293,7 +320,7 @@ class TritonClient:
         async def one_request():
             yield payload
 
-        call = self._client.stream_infer(one_request())
+        call = self._client.stream_infer(one_request(), headers=self.headers)
         finished = False
         try:
             async for result, error in call:

@@ -240,6 +240,9 @@ class TritonPythonModel:
          {"prefix_cache_queries": {}}),
         ("moe_engine_prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache",
          {"prefix_cache_hits": {}}),
+        # Liveness and progress, for moe-serve's watchdog: steps must grow while requests are in the engine.
+        ("moe_engine_steps", "gauge", "Engine steps run since the model was loaded", {"steps": {}}),
+        ("moe_engine_alive", "gauge", "1 while the engine thread runs, 0 once it died", {"alive": {}}),
     )
 
     @classmethod
@@ -258,7 +261,8 @@ class TritonPythonModel:
 
     def _update_metrics(self) -> None:
         last = self._metrics["_last"]
-        for key, value in self.engine.stats().items():
+        stats = dict(self.engine.stats(), alive=0 if self.engine.dead is not None else 1)
+        for key, value in stats.items():
             if key not in self._metrics or key.startswith("_"):
                 continue
             kind, metric = self._metrics[key]

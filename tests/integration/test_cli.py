@@ -1,13 +1,16 @@
-"""`moe-serve` as a process: bad --model, clean stop on SIGTERM, exit when tritonserver dies."""
+"""`moe-serve` as a process: bad --model or keys, clean stop on SIGTERM, exit when tritonserver dies and no
+restart is allowed."""
 from __future__ import annotations
 
 import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 
 from .conftest import start_moe_serve, stop_moe_serve
@@ -55,12 +58,39 @@ def test_sigterm_stops_everything_and_triton_death_is_reported(tmp_path):
     time.sleep(0.5)
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
-    server = start_moe_serve(tmp_path, ["--max-num-seqs", "2"])
+    server = start_moe_serve(tmp_path, ["--max-num-seqs", "2", "--max-backend-restarts", "0"])
     triton = next(p for p in _descendants(server.proc.pid) if p.name() == "tritonserver")
     stubs = [p for p in triton.children(recursive=True)]
+    prefix = next(a for a in triton.cmdline() if "shm-region-prefix-name=" in a).split("=")[-1]
+    assert list(Path("/dev/shm").glob(prefix + "*"))
+    answer = {}
+
+    def in_flight():
+        r = httpx.post(server.base_url + "/completions", headers={"Authorization": f"Bearer {server.api_key}"},
+                       json={"prompt": "x", "max_tokens": 1000, "ignore_eos": True}, timeout=60)
+        answer["r"] = r
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    time.sleep(1.0)
     triton.send_signal(signal.SIGKILL)
+    t.join(30)
+    assert answer["r"].status_code == 503 and answer["r"].json()["error"]["code"] == "backend_unavailable"
     code = server.proc.wait(60)
-    assert code != 0
-    assert "tritonserver died" in server.log_path.read_text()
+    assert code == 1
+    log = server.log_path.read_text()
+    assert "tritonserver exited" in log and "exits (status 1)" in log
     time.sleep(1.0)
     assert not [p for p in stubs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not list(Path("/dev/shm").glob(prefix + "*"))  # the killed server's shared memory was removed
+
+
+def test_exposing_triton_needs_a_key_and_key_files_are_checked(tmp_path):
+    r = run_cli("--triton-host", "0.0.0.0")
+    assert r.returncode == 2 and "--triton-api-key" in r.stderr and "Traceback" not in r.stderr
+    empty = tmp_path / "key"
+    empty.write_text("\n")
+    r = run_cli("--api-key-file", str(empty))
+    assert r.returncode == 2 and "is empty" in r.stderr
+    r = run_cli("--api-key", "a", "--api-key-file", str(empty))
+    assert r.returncode == 2 and "not both" in r.stderr

@@ -37,10 +37,10 @@ def inputs(ids, max_tokens=6, stream=False, **extra):
 class Stream:
     """One gRPC bidirectional stream; results grouped by request id until each final response."""
 
-    def __init__(self, url):
+    def __init__(self, url, headers=None):
         self.client = grpcclient.InferenceServerClient(url)
         self.q: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.q.put((result, error)))
+        self.client.start_stream(callback=lambda result, error: self.q.put((result, error)), headers=headers)
 
     def send(self, rid, ins):
         self.client.async_stream_infer(MODEL, ins, request_id=rid, enable_empty_final_response=True)
@@ -73,7 +73,7 @@ class Stream:
 
 @pytest.fixture
 def stream(moe_server):
-    s = Stream(moe_server.triton_grpc_url)
+    s = Stream(moe_server.triton_grpc_url, moe_server.triton_grpc_headers)
     yield s
     s.close()
 
@@ -106,7 +106,7 @@ def test_streamed_rows_concatenate_to_the_non_streamed_array(stream, moe_server)
 
 def test_metadata_is_in_the_model_config(moe_server):
     client = grpcclient.InferenceServerClient(moe_server.triton_grpc_url)
-    cfg = client.get_model_config(MODEL, as_json=True)["config"]
+    cfg = client.get_model_config(MODEL, as_json=True, headers=moe_server.triton_grpc_headers)["config"]
     meta = json.loads(cfg["parameters"]["moe_metadata"]["string_value"])
     assert meta["num_hidden_layers"] == 4 and meta["num_experts"] == 8 and meta["num_experts_per_tok"] == 2
     assert meta["moe_layers"] == [0, 1, 2, 3] and meta["routed_experts_dtype"] == "uint8"
@@ -137,7 +137,7 @@ def free_blocks(moe_server) -> tuple[float, float]:
 
 
 def test_cancelling_a_stream_frees_the_engine_blocks(moe_server):
-    s = Stream(moe_server.triton_grpc_url)
+    s = Stream(moe_server.triton_grpc_url, moe_server.triton_grpc_headers)
     s.send("long", inputs([1, 2, 3], max_tokens=900, stream=True, ignore_eos=True, temperature=0.0))
     s.q.get(timeout=60)  # it is running
     deadline = time.monotonic() + 10
@@ -182,7 +182,7 @@ def test_http_generate_stream(moe_server):
     body = json.dumps({"input_ids": [1, 2, 3, 4], "max_tokens": 3, "stream": True, "temperature": 0.0,
                        "ignore_eos": True}).encode()
     req = urllib.request.Request(f"http://{moe_server.triton_http_url}/v2/models/{MODEL}/generate_stream",
-                                 data=body, headers={"Content-Type": "application/json"})
+                                 data=body, headers={"Content-Type": "application/json", **moe_server.triton_http_headers})
     events = []
     with urllib.request.urlopen(req, timeout=60) as r:
         for line in r:

@@ -1,0 +1,266 @@
+"""Backend watchdog: notice a dead, stopped, unready or stuck Triton model, then restart it or give up.
+
+A thread probes every ``interval_s`` (0.5 s):
+
+- tritonserver exited;
+- a python backend stub (``triton_python_backend_stub``, a child of tritonserver) is gone or a zombie;
+- tritonserver or a stub is stopped (``kill -STOP``, state T) for more than 1 s;
+- the model is not ready over gRPC three times in a row (probed once a second);
+- the engine gauges on Triton's metrics port say the engine thread died (``moe_engine_alive`` 0) or made
+  no step for ``stall_timeout_s`` while it holds requests (``moe_engine_steps`` flat with running+waiting > 0).
+
+On a failure it calls ``on_down(reason)`` at once (the API ends every in-flight request with a 503 and
+``/health`` turns 503), then either restarts tritonserver (which loads the model again) and calls
+``on_up()``, or, after ``max_restarts`` restarts without ten healthy minutes in between, or while moe-serve
+is shutting down, calls ``on_give_up(reason)`` (moe-serve exits non-zero for a supervisor).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .triton_server import TritonError, TritonServer
+
+log = logging.getLogger("moe_serve")
+
+STUB_NAME = "triton_python_backend_stub"
+STOPPED_GRACE_S = 1.0  # a debugger or py-spy stops a process for milliseconds; a SIGSTOP lasts
+READY_PROBE_EVERY_S = 1.0
+READY_FAILURES = 3
+HEALTHY_RESETS_RESTARTS_S = 600.0
+
+
+# --------------------------------------------------------------------------- /proc
+
+
+def process_state(pid: int) -> str | None:
+    """One-letter state from /proc/<pid>/stat (R, S, D, T, t, Z, X, ...), None when gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2]  # the name (field 2) may contain spaces and parentheses
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """{pid: name} of every process below ``pid`` (one /proc scan)."""
+    parents: dict[int, tuple[int, str]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        parents[int(entry.name)] = (ppid, name)
+    out: dict[int, str] = {}
+    frontier = [pid]
+    while frontier:
+        p = frontier.pop()
+        for child, (ppid, name) in parents.items():
+            if ppid == p and child not in out:
+                out[child] = name
+                frontier.append(child)
+    return out
+
+
+# --------------------------------------------------------------------------- engine gauges
+
+
+@dataclass
+class EngineGauges:
+    """The moe backend's gauges as Triton's metrics endpoint shows them (None = not exported)."""
+
+    running: float | None = None
+    waiting: float | None = None
+    steps: float | None = None
+    alive: float | None = None
+
+
+_GAUGE_LINE = re.compile(r"^(moe_engine_\w+)\{([^}]*)\} (\S+)$", re.M)
+
+
+def read_engine_gauges(metrics_url: str, timeout_s: float = 2.0) -> EngineGauges | None:
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=timeout_s) as r:
+            text = r.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    g = EngineGauges()
+    for name, labels, value in _GAUGE_LINE.findall(text):
+        if name == "moe_engine_requests":
+            state = re.search(r'state="(\w+)"', labels)
+            if state and state.group(1) in ("running", "waiting"):
+                setattr(g, state.group(1), float(value))
+        elif name == "moe_engine_steps":
+            g.steps = float(value)
+        elif name == "moe_engine_alive":
+            g.alive = float(value)
+    return g
+
+
+# --------------------------------------------------------------------------- the watchdog
+
+
+@dataclass
+class _ProbeState:
+    stubs: dict[int, str] = field(default_factory=dict)
+    stopped_since: dict[int, float] = field(default_factory=dict)
+    ready_failures: int = 0
+    next_ready_probe: float = 0.0
+    last_steps: float | None = None
+    steps_changed_at: float = 0.0
+
+
+class BackendWatchdog(threading.Thread):
+    def __init__(
+        self,
+        triton: TritonServer,
+        *,
+        on_down: Callable[[str], None],
+        on_up: Callable[[], None],
+        on_give_up: Callable[[str], None],
+        max_restarts: int = 3,
+        stall_timeout_s: float = 10.0,
+        interval_s: float = 0.5,
+        load_timeout_s: float = 3600.0,
+    ) -> None:
+        super().__init__(name="backend-watchdog", daemon=True)
+        self.triton = triton
+        self.on_down, self.on_up, self.on_give_up = on_down, on_up, on_give_up
+        self.max_restarts = max_restarts
+        self.stall_timeout_s = stall_timeout_s
+        self.interval_s = interval_s
+        self.load_timeout_s = load_timeout_s
+        self.restarts = 0
+        self.restart_times: list[float] = []
+        self.shutting_down = threading.Event()  # set on SIGTERM: fail, never restart
+        self._finished = threading.Event()  # set when moe-serve no longer needs Triton
+        self._probe = _ProbeState()
+        self._client = None
+
+    def finish(self) -> None:
+        """moe-serve no longer needs Triton: stop watching (a tritonserver this thread restarted gets
+        SIGTERM when the thread ends, which the caller's own stop then completes)."""
+        self._finished.set()
+
+    # -- probes ------------------------------------------------------------
+
+    def arm(self) -> None:
+        """Record the stubs of a freshly READY tritonserver."""
+        pid = self.triton.proc.pid
+        stubs = {p: n for p, n in descendants(pid).items() if n.startswith(STUB_NAME[:15])}  # comm: 15 chars
+        now = time.monotonic()
+        self._probe = _ProbeState(stubs=stubs, steps_changed_at=now, next_ready_probe=now + READY_PROBE_EVERY_S)
+        if not stubs:
+            log.warning("watchdog: no python backend stub found under tritonserver (pid %d)", pid)
+        log.info("watchdog: watching tritonserver (pid %d) and stub(s) %s", pid, sorted(stubs))
+
+    def check(self) -> str | None:
+        """One probe round; the reason for a failure, or None."""
+        t = self.triton
+        if not t.alive():
+            return f"tritonserver exited (code {t.proc.returncode})"
+        now = time.monotonic()
+        st = self._probe
+        watched = {t.proc.pid: "tritonserver", **{p: "the python backend stub" for p in st.stubs}}
+        stopped = False
+        for pid, what in watched.items():
+            state = process_state(pid)
+            if state is None or state in "ZX":
+                return f"{what} (pid {pid}) exited"
+            if state in "Tt":
+                stopped = True
+                since = st.stopped_since.setdefault(pid, now)
+                if now - since > STOPPED_GRACE_S:
+                    return f"{what} (pid {pid}) is stopped (SIGSTOP or a debugger)"
+            else:
+                st.stopped_since.pop(pid, None)
+        if now >= st.next_ready_probe and not stopped:  # a stopped server would only make the probes time out
+            st.next_ready_probe = now + READY_PROBE_EVERY_S
+            if self._client is None:
+                self._client = t.client()
+            if t.is_ready(self._client, timeout_s=1.0):
+                st.ready_failures = 0
+            else:
+                st.ready_failures += 1
+                if st.ready_failures >= READY_FAILURES:
+                    return f"model {t.model_name!r} is not ready"
+            g = read_engine_gauges(t.metrics_url, timeout_s=1.0)
+            if g is not None:
+                reason = self._check_progress(g, now)
+                if reason:
+                    return reason
+        return None
+
+    def _check_progress(self, g: EngineGauges, now: float) -> str | None:
+        st = self._probe
+        if g.alive is not None and g.alive < 1:
+            return "the engine thread died"
+        if g.steps is None:
+            return None  # a backend without the progress gauge: no stall detection
+        busy = (g.running or 0) + (g.waiting or 0)
+        if g.steps != st.last_steps or busy == 0:
+            st.last_steps = g.steps
+            st.steps_changed_at = now
+            return None
+        if now - st.steps_changed_at > self.stall_timeout_s:
+            return f"the engine made no step for {now - st.steps_changed_at:.0f} s with {busy:.0f} request(s)"
+        return None
+
+    # -- the loop ------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while not self._finished.wait(self.interval_s):
+                reason = self.check()
+                if reason is not None and not self._finished.is_set():
+                    if not self._handle(reason):
+                        return
+        finally:
+            if self._client is not None:
+                self._client.close()
+
+    def _handle(self, reason: str) -> bool:
+        """Returns whether watching goes on (restarted) or not (gave up)."""
+        log.error("backend failure: %s", reason)
+        self.on_down(reason)
+        now = time.monotonic()
+        self.restart_times = [t for t in self.restart_times if now - t < HEALTHY_RESETS_RESTARTS_S]
+        if self.shutting_down.is_set() or len(self.restart_times) >= self.max_restarts:
+            why = "shutting down" if self.shutting_down.is_set() else f"{len(self.restart_times)} restart(s) already"
+            log.error("not restarting the backend (%s)", why)
+            self.triton.kill()
+            self.on_give_up(reason)
+            return False
+        self.restart_times.append(now)
+        self.restarts += 1
+        log.warning("restarting tritonserver (restart %d of at most %d per %.0f min)", len(self.restart_times),
+                    self.max_restarts, HEALTHY_RESETS_RESTARTS_S / 60)
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        try:
+            self.triton.kill()
+            self.triton.start()  # a child of this thread, which lives until moe-serve stops Triton
+            self.triton.wait_ready(self.load_timeout_s)
+        except TritonError as exc:
+            if self._finished.is_set():
+                return False  # moe-serve is stopping Triton itself
+            log.error("restarting tritonserver failed: %s", exc)
+            self.triton.kill()
+            self.on_give_up(f"{reason}; restart failed: {exc}")
+            return False
+        self.arm()
+        log.info("backend restarted; serving again")
+        self.on_up()
+        return True
