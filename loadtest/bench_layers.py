@@ -145,6 +145,7 @@ class EngineLayer:
 class GrpcLayer:
     def __init__(self, server, info, routed: bool = True, stream: bool = True):
         self.url = server.triton_grpc_url
+        self.headers = server.triton_grpc_headers  # moe-serve's per-run Triton key
         self.info = info
         self.routed = routed
         self.stream = stream
@@ -161,7 +162,8 @@ class GrpcLayer:
 
             c = grpcclient.InferenceServerClient(self.url)
             q: queue.Queue = queue.Queue()
-            c.start_stream(callback=lambda result, error: q.put((time.perf_counter(), result, error)))
+            c.start_stream(callback=lambda result, error: q.put((time.perf_counter(), result, error)),
+                           headers=self.headers)
             s = self.local.s = (c, q)
             with self.lock:
                 self.clients.append(c)

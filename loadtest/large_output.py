@@ -58,7 +58,8 @@ def main() -> None:
     server = start_server(
         work,
         ["--model", str(ckpt), "--served-model-name", "large", "--max-model-len", str(args.tokens + 1),
-         "--max-num-seqs", "1", "--max-num-batched-tokens", str(args.chunk), "--num-threads", "1"],
+         "--max-num-seqs", "1", "--max-num-batched-tokens", str(args.chunk), "--num-threads", "1",
+         "--engine-stall-timeout", "60"],  # one CPU prefill step of this model takes ~8 s
         model_name="large",
     )
     print(f"server up: {server.base_url} (log {server.log_path})", flush=True)
@@ -68,7 +69,8 @@ def main() -> None:
         # 1. Triton gRPC, non-streaming: one response with every row.
         client = grpcclient.InferenceServerClient(server.triton_grpc_url)
         results = []
-        client.start_stream(callback=lambda result, error: results.append((result, error)))
+        client.start_stream(callback=lambda result, error: results.append((result, error)),
+                            headers=server.triton_grpc_headers)
         ins = []
         for name, arr, dt in [("input_ids", prompt, "INT64"), ("max_tokens", np.array([1], np.int32), "INT32"),
                               ("temperature", np.array([0.0], np.float32), "FP32")]:

@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 from moe_engine.config import UnsupportedModelError, load_config
