@@ -116,7 +116,11 @@ def bucket_of(pairs: int) -> str:
 
 
 def device_name(device: torch.device | str) -> str:
-    device = torch.device(device)
+    return _device_name(torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
     return torch.cuda.get_device_name(device)
@@ -169,14 +173,14 @@ if triton is not None:
         ends = tl.load(offs_ptr + e, mask=e < E, other=0)
         starts = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
         tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
-        last = tl.cumsum(tiles, 0)  # tiles of experts 0..e
-        expert = tl.sum((last <= pid_m).to(tl.int32), 0)
-        mine = e == expert
-        first_tile = tl.sum(tl.where(mine, last - tiles, 0), 0)
-        row0 = tl.sum(tl.where(mine, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M
-        return expert, row0, tl.sum(tl.where(mine, ends, 0), 0)
+        expert = tl.sum((tl.cumsum(tiles, 0) <= pid_m).to(tl.int32), 0)  # tiles of experts 0..e <= pid_m
+        first_tile = tl.sum(tl.where(e < expert, tiles, 0), 0)
+        valid = expert < E
+        start = tl.load(offs_ptr + expert - 1, mask=valid & (expert > 0), other=0)
+        end = tl.load(offs_ptr + expert, mask=valid, other=0)
+        return expert, start + (pid_m - first_tile) * BLOCK_M, end
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pid_m"])  # varies with the step size: no recompile per step size
     def _moe_gemm_kernel(
         a_ptr, w_ptr, out_ptr, tok_ptr, offs_ptr,
         E, N, K, num_pid_m,
@@ -256,6 +260,7 @@ if triton is not None:
 _SHRUNK: dict[tuple, TileConfig] = {}
 
 
+@functools.lru_cache(maxsize=None)
 def _fit(cfg: TileConfig, N: int, K: int) -> TileConfig:
     """Tiles no wider than the (power-of-two-rounded) matrix: small models need no special table."""
     cap = lambda b, n: min(b, max(16, kernels._pow2(n)))  # noqa: E731

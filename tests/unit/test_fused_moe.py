@@ -1,0 +1,189 @@
+"""Triton expert GEMMs (moe_engine/fused_moe.py) against the op-by-op torch computation of the routed experts.
+
+Only the GEMMs' float32 summation order may differ from torch's, so in bf16/fp16 the outputs must lie within a
+bound derived from one rounding of the model dtype (``gemm_rounding_bound``) and, since every other rounding is
+placed as torch places it, be bit-identical for all but a sliver of elements; float32 agrees to 1e-5. Runs under
+Triton's interpreter on CPU (tests/conftest.py); ``MOE_TEST_DEVICE=cuda`` runs the compiled kernels on a GPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_engine import fused_moe, kernels
+from moe_engine.fused_moe import TileConfig, expert_mlp
+from moe_engine.model import Experts
+
+DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+# H, I deliberately not multiples of the tiles (K tails, wrapped column tiles); small tiles keep the
+# interpreter quick and give experts with more rows than one BLOCK_M several row tiles.
+H, I = 48, 40
+SMALL = (TileConfig(16, 32, 32, GROUP_M=4), TileConfig(16, 64, 32))
+
+pytestmark = pytest.mark.skipif(not kernels.available(DEVICE), reason="Triton not available for this device")
+
+
+def make_weights(E: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(E, 2 * I, H, generator=g) / H**0.5  # gate ~ N(0, |x|^2 / H): silu sees O(1) inputs
+    down = torch.randn(E, H, I, generator=g) / I**0.5
+    return gate_up.to(DEVICE, dtype), down.to(DEVICE, dtype)
+
+
+def random_ids(T: int, K: int, E: int, seed: int, skew: bool = False) -> torch.Tensor:
+    """[T, K] distinct experts per token; ``skew``: every token's first slot is expert 1 and the others come
+    from experts 2..min(E, K+3), so expert 1 gets all T rows (several row tiles) and most experts none."""
+    g = torch.Generator().manual_seed(seed)
+    pool = min(E, K + 3) if skew else E
+    rows = []
+    for _ in range(T):
+        if skew:
+            rows.append(torch.cat([torch.tensor([1]), 2 + torch.randperm(pool - 2, generator=g)[: K - 1]]))
+        else:
+            rows.append(torch.randperm(pool, generator=g)[:K])
+    return torch.stack(rows).to(DEVICE)
+
+
+def torch_experts(x, gate_up, down, tok, offs):
+    """The op-by-op computation, expert by expert on its grouped rows: (y [P, H], h [P, I])."""
+    P = tok.shape[0]
+    y = torch.zeros(P, gate_up.shape[2], dtype=x.dtype, device=x.device)
+    h = torch.zeros(P, down.shape[2], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            gate, up = F.linear(x[tok[start:end]], gate_up[e]).chunk(2, dim=-1)
+            h[start:end] = F.silu(gate) * up
+            y[start:end] = F.linear(h[start:end], down[e])
+        start = end
+    return y, h
+
+
+def expert_of_rows(offs: torch.Tensor) -> torch.Tensor:
+    counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+    return torch.repeat_interleave(torch.arange(offs.shape[0], device=offs.device), counts)
+
+
+def gemm_rounding_bound(h_ref, down, offs, y_ref, dtype):
+    """Per element of y: how far two correct computations may be apart when they sum the GEMMs in different
+    float32 orders. An element of gate or up may round to the neighbouring value (one unit roundoff u); through
+    silu and the product an element of h moves by at most ~3u of itself; the down GEMM carries that as
+    3u * (|h| @ |W|^T); the final rounding of y may then differ by one ulp (2u |y|). Taken with margin: 4u, 2u."""
+    u = UNIT_ROUNDOFF[dtype]
+    w = down[expert_of_rows(offs)].float().abs()  # [P, H, I]
+    spread = torch.einsum("pi,phi->ph", h_ref.float().abs(), w)
+    return 4 * u * spread + 2 * u * y_ref.float().abs() + 1e-6
+
+
+def assert_like_torch(y, y_ref, bound, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        return
+    err = (y.float() - y_ref.float()).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error {err.max().item():.3g} exceeds the GEMM-rounding bound by {worst:.2f}x"
+    same = (y == y_ref).float().mean().item()
+    # rounding placed differently (e.g. silu not rounded) would leave most elements differing
+    assert same >= 0.99, f"only {same:.2%} of the elements bit-identical to torch"
+
+
+CASES = [  # (T, K, E)
+    (1, 1, 4), (1, 8, 64), (3, 2, 4), (3, 8, 8), (17, 1, 8), (17, 2, 64), (17, 8, 8), (64, 1, 4), (64, 2, 8),
+    (64, 8, 8),
+]
+
+
+@pytest.mark.parametrize("T,K,E", CASES)
+def test_expert_mlp_equals_torch_per_expert_computation(T, K, E):
+    dtype = torch.bfloat16
+    gate_up, down = make_weights(E, dtype)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(DEVICE, dtype)
+    pos, tok, offs = kernels.route(random_ids(T, K, E, seed=T * K + E), E)
+    y = expert_mlp(x, gate_up, down, pos, tok, offs, SMALL)
+    y_ref, h_ref = torch_experts(x, gate_up, down, tok, offs)
+    assert y.shape == (T * K, H) and y.dtype == dtype
+    assert_like_torch(y, y_ref, gemm_rounding_bound(h_ref, down, offs, y_ref, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_uneven_and_empty_groups_in_every_dtype_with_the_default_tiles(dtype):
+    """One expert holds all 64 tokens (several row tiles), most hold none; experts without rows have NaN
+    weights, which must not reach the output. The default tile table (wider tiles, K tails) picks the config."""
+    T, K, E = 64, 4, 16
+    gate_up, down = make_weights(E, dtype, seed=1)
+    ids = random_ids(T, K, E, seed=5, skew=True)
+    unused = torch.ones(E, dtype=torch.bool)
+    unused[ids.unique().cpu()] = False
+    gate_up[unused.to(DEVICE)] = float("nan")
+    down[unused.to(DEVICE)] = float("nan")
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    pos, tok, offs = kernels.route(ids, E)
+    y = expert_mlp(x, gate_up, down, pos, tok, offs)
+    y_ref, h_ref = torch_experts(x, gate_up, down, tok, offs)
+    assert torch.isfinite(y).all()
+    bound = None if dtype == torch.float32 else gemm_rounding_bound(h_ref, down, offs, y_ref, dtype)
+    assert_like_torch(y, y_ref, bound, dtype)
+
+
+@pytest.mark.parametrize("T,K,E,dtype", [(5, 8, 64, torch.bfloat16), (40, 2, 8, torch.bfloat16), (9, 8, 8, torch.float32)])
+def test_moe_output_after_combine_equals_the_grouped_mm_path(T, K, E, dtype):
+    """The integration: route -> expert_mlp -> combine gives what Experts._forward_fused (torch's grouped GEMMs)
+    gives, within the GEMM-rounding bound carried through the weighted HF-order sum; same capture."""
+    experts = Experts(SimpleNamespace(num_experts=E, hidden_size=H, moe_intermediate_size=I)).to(DEVICE)
+    gate_up, down = make_weights(E, dtype, seed=3)
+    experts.gate_up_proj.data, experts.down_proj.data = gate_up, down
+    experts.fused = True
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    ids = random_ids(T, K, E, seed=T)
+    weights = torch.softmax(torch.randn(T, K, generator=g), -1).to(DEVICE, dtype)
+    capture_ref = torch.full((T, K), -1, dtype=torch.int32, device=DEVICE)
+    expected = experts(x, ids, weights, capture_ref)
+
+    capture = torch.full((T, K), -1, dtype=torch.int32, device=DEVICE)
+    pos, tok, offs = kernels.route(ids, E, capture)
+    y = expert_mlp(x, gate_up, down, pos, tok, offs)
+    out = kernels.combine(y, ids, pos, weights, dtype)
+    assert torch.equal(capture, capture_ref) and torch.equal(capture.long(), ids)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        return
+    y_ref, h_ref = torch_experts(x, gate_up, down, tok, offs)
+    u = UNIT_ROUNDOFF[dtype]
+    per_pair = gemm_rounding_bound(h_ref, down, offs, y_ref, dtype) + 2 * u * K * y_ref.float().abs()
+    bound = (weights.float()[..., None] * per_pair[pos]).sum(1)  # [T, H]: each weighted term, each rounded add
+    assert_like_torch(out, expected, bound, dtype)
+
+
+def test_empty_step_and_bad_inputs():
+    gate_up, down = make_weights(4, torch.bfloat16)
+    x = torch.zeros(0, H, dtype=torch.bfloat16, device=DEVICE)
+    empty = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    offs = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    assert expert_mlp(x, gate_up, down, empty.view(0, 2), empty, offs).shape == (0, H)
+    with pytest.raises(ValueError, match="int32"):
+        expert_mlp(x, gate_up, down, empty.view(0, 2), empty, offs.long())
+    with pytest.raises(ValueError, match="do not fit"):
+        expert_mlp(x, gate_up, down.transpose(1, 2), empty.view(0, 2), empty, offs)
+
+
+def test_tile_table_from_json_overrides_only_its_own_shape(tmp_path, monkeypatch):
+    path = tmp_path / "configs.json"
+    tuned = (TileConfig(32, 64, 64, 8, 8, 4), TileConfig(64, 128, 64, 1, 4, 2))
+    key = fused_moe.table_key(fused_moe.device_name(DEVICE), 128, 2048, 768, torch.bfloat16)
+    fused_moe.write_table(path, key, {"2-8": tuned})
+    fused_moe.write_table(path, dict(key, I=1536), {"2-8": (tuned[1], tuned[0])})  # another shape, kept beside
+    monkeypatch.setenv(fused_moe.CONFIG_ENV, str(path))
+    assert len(json.loads(path.read_text())["tables"]) == 2
+    assert fused_moe.tile_configs(8, DEVICE, 128, 2048, 768, torch.bfloat16) == tuned  # T=1, top-8
+    assert fused_moe.tile_configs(9, DEVICE, 128, 2048, 768, torch.bfloat16) == fused_moe.DEFAULT_CONFIGS["9-32"]
+    assert fused_moe.tile_configs(8, DEVICE, 128, 2048, 768, torch.float16) == fused_moe.DEFAULT_CONFIGS["2-8"]
+    assert fused_moe.tile_configs(8, DEVICE, 128, 2048, 1536, torch.bfloat16) == (tuned[1], tuned[0])
+    assert [fused_moe.bucket_of(p) for p in (1, 2, 8, 2048, 2049, 8193)] == [
+        "1", "2-8", "2-8", "513-2048", "2049-8192", ">8192"]
