@@ -51,14 +51,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "backends"))
 
 from moe_engine import fused_moe, kernels  # noqa: E402
-from moe_engine.fused_moe import BUCKETS, TileConfig  # noqa: E402
+from moe_engine.fused_moe import TileConfig  # noqa: E402
 from moe_engine.model import _GMM, Experts  # noqa: E402
 
 ALL_T = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 QUICK_T = (1, 16, 256, 4096)
 GRAPH_MAX_T = 256
-# representative T per bucket of T*K (top-8), most important first (decode batch 1, decode batch 64-256, prefill)
+# representative T per bucket of T*K (top-8), most important first (decode batch 1, decode batch 64-256, prefill),
+# and each bucket's share of the tuning budget
 TUNE_T = {"2-8": 1, "513-2048": 256, ">8192": 4096, "129-512": 64, "33-128": 16, "9-32": 4, "2049-8192": 1024}
+TUNE_SHARE = {"2-8": 3, "513-2048": 2, ">8192": 2, "129-512": 1, "33-128": 1, "9-32": 1, "2049-8192": 1}
 TUNE_SPACE = {
     "BLOCK_N": {True: (16, 32, 64, 128), False: (32, 64, 128, 256)},  # by gate_up
     "BLOCK_K": (32, 64, 128, 256),
@@ -293,14 +295,15 @@ def _fits(cfg: TileConfig, gate_up: bool) -> bool:
 def tune(args, layers, budget: float, out_path: Path) -> None:
     t_start = time.monotonic()
     key = fused_moe.table_key(fused_moe.device_name(args.device), args.experts, args.hidden, args.inter, torch.bfloat16)
-    reps = 8
+    reps = 8 if args.device.type == "cuda" else 1
     tuned: dict[str, tuple[TileConfig, TileConfig]] = {}
     report = []
     buckets = [b for b in TUNE_T if fused_moe.bucket_of(TUNE_T[b] * args.topk) == b
                and (not args.tokens or TUNE_T[b] in args.tokens)]
+    shares = [TUNE_SHARE[b] for b in buckets]
     for i, bucket in enumerate(buckets):
         T = TUNE_T[bucket]
-        slice_end = t_start + budget * (i + 1) / len(buckets)  # what a bucket leaves unused goes to the next
+        slice_end = t_start + budget * sum(shares[: i + 1]) / sum(shares)  # what one leaves goes to the next
         case = Case(args, layers, T, seed=7 + T)
         routed = [route_pairs(ids, args.experts, None) for ids, _ in case.routing]
         default = fused_moe.tile_configs(case.P, args.device, args.experts, args.hidden, args.inter, torch.bfloat16)
@@ -361,6 +364,8 @@ def _descend(bucket, gate_up, calls, start: TileConfig, deadline: float, reps: i
         for param in ("BLOCK_N", "BLOCK_K", "num_stages", "BLOCK_M", "num_warps", "GROUP_M"):
             values = TUNE_SPACE[param]
             values = values[gate_up] if param == "BLOCK_N" else values[bucket] if param == "BLOCK_M" else values
+            if param == "GROUP_M" and TUNE_SPACE["BLOCK_M"][bucket] == (16,):
+                continue  # decode buckets: one row tile per expert, nothing for the grouped order to reuse
             for v in values:
                 if time.monotonic() >= deadline:
                     break

@@ -86,7 +86,7 @@ class TileConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TileConfig":
-        return cls(**{k: int(d[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages") if k in d})
+        return cls(**{k: int(v) for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
 def _tc(m: int, n: int, k: int, g: int, w: int, s: int) -> TileConfig:
@@ -135,21 +135,28 @@ def table_key(device: str, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _table(device: str, E: int, H: int, I: int, dtype: torch.dtype, path: str) -> dict[str, tuple[TileConfig, TileConfig]]:
-    """The defaults, with the buckets of the JSON file's table for exactly this (device, shape, dtype) over them."""
+def _table(device: str, E: int, H: int, I: int, dtype: torch.dtype, path: str) -> dict[str, tuple[TileConfig, ...]]:
+    """The defaults, with the buckets of the JSON file's table for exactly this (device, shape, dtype) over them.
+    A file that cannot be read leaves the defaults (with a warning): a bad table must not stop a server."""
     table = dict(DEFAULT_CONFIGS)
     p = Path(path)
     if p.is_file():
         key = table_key(device, E, H, I, dtype)
-        for entry in json.loads(p.read_text()).get("tables", []):
-            if {k: entry.get(k) for k in key} == key:
-                for name, pair in entry.get("buckets", {}).items():
-                    if name in table:
-                        table[name] = (TileConfig.from_dict(pair["gate_up"]), TileConfig.from_dict(pair["down"]))
+        try:
+            for entry in json.loads(p.read_text()).get("tables", []):
+                if {k: entry.get(k) for k in key} == key:
+                    for name, pair in entry.get("buckets", {}).items():
+                        if name in table:
+                            table[name] = (TileConfig.from_dict(pair["gate_up"]), TileConfig.from_dict(pair["down"]))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+            warnings.warn(f"fused_moe: ignoring tile configs in {p} ({err!r}); using the defaults", stacklevel=2)
+            return dict(DEFAULT_CONFIGS)
     return table
 
 
-def tile_configs(pairs: int, device: torch.device | str, E: int, H: int, I: int, dtype: torch.dtype) -> tuple[TileConfig, TileConfig]:
+def tile_configs(
+    pairs: int, device: torch.device | str, E: int, H: int, I: int, dtype: torch.dtype
+) -> tuple[TileConfig, TileConfig]:
     """(gate_up, down) configs for a step of ``pairs`` (token, slot) pairs."""
     return _table(device_name(device), E, H, I, dtype, str(config_path()))[bucket_of(pairs)]
 
