@@ -252,10 +252,12 @@ def print_table(args, rows) -> None:
 
 
 def check(args, layers, tokens) -> None:
-    """fused vs the torch path at real shapes: expert outputs y (before combine) and the layer output."""
+    """fused vs the torch path at real shapes: SwiGLU outputs h (a silu other than torch's would show here as far
+    more than the GEMM-order roundings), expert outputs y (before combine), the layer output, the capture."""
     print(f"\ncheck: fused vs torch (bf16), bound = 4u*(|h| @ |W_down|^T) + 2u*|y| with u = 2^-8 (one rounding of "
           "gate/up carried through SwiGLU and down; tests/unit/test_fused_moe.py)")
-    head = f"{'T':>6} {'y max|d|':>9} {'/bound':>6} {'y same':>7} {'out max|d|':>10} {'out same':>8} {'ids':>4}"
+    head = (f"{'T':>6} {'h same':>7} {'y max|d|':>9} {'/bound':>6} {'y same':>7} {'out max|d|':>10} {'out same':>8} "
+            f"{'ids':>4}")
     print(head)
     u = 2.0**-8
     for T in tokens:
@@ -264,6 +266,8 @@ def check(args, layers, tokens) -> None:
         cap_f, cap_t = torch.full_like(case.capture[0], -1), torch.full_like(case.capture[0], -1)
         pos, tok, offs = route_pairs(ids, ex.num_experts, cap_f)
         y = fused_moe.expert_mlp(x, ex.gate_up_proj, ex.down_proj, pos, tok, offs)
+        g_cfg = fused_moe.tile_configs(case.P, args.device, args.experts, args.hidden, args.inter, x.dtype)[0]
+        h = fused_moe.gate_up_swiglu(x, ex.gate_up_proj, tok, offs, g_cfg)
         gate, up = _GMM(x[tok], ex.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         h_ref = F.silu(gate) * up
         y_ref = _GMM(h_ref, ex.down_proj.transpose(1, 2), offs=offs)
@@ -278,7 +282,7 @@ def check(args, layers, tokens) -> None:
         out = kernels.combine(y, ids, pos, w, x.dtype)
         out_ref = grouped_mm_layer(ex, x, ids, w, cap_t)
         od = (out.float() - out_ref.float()).abs()
-        print(f"{T:>6} {d.max().item():>9.2g} "
+        print(f"{T:>6} {(h == h_ref).float().mean().item():>7.2%} {d.max().item():>9.2g} "
               f"{(d / bound).max().item():>6.2f} {(y == y_ref).float().mean().item():>7.2%} {od.max().item():>10.2g} "
               f"{(out == out_ref).float().mean().item():>8.2%} {'same' if torch.equal(cap_f, cap_t) else 'DIFF':>4}")
         del case
@@ -306,54 +310,68 @@ def tune(args, layers, budget: float, out_path: Path) -> None:
         slice_end = t_start + budget * sum(shares[: i + 1]) / sum(shares)  # what one leaves goes to the next
         case = Case(args, layers, T, seed=7 + T)
         routed = [route_pairs(ids, args.experts, None) for ids, _ in case.routing]
-        default = fused_moe.tile_configs(case.P, args.device, args.experts, args.hidden, args.inter, torch.bfloat16)
-        h = [fused_moe.gate_up_swiglu(case.x, case.layer[g].gate_up_proj, routed[g][1], routed[g][2], default[0])
-             for g in range(case.G)]
-        y = [torch.empty(case.P, args.hidden, dtype=torch.bfloat16, device=args.device) for _ in range(case.G)]
+        start = fused_moe.tile_configs(case.P, args.device, args.experts, args.hidden, args.inter, torch.bfloat16)
+        # outputs of the starting configs: every candidate must reproduce them (but for GEMM-order roundings)
+        h_ref = [fused_moe.gate_up_swiglu(case.x, case.layer[g].gate_up_proj, routed[g][1], routed[g][2], start[0])
+                 for g in range(case.G)]
+        y_ref = [fused_moe.down_proj(h_ref[g], case.layer[g].down_proj, routed[g][2], start[1]) for g in range(case.G)]
+        h, y = [t.clone() for t in h_ref], [t.clone() for t in y_ref]
 
         def gate_up_calls(cfg):
             return [lambda g=g: fused_moe.gate_up_swiglu(case.x, case.layer[g].gate_up_proj, routed[g][1],
                                                          routed[g][2], cfg, out=h[g]) for g in range(case.G)]
 
         def down_calls(cfg):
-            return [lambda g=g: fused_moe.down_proj(h[g], case.layer[g].down_proj, routed[g][2], cfg, out=y[g])
+            return [lambda g=g: fused_moe.down_proj(h_ref[g], case.layer[g].down_proj, routed[g][2], cfg, out=y[g])
                     for g in range(case.G)]
 
         best = []
-        for gate_up, calls, start in ((True, gate_up_calls, default[0]), (False, down_calls, default[1])):
+        for gate_up, calls, outs, refs in ((True, gate_up_calls, h, h_ref), (False, down_calls, y, y_ref)):
             kernel_end = slice_end if not gate_up else (time.monotonic() + slice_end) / 2
-            best.append(_descend(bucket, gate_up, calls, start, kernel_end, reps, args.device))
+            best.append(_descend(bucket, gate_up, calls, outs, refs, start[0 if gate_up else 1], kernel_end, reps,
+                                 args.device))
         tuned[bucket] = (best[0][0], best[1][0])
         report.append((bucket, T, best))
         print(f"tuned {bucket:>9} (T={T}): gate_up {best[0][2] * 1e6:.1f} -> {best[0][1] * 1e6:.1f} us, down "
               f"{best[1][2] * 1e6:.1f} -> {best[1][1] * 1e6:.1f} us  [{time.monotonic() - t_start:.0f} s]", flush=True)
-        del case, h, y, routed
+        del case, h, y, h_ref, y_ref, routed
         empty_cache(args.device)
     fused_moe.write_table(out_path, key, tuned)
     print(f"\ntile configs per bucket (T*K), {key}; written to {out_path}")
-    print(f"{'bucket':>9} {'T':>5} {'kernel':>7} {'default us':>10} {'tuned us':>9}  tuned config (BM BN BK GM warps stages)")
+    print(f"{'bucket':>9} {'T':>5} {'kernel':>7} {'start us':>9} {'tuned us':>9}  tuned config (BM BN BK GM warps stages)")
     for bucket, T, best in report:
         for name, (cfg, t, t0, n) in zip(("gate_up", "down"), best):
-            print(f"{bucket:>9} {T:>5} {name:>7} {t0 * 1e6:>10.1f} {t * 1e6:>9.1f}  {cfg.BLOCK_M} {cfg.BLOCK_N} "
+            print(f"{bucket:>9} {T:>5} {name:>7} {t0 * 1e6:>9.1f} {t * 1e6:>9.1f}  {cfg.BLOCK_M} {cfg.BLOCK_N} "
                   f"{cfg.BLOCK_K} {cfg.GROUP_M} {cfg.num_warps} {cfg.num_stages}   ({n} configs timed)")
-    print(f"bucket '1' (T*K = 1) and buckets not reached keep their defaults; tuning took {time.monotonic() - t_start:.0f} s")
+    print("start = the table in use before (defaults, or an earlier tuning); bucket '1' (T*K = 1) and buckets not "
+          f"reached keep theirs. Tuning took {time.monotonic() - t_start:.0f} s")
 
 
-def _descend(bucket, gate_up, calls, start: TileConfig, deadline: float, reps: int, device: torch.device):
+def _descend(bucket, gate_up, calls, outs, refs, start: TileConfig, deadline: float, reps: int, device):
     """Coordinate descent from ``start``: each parameter in turn over its values, the others at the best so far,
-    until a pass changes nothing or the deadline passes. -> (best config, its time, start's time, configs timed)."""
+    until a pass changes nothing or the deadline passes. A config counts only if its outputs (``outs``, NaN
+    before it runs) equal ``refs`` in >= 99% of the elements (only GEMM-order roundings may differ).
+    -> (best config, its time, start's time, configs timed)."""
     seen: dict[TileConfig, float] = {}
 
     def timed(cfg: TileConfig) -> float:
         if cfg not in seen:
             seen[cfg] = float("inf")
             if _fits(cfg, gate_up) or cfg == start:
+                for o in outs:
+                    o.fill_(float("nan"))
                 try:
                     with warnings.catch_warnings():
                         warnings.filterwarnings("error", message="fused_moe:")  # it would shrink: not this config
-                        seen[cfg] = time_per_call(calls(cfg), True, reps, device)
+                        t = time_per_call(calls(cfg), True, reps, device)
                 except Exception as err:  # noqa: BLE001  (compile failures of odd configs: skip them)
                     print(f"  skip {cfg}: {type(err).__name__}: {str(err)[:120]}")
+                    return seen[cfg]
+                same = min((o == r).float().mean().item() for o, r in zip(outs, refs))
+                if same >= 0.99:
+                    seen[cfg] = t
+                else:
+                    print(f"  skip {cfg}: outputs differ from the starting config's ({same:.2%} equal)")
         return seen[cfg]
 
     best, best_t = start, timed(start)
