@@ -7,6 +7,11 @@ grouped order, which ``kernels.combine`` weights and sums in HF order, unchanged
 
     expert_mlp(x, gate_up, down, pos, tok, offs) -> y       (gate_up [E, 2I, H], down [E, H, I]: HF v5 layout)
 
+In ``Experts._forward_fused`` it replaces the two grouped GEMMs (and x[tok], silu, the product):
+    pos, tok, offs = kernels.route(ids, E, capture)   # or the torch sort for large steps
+    y = fused_moe.expert_mlp(x, self.gate_up_proj, self.down_proj, pos, tok, offs)
+    return kernels.combine(y, ids, pos, weights, x.dtype)
+
 Two launches, no host sync, CUDA-graph capturable (grid sizes from host ints only):
 
 * ``gate_up_swiglu``: h[r] = round(round(silu(round(g))) * round(u)), with g, u = gate_up[e] @ x[tok[r]] split
@@ -24,12 +29,14 @@ experts, as torch's, visits every group).
 Numerics: the op-by-op torch path, rounding for rounding (as kernels.py: ``_round`` rounds float32 to the model
 dtype with integer ops, which the interpreter gets right too): GEMM outputs accumulated in float32 and rounded
 to the model dtype; silu as torch's CUDA kernel computes it on a bf16/fp16 tensor (upcast, x / (1 + exp(-x))
-with an IEEE exp and division, round); times up, rounded. Only the GEMMs' float32 summation order differs from
+with libdevice's expf, the CUDA math library's, not Triton's approximate exp, and an IEEE division; round);
+times up, rounded. Only the GEMMs' float32 summation order differs from
 torch's (cuBLAS/CUTLASS order is not reproducible), so y equals torch's within a rounding of the model dtype
 (tests/unit/test_fused_moe.py bounds it; bf16 elements are bit-identical but for ~0.1-1%). float32 models use
 IEEE float32 products (no TF32), as torch's default matmul.
 
-Tile configs: per bucket of P = T*K (``BUCKETS``), separately for the two GEMMs. Defaults derive from vLLM's
+Tile configs: per bucket of P = T*K (``BUCKETS``; above 2048 pairs split at 8192, since T*K = 4096 wants
+smaller row tiles than 131072), separately for the two GEMMs. Defaults derive from vLLM's
 tuned tables for this shape on Hopper (E=128, N=768, NVIDIA_H200 / H100_80GB_HBM3; vLLM's BLOCK_SIZE_N counts
 the 2I gate_up columns, ours counts h columns, so gate_up's BLOCK_N is half of vLLM's). A JSON file written by
 ``loadtest/bench_fused_moe.py --tune`` overrides them for a (device, E, H, I, dtype): ``fused_moe_configs.json``
@@ -38,8 +45,8 @@ beside this module, or the path in $MOE_FUSED_MOE_CONFIGS.
 Decode (P = 8 for one Qwen3-30B-A3B token) is weight-bandwidth bound: 8 x (2*768*2048 + 2048*768) x 2 bytes =
 75.5 MB per layer, 17.6 us at 4.3 TB/s. With BLOCK_M 16 and narrow column tiles the 8 hit experts give
 8 x 768/32 = 192 gate_up programs (256 KB of weights each) and 8 x 2048/64 = 256 down programs (96 KB each);
-with small shared-memory footprints several are resident per SM, so all 132 SMs stream weights without a
-tail wave. That is why there is no split-K variant: it would only add parallelism, which the column tiles
+at 40 KB of shared memory each (sm_90 build) up to five are resident per SM, so all of them stream weights at
+once on the 132 SMs, without a tail wave. That is why there is no split-K variant: it would only add parallelism, which the column tiles
 already give, at the price of a float32 reduction pass before the SwiGLU.
 """
 from __future__ import annotations

@@ -187,3 +187,52 @@ def test_tile_table_from_json_overrides_only_its_own_shape(tmp_path, monkeypatch
     assert fused_moe.tile_configs(8, DEVICE, 128, 2048, 1536, torch.bfloat16) == (tuned[1], tuned[0])
     assert [fused_moe.bucket_of(p) for p in (1, 2, 8, 2048, 2049, 8193)] == [
         "1", "2-8", "2-8", "513-2048", "2049-8192", ">8192"]
+
+
+HOPPER_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_engine import fused_moe as fm
+
+kernel, out = fm._moe_gemm_kernel, {}
+for bucket in sys.argv[1:]:
+    for gate_up, cfg in zip((True, False), fm.DEFAULT_CONFIGS[bucket]):
+        N, K = (768, 2048) if gate_up else (2048, 768)  # Qwen3-30B-A3B
+        consts = dict(s_wk=1, GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                      GROUP_M=cfg.GROUP_M, BLOCK_E=128, EVEN_K=K % cfg.BLOCK_K == 0, DT=1, UPCAST=False, PRECISE=True,
+                      PREC="tf32")
+        sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "tok_ptr": "*i64", "offs_ptr": "*i32",
+               **{n: "i32" for n in ("E", "N", "K", "num_pid_m", "s_a", "s_we", "s_wn", "s_out")},
+               **{n: "constexpr" for n in consts}}
+        aligned = ("a_ptr", "w_ptr", "out_ptr", "tok_ptr", "offs_ptr", "E", "N", "K", "s_a", "s_we", "s_wn", "s_out")
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        ck = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False})
+        out[f"{bucket} {'gate_up' if gate_up else 'down'}"] = {
+            "shared": ck.metadata.shared, "div_rn": "div.rn.f32" in ck.asm["ptx"], "wgmma": "wgmma" in ck.asm["ptx"]}
+print(json.dumps(out))
+"""
+
+
+def test_default_tiles_compile_for_hopper_within_its_shared_memory(tmp_path):
+    """The interpreter cannot see the compiled path (libdevice exp, IEEE division, shared memory): compile the
+    kernels for sm_90 with ptxas from the Triton wheel (no GPU needed) for a decode, a mid and a prefill bucket."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(repo / "backends"), TRITON_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, "2-8", "513-2048", ">8192"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(result) == 6
+    for name, r in result.items():
+        assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} bytes of shared memory"
+        assert r["div_rn"] == name.endswith("gate_up"), name  # silu's division is IEEE (torch's), only in gate_up
+    assert result[">8192 gate_up"]["wgmma"] and result[">8192 down"]["wgmma"]  # prefill tiles on Hopper's MMA
