@@ -211,6 +211,12 @@ class Case:
     def calls(self, layer_fn):
         return [lambda g=g: layer_fn(self.layer[g], self.x, *self.routing[g], self.capture[g]) for g in range(self.G)]
 
+    def gemm_calls(self):
+        """fused_moe.expert_mlp alone, on routings grouped beforehand."""
+        routed = [route_pairs(ids, ex.num_experts, None) for ex, (ids, _) in zip(self.layer, self.routing)]
+        return [lambda g=g: fused_moe.expert_mlp(self.x, self.layer[g].gate_up_proj, self.layer[g].down_proj,
+                                                 *routed[g]) for g in range(self.G)]
+
 
 def bench(args, layers, tokens, reps) -> list[dict]:
     rows = []
@@ -221,12 +227,13 @@ def bench(args, layers, tokens, reps) -> list[dict]:
         diff = (fused_layer(case.layer[0], case.x, ids, w, None).float()
                 - grouped_mm_layer(case.layer[0], case.x, ids, w, None).float()).abs().max().item()
         row = {"T": T, "P": case.P, "hit": case.hit, "graph": graph, "diff": diff,
-               "fused": time_per_call(case.calls(fused_layer), graph, reps, args.device)}
+               "fused": time_per_call(case.calls(fused_layer), graph, reps, args.device),
+               "gemms": time_per_call(case.gemm_calls(), graph, reps, args.device)}
         if not args.no_grouped_mm:
             row["grouped_mm"] = time_per_call(case.calls(grouped_mm_layer), graph, reps, args.device)
         row["bytes"], row["flops"] = case.weight_bytes, case.flops
         rows.append(row)
-        print(f"T={T:>6}: fused {row['fused'] * 1e6:9.1f} us" + (
+        print(f"T={T:>6}: fused {row['fused'] * 1e6:9.1f} us (its GEMMs {row['gemms'] * 1e6:9.1f})" + (
             f"   grouped_mm {row['grouped_mm'] * 1e6:9.1f} us" if "grouped_mm" in row else ""), flush=True)
         del case
         empty_cache(args.device)
@@ -234,21 +241,26 @@ def bench(args, layers, tokens, reps) -> list[dict]:
 
 
 def print_table(args, rows) -> None:
-    print(f"\nMoE layer experts (route + expert GEMMs + combine), E={args.experts} H={args.hidden} I={args.inter} "
-          f"K={args.topk} bf16, {fused_moe.device_name(args.device)}; graph = CUDA graph (T <= {GRAPH_MAX_T})")
+    print(f"\nMoE layer experts, E={args.experts} H={args.hidden} I={args.inter} K={args.topk} bf16, "
+          f"{fused_moe.device_name(args.device)}. Layer = route + expert GEMMs + combine; gemms = expert_mlp alone. "
+          f"GB/s: weights of the hit experts per second; %HBM of {args.hbm_tbps} TB/s; %peak of {args.peak_tflops:.0f} "
+          f"TFLOP/s; graph: CUDA graph (T <= {GRAPH_MAX_T}); max|diff|: layer output fused vs grouped_mm")
     head = (f"{'T':>6} {'T*K':>7} {'hit':>5} {'graph':>5} {'grouped_mm us':>13} {'fused us':>9} {'speedup':>7} "
-            f"{'GB/s':>7} {'%HBM':>5} {'TFLOP/s':>7} {'%peak':>5} {'gmm TFLOP/s':>11} {'max|diff|':>9}")
+            f"{'layer GB/s':>10} {'gemms us':>9} {'gemms GB/s':>10} {'%HBM':>5} {'TFLOP/s':>7} {'%peak':>5} "
+            f"{'max|diff|':>9}")
     print(head)
     print("-" * len(head))
+    nan = float("nan")
     for r in rows:
-        t, gmm = r["fused"], r.get("grouped_mm")
-        gbs, tfs = r["bytes"] / t / 1e9, r["flops"] / t / 1e12
+        t, gmm, gemms = r["fused"], r.get("grouped_mm"), r["gemms"]
+        gbs, tfs = r["bytes"] / gemms / 1e9, r["flops"] / gemms / 1e12
         print(f"{r['T']:>6} {r['P']:>7} {r['hit']:>5.1f} {'yes' if r['graph'] else 'no':>5} "
-              f"{gmm * 1e6 if gmm else float('nan'):>13.1f} {t * 1e6:>9.1f} {gmm / t if gmm else float('nan'):>6.2f}x "
-              f"{gbs:>7.0f} {100 * gbs / (args.hbm_tbps * 1e3):>4.0f}% {tfs:>7.1f} {100 * tfs / args.peak_tflops:>4.0f}% "
-              f"{r['flops'] / gmm / 1e12 if gmm else float('nan'):>11.1f} {r['diff']:>9.2g}")
-    print(f"roofline at T=1: {rows[0]['bytes'] / (args.hbm_tbps * 1e12) * 1e6:.1f} us for {rows[0]['bytes'] / 1e6:.1f} MB"
-          if rows and rows[0]["T"] == 1 else "")
+              f"{gmm * 1e6 if gmm else nan:>13.1f} {t * 1e6:>9.1f} {gmm / t if gmm else nan:>6.2f}x "
+              f"{r['bytes'] / t / 1e9:>10.0f} {gemms * 1e6:>9.1f} {gbs:>10.0f} {100 * gbs / (args.hbm_tbps * 1e3):>4.0f}% "
+              f"{tfs:>7.1f} {100 * tfs / args.peak_tflops:>4.0f}% {r['diff']:>9.2g}")
+    if rows and rows[0]["T"] == 1:
+        print(f"roofline at T=1: {rows[0]['bytes'] / 1e6:.1f} MB of weights, "
+              f"{rows[0]['bytes'] / (args.hbm_tbps * 1e12) * 1e6:.1f} us at {args.hbm_tbps} TB/s")
 
 
 def check(args, layers, tokens) -> None:
