@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO / "backends"))
 
 from moe_engine import fused_moe, kernels  # noqa: E402
 from moe_engine.fused_moe import TileConfig  # noqa: E402
-from moe_engine.model import _GMM, Experts  # noqa: E402
+from moe_engine.experts import _GMM, Experts  # noqa: E402
 
 ALL_T = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 QUICK_T = (1, 16, 256, 4096)
@@ -108,7 +108,7 @@ def make_layers(args, dtype=torch.bfloat16) -> list[Experts]:
     layers = []
     for _ in range(args.layers):
         with torch.device("meta"):  # no host copy of 1.2 GB per layer: the weights are made on the device
-            ex = Experts(SimpleNamespace(num_experts=E, hidden_size=H, moe_intermediate_size=I))
+            ex = Experts(SimpleNamespace(num_experts=E, intermediate_size=I), H)
         ex.gate_up_proj = torch.nn.Parameter((torch.randn(E, 2 * I, H, device=args.device) / H**0.5).to(dtype), False)
         ex.down_proj = torch.nn.Parameter((torch.randn(E, H, I, device=args.device) / I**0.5).to(dtype), False)
         ex.fused = True

@@ -14,8 +14,9 @@ Two implementations of the same attention:
 - the reference (every device; what CPU serving and the parity tests run): gathers each sequence's blocks into a
   dense [B, Hkv, Lk, D] tensor and runs torch's SDPA with a mask, operation by operation as Hugging Face does, so
   that float32 agrees with transformers to rounding and bfloat16 bit for bit;
-- on CUDA, the Triton kernels of paged_attention.py (when present): they read only the blocks a sequence owns,
-  grouped-query heads share each K/V tile, long decode contexts are split over several programs.
+- on CUDA with the fused kernels on, the Triton kernels of paged_attention.py: they read only the blocks a
+  sequence owns, grouped-query heads share each K/V tile, long decode contexts are split over several programs
+  (equal to the reference within the rounding of a different summation order).
 """
 from __future__ import annotations
 
@@ -26,10 +27,7 @@ import torch.nn.functional as F
 
 from . import kernels
 
-try:  # Triton kernels over the paged cache (CUDA; tests run them under Triton's interpreter)
-    from . import paged_attention
-except ImportError:  # pragma: no cover - the module is optional until it lands
-    paged_attention = None
+from . import paged_attention
 
 
 @dataclass

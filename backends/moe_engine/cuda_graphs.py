@@ -71,6 +71,7 @@ class DecodeGraphs:
         max_batch: int,
         max_model_len: int,
         capture_buf: torch.Tensor | None,
+        use_kernels: bool = False,
     ):
         self.model = model
         self.kv = kv
@@ -80,7 +81,7 @@ class DecodeGraphs:
         self.kv_lens = kv_len_buckets(max_model_len)
         self.max_batch = max_batch
         self.max_blocks = -(-max_model_len // bs)
-        self.use_kernels = False  # paged-attention kernels (set by the runner)
+        self.use_kernels = use_kernels  # attention through paged_attention.py's kernels
         device = kv[0].k.device
         # Staged on the host, copied in one transfer: [4, B] scalars, then the block tables [B, max_blocks].
         # Two staging buffers, alternating: with overlapped decode the previous step's copy may not have run yet.

@@ -28,6 +28,7 @@ from .config import MoEConfig
 from .engine_config import EngineConfig
 from .errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
 from .kv_cache import blocks_for_budget
+from .paged_attention import available as paged_attention_available
 from .runner import LaunchedStep, ModelRunner, kv_cache_budget
 from .sampling import make_state
 from .scheduler import Request, RequestOutput, Scheduler, Sequence
@@ -75,18 +76,21 @@ class Engine:
             model, num_blocks, bs, self.step_tokens, self.max_num_seqs, self.max_model_len,
             capture_routing=ec.enable_routed_experts, graphs_off=graphs_off,
             overlap=cuda if ec.overlap_decode is None else ec.overlap_decode,
+            use_attention_kernels=self.fused and cuda and model.config.attention.mla is None
+            and paged_attention_available(self.device),
         )
         self.scheduler = Scheduler(self.blocks, self.max_num_seqs, self.step_tokens, self.max_model_len,
                                    frozenset(cfg.eos_token_ids), keep_rows)
         self.keep_rows = keep_rows
         log.info(
             "engine: KV cache %.2f GiB = %d blocks x %d tokens (%d tokens), %d seqs, %d tokens/step, max_model_len "
-            "%d, prefix caching %s, routed experts %s, device %s, %s, CUDA graphs %s, fused kernels %s",
+            "%d, prefix caching %s, routed experts %s, device %s, %s, CUDA graphs %s, fused kernels %s, attention %s",
             self.runner.kv.nbytes / 2**30, num_blocks - 1, bs, (num_blocks - 1) * bs, self.max_num_seqs,
             self.step_tokens, self.max_model_len, "on" if ec.enable_prefix_caching else "off",
             "on" if ec.enable_routed_experts else "off", self.device, self.dtype,
             f"off ({graphs_off})" if graphs_off else f"for decode batches up to {self.max_num_seqs}",
             "on" if self.fused else "off",
+            "paged kernels" if self.runner.use_kernels else "reference (gather + SDPA)",
         )
         self._inbox: collections.deque = collections.deque()  # ("add", seq) | ("abort", id), from any thread
         self._known_ids: set[str] = set()

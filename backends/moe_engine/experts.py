@@ -14,7 +14,9 @@ Where routed experts flow (data-path order):
 Execution paths, one per situation, numerically the same as Hugging Face transformers' per-expert loop (rows of
 each expert in HF's order, the routing weight applied before the cast, outputs summed one by one in ascending
 expert order):
-- ``fused`` (CUDA, Triton): ``kernels.route`` -> grouped GEMMs -> ``kernels.combine``; graph-capturable;
+- ``fused`` (CUDA, Triton): ``kernels.route`` -> expert GEMMs -> ``kernels.combine``; graph-capturable. The GEMMs
+  are fused_moe.py's Triton kernels (reading only the hit experts' weights; equal to torch's within bf16 GEMM
+  rounding, a different summation order) up to ``triton_gemm_max_pairs`` pairs, torch's grouped GEMM beyond;
 - ``grouped_mm``: torch's grouped GEMM over all experts with offsets computed on the device (no host sync);
 - ``gather`` (small CUDA decode batches without fused kernels): each token's expert weights gathered, one einsum;
 - ``grouped`` (the reference): pairs sorted by expert, one matmul per expert (one host sync for the counts).
@@ -24,19 +26,26 @@ its type.
 """
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import kernels
+from . import fused_moe, kernels
 from .config import ExpertsSpec
 
 # A step with at most this many (token, slot) pairs (a small decode batch) gathers each token's expert weights
 # and runs one batched matmul, with no host sync (unfused CUDA path only).
 GATHER_MAX_SLOTS = 8  # on CUDA; on CPU the copies cost more than the grouped path's sync (measured)
 GATHER_MAX_BYTES = 256 << 20  # ... and only while the gathered weight copies stay this small
+
+# Fused path on CUDA: steps of up to this many (token, slot) pairs run fused_moe.py's Triton GEMMs, larger ones
+# torch's grouped GEMM (chosen by measurement on the H200, loadtest/bench_fused_moe.py). The environment variable
+# overrides it for benchmarks (0: always torch's).
+TRITON_GEMM_MAX_PAIRS = int(os.environ.get("MOE_TRITON_GEMM_MAX_PAIRS", sys.maxsize))
 
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _GMM_SUPPORT: dict = {}
@@ -148,10 +157,17 @@ class Experts(nn.Module):
         E, H, I = spec.num_experts, hidden_size, spec.intermediate_size
         self.num_experts = E
         self.fused = False
+        # Fused path: steps of at most this many (token, slot) pairs run the expert GEMMs as fused_moe.py's
+        # Triton kernels (only the hit experts' weights are read; equal to torch's grouped GEMM within bf16
+        # GEMM rounding), larger ones as torch's grouped GEMM. 0 (CPU, the interpreter, the bit-exactness
+        # tests): always torch's. Set by MoEForCausalLM.use_fused_kernels.
+        self.triton_gemm_max_pairs = 0
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
 
     def graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        if self.fused and self.triton_gemm_max_pairs == sys.maxsize:
+            return None  # never torch's grouped GEMM
         if not grouped_mm_capturable(device, dtype):
             return f"torch's grouped GEMM syncs with the host for {dtype} on this GPU (use bfloat16)"
         return None
@@ -163,7 +179,7 @@ class Experts(nn.Module):
         T, K = ids.shape
         # Fused, the grouped path is faster than gathering weights even for one token (H200, C=1 decode step:
         # 0.41 vs 0.46 ms), and its route kernel does the capture copy.
-        if self.fused and T and grouped_mm_works(x.device, x.dtype):
+        if self.fused and T and (T * K <= self.triton_gemm_max_pairs or grouped_mm_works(x.device, x.dtype)):
             return self._forward_fused(x, ids, weights, capture)
         _capture(capture, ids)
         if T == 0:
@@ -206,8 +222,11 @@ class Experts(nn.Module):
             pos = torch.empty_like(order).scatter_(0, order, torch.arange(K * T, device=x.device))
             routed = pos.view(K, T).t(), order % T, torch.cumsum(counts, 0).to(torch.int32)
         pos, tok, offs = routed  # [T, K] grouped row of each pair, [K*T] token of each row, [E] row ends
-        gate, up = _GMM(x[tok], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [K*T, I] each
-        y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [K*T, H]
+        if ids.numel() <= self.triton_gemm_max_pairs:  # only the hit experts' weights are read
+            y = fused_moe.expert_mlp(x, self.gate_up_proj, self.down_proj, pos, tok, offs)  # [K*T, H]
+        else:
+            gate, up = _GMM(x[tok], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [K*T, I] each
+            y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [K*T, H]
         return kernels.combine(y, ids, pos, weights, x.dtype)
 
     def _expert(self, e: int, rows: Tensor) -> Tensor:

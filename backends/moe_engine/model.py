@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from . import kernels
 from .attention import ForwardBatch, LayerKV, attend, attend_cached, cached_kv, store_kv
 from .config import AttentionSpec, ExpertsSpec, MoEConfig, RopeSpec, RouterSpec
-from .experts import Experts, GptOssExperts
+from .experts import TRITON_GEMM_MAX_PAIRS, Experts, GptOssExperts
 from .kv_cache import KVCache, KVSpec
 from .rope import RotaryEmbedding, apply_rotary, deepseek_softmax_scale
 from .routing import make_router
@@ -329,12 +329,16 @@ class MoEForCausalLM(nn.Module):
         return [KVSpec(attn.num_kv_heads, attn.head_dim, attn.head_dim) for _ in range(cfg.num_hidden_layers)]
 
     def use_fused_kernels(self, enabled: bool) -> bool:
-        """Switch the fused Triton kernels (kernels.py; same results bit for bit) on or off for every module
-        that has them. Returns whether they are on: only where Triton runs for this model's device and dtype."""
+        """Switch the fused Triton kernels (kernels.py, bit for bit the op-by-op results; on a GPU also the expert
+        GEMMs of fused_moe.py, equal within bf16 GEMM rounding) on or off for every module that has them.
+        Returns whether they are on: only where Triton runs for this model's device and dtype."""
         enabled = enabled and kernels.available(self.device) and kernels.supports(self.dtype)
+        on_gpu = enabled and self.device.type == "cuda" and not kernels.interpreting()
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention)) or getattr(m, "supports_fused", False):
                 m.fused = enabled
+            if isinstance(m, Experts):
+                m.triton_gemm_max_pairs = TRITON_GEMM_MAX_PAIRS if on_gpu else 0
         return enabled
 
     def graph_unsafe_reason(self) -> str | None:

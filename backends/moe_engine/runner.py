@@ -125,6 +125,7 @@ class ModelRunner:
         capture_routing: bool,
         graphs_off: str | None,
         overlap: bool,
+        use_attention_kernels: bool = False,
     ):
         cfg = model.config
         self.model = model
@@ -152,10 +153,12 @@ class ModelRunner:
         self._events = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._parity = 0
         self.overlap = overlap
-        self.use_kernels = False  # paged-attention kernels (set by the engine when they apply)
+        # Attention through paged_attention.py's kernels (they read only each sequence's own blocks) on CUDA with
+        # the fused kernels on; the reference (gather + SDPA) elsewhere, and for MLA's latent cache.
+        self.use_kernels = use_attention_kernels
         self.graphs = (
             DecodeGraphs(model, self.kv, max_batch=max_num_seqs, max_model_len=max_model_len,
-                         capture_buf=self.capture_buf)
+                         capture_buf=self.capture_buf, use_kernels=use_attention_kernels)
             if graphs_off is None
             else None
         )

@@ -48,7 +48,8 @@ def run_mixed_batch(tiny, enforce_eager: bool, overlap: bool = True):
     """Seven requests of different prompt and output lengths (greedy and seeded sampling) arriving over time:
     decode steps of 1..7 sequences, padded to buckets 1, 2, 4, 8, mixed with prefill steps."""
     cfg, model = tiny
-    ecfg = EngineConfig(max_model_len=256, max_num_batched_tokens=64, enforce_eager=enforce_eager, overlap_decode=overlap)
+    ecfg = EngineConfig(max_model_len=256, max_num_batched_tokens=64, enforce_eager=enforce_eager, overlap_decode=overlap,
+                        kv_cache_memory_bytes=256 << 20)
     engine = Engine(model, cfg, ecfg)
     out = []
     for i in range(7):
@@ -66,9 +67,8 @@ def test_graph_replayed_decode_equals_eager_decode(tiny_cuda):
     eager, want = run_mixed_batch(tiny_cuda, enforce_eager=True)
     graphed, got = run_mixed_batch(tiny_cuda, enforce_eager=False)
     assert eager.graphs is None
-    keys = graphed.graphs._graphs  # (batch bucket, key bucket, capture, slots 0..n-1)
+    keys = graphed.graphs._graphs  # (batch bucket, key bucket, capture)
     assert len({k[0] for k in keys}) >= 3  # several batch buckets were replayed
-    assert {k[3] for k in keys} == {True, False}  # cache read as a view, and gathered by slot
     for w, g in zip(want, got):
         assert g.finish_reason == w.finish_reason == "length"
         assert g.tokens == w.tokens
@@ -78,7 +78,7 @@ def test_graph_replayed_decode_equals_eager_decode(tiny_cuda):
 @cuda
 def test_graph_decode_without_routing_requests_skips_capture(tiny_cuda):
     cfg, model = tiny_cuda
-    engine = Engine(model, cfg, EngineConfig(max_model_len=256))
+    engine = Engine(model, cfg, EngineConfig(max_model_len=256, kv_cache_memory_bytes=256 << 20))
     with_rows = submit(engine, prompt_of(11, 5), max_tokens=8, ignore_eos=True)
     run_all(engine, [with_rows])
     without = submit(engine, prompt_of(11, 5), routing=False, max_tokens=8, ignore_eos=True)

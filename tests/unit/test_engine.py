@@ -34,6 +34,8 @@ def tiny(tiny_checkpoint):
 def make_engine(tiny, **kw) -> Engine:
     cfg, model = tiny
     kw.setdefault("max_model_len", 256)
+    if DEVICE != "cpu":  # not 90% of the GPU for each of the many engines a test module builds
+        kw.setdefault("kv_cache_memory_bytes", 256 << 20)
     return Engine(model, cfg, EngineConfig(**kw))
 
 

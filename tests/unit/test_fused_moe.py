@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from moe_engine import fused_moe, kernels
 from moe_engine.fused_moe import TileConfig, expert_mlp
-from moe_engine.model import Experts
+from moe_engine.experts import Experts
 
 DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -142,7 +142,7 @@ def test_uneven_and_empty_groups_in_every_dtype_with_the_default_tiles(dtype):
 def test_moe_output_after_combine_equals_the_grouped_mm_path(T, K, E, dtype):
     """The integration: route -> expert_mlp -> combine gives what Experts._forward_fused (torch's grouped GEMMs)
     gives, within the GEMM-rounding bound carried through the weighted HF-order sum; same capture."""
-    experts = Experts(SimpleNamespace(num_experts=E, hidden_size=H, moe_intermediate_size=I)).to(DEVICE)
+    experts = Experts(SimpleNamespace(num_experts=E, intermediate_size=I), H).to(DEVICE)
     gate_up, down = make_weights(E, dtype, seed=3)
     experts.gate_up_proj.data, experts.down_proj.data = gate_up, down
     experts.fused = True

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from openai_frontend.triton_client import EngineError
+from openai_frontend.triton_client import BackendError
 from tests.unit.conftest import SCRIPT_TEXT, ServerThread, make_model_info
 from tests.unit.fake_engine import FakeEngine
 
@@ -141,13 +141,13 @@ def test_body_limit_is_413_with_or_without_content_length(guarded):
 
 def test_engine_queue_rejections_are_503_overloaded_and_counted_once(guarded):
     before = metric(guarded, "moe_serve_rejected_requests_total")
-    guarded.engine.fail_with = EngineError(EngineError.UNAVAILABLE, "the engine's waiting queue is full",
+    guarded.engine.fail_with = BackendError(BackendError.UNAVAILABLE, "the engine's waiting queue is full",
                                            code="overloaded")
     try:
         for stream in (False, True):
             r = httpx.post(guarded.base_url + "/completions", json={"prompt": "x", "max_tokens": 1, "stream": stream})
             assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
-        guarded.engine.fail_with = EngineError(EngineError.UNAVAILABLE, "Stub process is not healthy.",
+        guarded.engine.fail_with = BackendError(BackendError.UNAVAILABLE, "Stub process is not healthy.",
                                                code="backend_unavailable")
         r = httpx.post(guarded.base_url + "/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable"

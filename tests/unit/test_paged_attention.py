@@ -200,24 +200,21 @@ def test_padding_entries_read_nothing(num_splits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_reference_computes_exactly_as_slot_attention(dtype):
+def test_reference_computes_exactly_as_the_engines_reference_attention(dtype):
     """The reference keeps attention.py's arithmetic (HF parity of the CPU engine): same bits as
-    ``attend_cached`` over a slot cache holding the same keys, for a mixed step (decodes first, as the engine
+    ``attend_cached`` over the same paged cache, for a mixed step (decodes first, as the engine
     plans them) and for one fresh sequence."""
     for contexts, q_lens in (([5, 33, 0, 12], [1, 1, 21, 6]), ([0], [48])):
         step = make_step(contexts, q_lens, hq=4, hkv=2, dk=16, block_size=8, dtype=dtype, seed=11)
-        max_len = int(step.seq_lens.max())
-        slot_k = torch.zeros(len(contexts), 2, max_len, 16, dtype=dtype)
-        slot_v = torch.zeros_like(slot_k)
-        for b, (k, v) in enumerate(zip(step.keys, step.values)):
-            slot_k[b, :, : k.shape[0]] = k.transpose(0, 1)
-            slot_v[b, :, : v.shape[0]] = v.transpose(0, 1)
-        batch = ForwardBatch.build(list(range(len(contexts))), contexts, q_lens, "cpu")
+        tables = [[b for b in row.tolist() if b != 10**6] for row in step.block_tables.cpu()]
+        # attention.py over the same paged cache (never-written entries zeroed: its gather reads whole blocks)
+        cache = LayerKV(torch.nan_to_num(step.k_cache.cpu()), torch.nan_to_num(step.v_cache.cpu()))
+        batch = ForwardBatch.build(tables, contexts, q_lens, "cpu", block_size=8)
         for sinks in (None, torch.randn(4).to(dtype)):
             parts = batch.parts or [(0, batch.num_tokens, batch)]
             q = step.q.cpu()
             expected = torch.cat([
-                attend_cached(q[a:b], *cached_kv(LayerKV(slot_k, slot_v), sub), sub, step.scale, 9, sinks)
+                attend_cached(q[a:b], *cached_kv(cache, sub), sub, step.scale, 9, sinks)
                 for a, b, sub in parts
             ])
             got = pa.paged_attention_reference(*(t.cpu() for t in step.args()), **step.kw(sliding_window=9, sinks=sinks))
