@@ -78,7 +78,9 @@ def test_graph_replayed_decode_equals_eager_decode(tiny_cuda):
 @cuda
 def test_graph_decode_without_routing_requests_skips_capture(tiny_cuda):
     cfg, model = tiny_cuda
-    engine = Engine(model, cfg, EngineConfig(max_model_len=256, kv_cache_memory_bytes=256 << 20))
+    # Prefix caching off: with it on, every step captures (cached blocks keep their routing rows).
+    engine = Engine(model, cfg, EngineConfig(max_model_len=256, kv_cache_memory_bytes=256 << 20,
+                                             enable_prefix_caching=False))
     with_rows = submit(engine, prompt_of(11, 5), max_tokens=8, ignore_eos=True)
     run_all(engine, [with_rows])
     without = submit(engine, prompt_of(11, 5), routing=False, max_tokens=8, ignore_eos=True)
