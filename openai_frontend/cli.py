@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="tokens per engine step (prefill chunk size); default 2048 on CUDA, 512 on CPU",
+        help="tokens per engine step (prefill chunk size); default 8192 on CUDA (as vLLM), 512 on CPU",
     )
     add("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128], help="tokens per KV-cache block")
     add(

@@ -51,7 +51,7 @@ class Engine:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len,
                         cfg.max_position_embeddings)
         self.max_num_seqs = ec.max_num_seqs or (256 if cuda else 64)
-        step_budget = ec.max_num_batched_tokens or (2048 if cuda else 512)
+        step_budget = ec.max_num_batched_tokens or (8192 if cuda else 512)
         self.step_tokens = max(step_budget, self.max_num_seqs)  # every running sequence can decode
         self.fused = model.use_fused_kernels(cuda if ec.fused_kernels is None else ec.fused_kernels)
         graphs_off = self._graphs_off_reason(model)
