@@ -181,7 +181,10 @@ class Sampler:
     ``candidates``: on CUDA, the filter path's top-k candidates per row when a row has top-p without a
     top-k of at most that many (a larger nucleus is found by bisection, exactly but slower).
     ``use_triton``: None = on CUDA when Triton is importable; True also runs the Triton kernels on CPU
-    tensors under ``TRITON_INTERPRET=1`` (tests); False = the torch path everywhere."""
+    tensors under ``TRITON_INTERPRET=1`` (tests); False = the torch path everywhere. ``block``: logits per
+    kernel iteration (the Philox counter of a token depends on it, see ``_race_kernel``);
+    ``rows_per_program``: rows of the row-wise kernels per program (1 on GPUs; more for many rows of a
+    small vocabulary, as the interpreted tests draw)."""
 
     def __init__(
         self,
@@ -191,11 +194,15 @@ class Sampler:
         candidates: int = 1024,
         use_triton: bool | None = None,
         block: int = 1024,
+        rows_per_program: int = 1,
     ):
+        if not 16 <= block <= 4096 or block & (block - 1) or not 1 <= candidates <= 4096:
+            raise ValueError("block: a power of two in [16, 4096]; candidates: in [1, 4096]")
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.candidates = candidates
         self.block = block
+        self.rows_per_program = _pow2(rows_per_program)
         self.use_triton = triton_available(self.device) if use_triton is None else use_triton
         self._cuda = self.device.type == "cuda"
         self._cap = 0
@@ -276,10 +283,11 @@ class Sampler:
         if batch.kind == "greedy" or logits.shape[0] == 0:
             return torch.argmax(logits, dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
         if self.use_triton:
+            x = logits if logits.stride(-1) == 1 else logits.contiguous()
             lo = None
             if batch.kind == "filter":
-                lo = triton_filter_thresholds(logits, batch.device, batch.candidates, self.block)
-            return triton_race(logits, batch.device, lo, self.block, out)
+                lo = triton_filter_thresholds(x, batch.device, batch.candidates, self.block, self.rows_per_program)
+            return triton_race(x, batch.device, lo, self.block, out, self.rows_per_program)
         tokens = _sample_torch(logits, batch)
         return tokens if out is None else out.copy_(tokens)
 
@@ -361,6 +369,10 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _programs(device: torch.device) -> int:
     """Programs to aim for in a vocabulary-split launch: enough to fill the GPU."""
     if device.type == "cuda":
@@ -370,9 +382,9 @@ def _programs(device: torch.device) -> int:
 
 def _split(V: int, block: int, parts: int) -> tuple[int, int]:
     """(splits, chunk): the vocabulary cut into at most ``parts`` chunks of whole blocks."""
-    parts = max(1, min(parts, -(-V // block)))
-    chunk = -(-(-(-V // parts)) // block) * block
-    return -(-V // chunk), chunk
+    parts = max(1, min(parts, _cdiv(V, block)))
+    chunk = _cdiv(_cdiv(V, parts), block) * block
+    return _cdiv(V, chunk), chunk
 
 
 # The top-p mass is summed in chunks of this many blocks whatever the batch: its rounding, hence the nucleus
@@ -380,38 +392,45 @@ def _split(V: int, block: int, parts: int) -> tuple[int, int]:
 _MASS_BLOCKS = 8
 
 
-def triton_filter_thresholds(x: torch.Tensor, cols: dict, C: int, block: int) -> torch.Tensor:
-    """lo [N] float32 for logits x [N, V] (unit last stride): the filter threshold of each row."""
+def triton_filter_thresholds(x: torch.Tensor, cols: dict, C: int, block: int, rows: int = 1) -> torch.Tensor:
+    """lo [N] float32 for logits x [N, V] (unit last stride): the filter threshold of each row. ``rows``:
+    rows per program of the row-wise kernels."""
     N, V = x.shape
     cand = torch.topk(x, C, dim=-1, sorted=True).values  # [N, C] descending
-    S, chunk = _split(V, block, -(-V // (block * _MASS_BLOCKS)))
+    S, chunk = _split(V, block, _cdiv(V, block * _MASS_BLOCKS))
     part = torch.empty(N, S, dtype=torch.float32, device=x.device)  # [N, S] top-p mass per chunk
-    args = (x, x.stride(0), cand, C, cols["temperature"], cols["top_k"], cols["top_p"], part)
-    _mass_kernel[(N, S)](*args, V, chunk, S, BLOCK=block)
+    params = (cand, C, cols["temperature"], cols["top_k"], cols["top_p"])
+    _mass_kernel[(_cdiv(N, rows), S)](x, x.stride(0), *params, part, N, V, chunk, S, ROWS=rows, BLOCK=block)
     lo = torch.empty(N, dtype=torch.float32, device=x.device)
-    _threshold_kernel[(N,)](*args, S, lo, V, BLOCK_C=_pow2(C), BLOCK_S=_pow2(S), BLOCK=block)
+    unsettled = torch.empty(N, dtype=torch.int32, device=x.device)
+    _threshold_kernel[(_cdiv(N, rows),)](
+        *params, part, lo, unsettled, N, S, ROWS=rows, BLOCK_C=_pow2(C), BLOCK_S=_pow2(S)
+    )
+    _bisect_kernel[(N,)](x, x.stride(0), *params, lo, unsettled, V, BLOCK=block)
     return lo
 
 
-def triton_race(x: torch.Tensor, cols: dict, lo: torch.Tensor | None, block: int, out: torch.Tensor | None) -> torch.Tensor:
+def triton_race(
+    x: torch.Tensor, cols: dict, lo: torch.Tensor | None, block: int, out: torch.Tensor | None = None, rows: int = 1
+) -> torch.Tensor:
     """tokens [N] long: per row the argmax of x (greedy rows) or of x + T * Gumbel over x >= lo."""
     N, V = x.shape
-    S, chunk = _split(V, block, -(-_programs(x.device) // N))
+    S, chunk = _split(V, block, _cdiv(_programs(x.device), _cdiv(N, rows)))
     best = torch.empty(N, S, dtype=torch.float32, device=x.device)  # [N, S] best score per chunk
     where = torch.empty(N, S, dtype=torch.int32, device=x.device)  # [N, S] its token
-    _race_kernel[(N, S)](
+    _race_kernel[(_cdiv(N, rows), S)](
         x, x.stride(0), cols["temperature"], cols["greedy"], cols["seed"], cols["draw"],
-        x if lo is None else lo, best, where, V, chunk, S, HAS_LO=lo is not None, BLOCK=block,
+        x if lo is None else lo, best, where, N, V, chunk, S, HAS_LO=lo is not None, ROWS=rows, BLOCK=block,
     )
     out = torch.empty(N, dtype=torch.long, device=x.device) if out is None else out
-    _race_finish_kernel[(N,)](best, where, out, S, BLOCK_S=_pow2(S))
+    _race_finish_kernel[(_cdiv(N, rows),)](best, where, out, N, S, ROWS=rows, BLOCK_S=_pow2(S))
     return out
 
 
 def triton_logsumexp(x: torch.Tensor, block: int) -> torch.Tensor:
     """logsumexp of each row of x [N, V] in one pass over x (online max and sum per chunk)."""
     N, V = x.shape
-    S, chunk = _split(V, block, -(-_programs(x.device) // N))
+    S, chunk = _split(V, block, _cdiv(_programs(x.device), N))
     pm = torch.empty(N, S, dtype=torch.float32, device=x.device)
     ps = torch.empty(N, S, dtype=torch.float32, device=x.device)
     _lse_kernel[(N, S)](x, x.stride(0), pm, ps, V, chunk, S, BLOCK=block)
@@ -432,90 +451,127 @@ if triton is not None:
         return tl.where(k >= 0, k, k ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _gumbel(seed, draw, offs):
-        """Gumbel noise for tokens ``offs`` of draw ``draw`` of a request: Philox4x32-10 keyed by the seed,
-        counter (token, draw). -log(E), E = -log(1 - w) exponential, w uniform in (0, 1) on 32 bits; small E
-        (the large noise that wins races) is computed as w + w^2/2, exact where 1 - w would round."""
-        r = tl.randint(seed, (draw << 32) | offs.to(tl.int64))
-        w = (r.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # (r + 1/2) / 2^32
+    def _gumbel(r):
+        """Gumbel noise -log(E) from 32 random bits: E = -log(1 - w) exponential, w = (r + 1/2) / 2^32 in
+        (0, 1); small E (the large noise that wins races) is w + w^2/2, exact where 1 - w would round."""
+        w = (r.to(tl.float32) + 0.5) * 2.3283064365386963e-10
         e = tl.where(w < 0.0009765625, w + 0.5 * w * w, -tl.log(1.0 - w))
         return -tl.log(e)
 
     @triton.jit
+    def _race_update(best, best_tok, x_rows, offs, end, live, r, t, lo, greedy):
+        x = tl.load(x_rows + offs[None, :], mask=live & (offs < end)[None, :], other=float("-inf")).to(tl.float32)
+        score = tl.where(greedy, x, tl.where(x >= lo, x + t * _gumbel(r), float("-inf")))
+        take = score > best  # strict: a lane keeps its first (lowest) token among equal scores
+        return tl.where(take, score, best), tl.where(take, offs[None, :], best_tok)
+
+    @triton.jit
     def _race_kernel(
-        x_ptr, stride, temp_ptr, greedy_ptr, seed_ptr, draw_ptr, lo_ptr, best_ptr, where_ptr, V, CHUNK, S,
-        HAS_LO: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr, stride, temp_ptr, greedy_ptr, seed_ptr, draw_ptr, lo_ptr, best_ptr, where_ptr, N, V, CHUNK, S,
+        HAS_LO: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        """Program (row, s): the best (score, token) of chunk s of the row; ties: the lowest token."""
-        row = tl.program_id(0)
+        """Program (row group, s): each row's best (score, token) in chunk s; ties: the lowest token.
+
+        Noise: Philox4x32-10 keyed by the row's seed; one call (counter = (c, draw)) gives 4 words, for the
+        tokens base + j * BLOCK/4 + lane (j = 0..3) of the block starting at base, c = base / 4 + lane."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         s = tl.program_id(1)
-        x_row = x_ptr + row.to(tl.int64) * stride
+        ok = rows < N
+        live = ok[:, None]
+        Q: tl.constexpr = BLOCK // 4
+        lanes = tl.arange(0, Q)
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride
+        t = tl.load(temp_ptr + rows, mask=ok, other=1.0)[:, None]
+        greedy = (tl.load(greedy_ptr + rows, mask=ok, other=1) != 0)[:, None]
+        seed = tl.load(seed_ptr + rows, mask=ok, other=0)[:, None]
+        draw = tl.load(draw_ptr + rows, mask=ok, other=0)[:, None]
+        lo = tl.full([ROWS, 1], float("-inf"), tl.float32)
+        if HAS_LO:
+            lo = tl.load(lo_ptr + rows, mask=ok, other=float("-inf"))[:, None]
         start = s * CHUNK
         end = tl.minimum(start + CHUNK, V)
-        lanes = tl.arange(0, BLOCK)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_tok = tl.full([BLOCK], 2147483647, tl.int32)
-        if tl.load(greedy_ptr + row) != 0:
-            for off in range(start, end, BLOCK):
-                offs = off + lanes
-                x = tl.load(x_row + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
-                take = x > best  # strict: a lane keeps its first (lowest) token among equal scores
-                best = tl.where(take, x, best)
-                best_tok = tl.where(take, offs, best_tok)
-        else:
-            t = tl.load(temp_ptr + row)
-            seed = tl.load(seed_ptr + row)
-            draw = tl.load(draw_ptr + row)
-            lo = float("-inf")
-            if HAS_LO:
-                lo = tl.load(lo_ptr + row)
-            for off in range(start, end, BLOCK):
-                offs = off + lanes
-                x = tl.load(x_row + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
-                score = tl.where(x >= lo, x + t * _gumbel(seed, draw, offs), float("-inf"))
-                take = score > best
-                best = tl.where(take, score, best)
-                best_tok = tl.where(take, offs, best_tok)
-        top = tl.max(best, 0)
-        tl.store(best_ptr + row * S + s, top)
-        tl.store(where_ptr + row * S + s, tl.min(tl.where(best == top, best_tok, 2147483647), 0))
+        best = tl.full([ROWS, Q], float("-inf"), tl.float32)
+        best_tok = tl.full([ROWS, Q], 2147483647, tl.int32)
+        for off in range(start, end, BLOCK):
+            r0, r1, r2, r3 = tl.randint4x(seed, (draw << 32) | (off // 4 + lanes).to(tl.int64)[None, :])
+            best, best_tok = _race_update(best, best_tok, x_rows, off + lanes, end, live, r0, t, lo, greedy)
+            best, best_tok = _race_update(best, best_tok, x_rows, off + Q + lanes, end, live, r1, t, lo, greedy)
+            best, best_tok = _race_update(best, best_tok, x_rows, off + 2 * Q + lanes, end, live, r2, t, lo, greedy)
+            best, best_tok = _race_update(best, best_tok, x_rows, off + 3 * Q + lanes, end, live, r3, t, lo, greedy)
+        top = tl.max(best, 1)
+        tok = tl.min(tl.where(best == top[:, None], best_tok, 2147483647), 1)
+        tl.store(best_ptr + rows * S + s, top, mask=ok)
+        tl.store(where_ptr + rows * S + s, tok, mask=ok)
 
     @triton.jit
-    def _race_finish_kernel(best_ptr, where_ptr, out_ptr, S, BLOCK_S: tl.constexpr):
-        row = tl.program_id(0)
-        j = tl.arange(0, BLOCK_S)
-        best = tl.load(best_ptr + row * S + j, mask=j < S, other=float("-inf"))
-        tok = tl.load(where_ptr + row * S + j, mask=j < S, other=2147483647)
-        tok = tl.min(tl.where(best == tl.max(best, 0), tok, 2147483647), 0)
-        tl.store(out_ptr + row, tl.where(tok == 2147483647, 0, tok).to(tl.int64))  # all -inf: 0, as argmax
+    def _race_finish_kernel(best_ptr, where_ptr, out_ptr, N, S, ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        ok = rows < N
+        j = tl.arange(0, BLOCK_S)[None, :]
+        at = rows[:, None] * S + j
+        live = ok[:, None] & (j < S)
+        best = tl.load(best_ptr + at, mask=live, other=float("-inf"))
+        tok = tl.load(where_ptr + at, mask=live, other=2147483647)
+        tok = tl.min(tl.where(best == tl.max(best, 1)[:, None], tok, 2147483647), 1)
+        tl.store(out_ptr + rows, tl.where(tok == 2147483647, 0, tok).to(tl.int64), mask=ok)  # all -inf: 0
 
     @triton.jit
-    def _top_k_value(cand_row, k, C):
-        """The k-th largest logit when the candidates hold it, else -inf (no top-k, or k > C)."""
-        t_k = tl.load(cand_row + tl.minimum(tl.maximum(k - 1, 0), C - 1))
+    def _top_k_value(cand_ptr, rows, k, C, ok):
+        """The k-th largest logit of each row when its candidates hold it, else -inf (no top-k, or k > C)."""
+        t_k = tl.load(cand_ptr + rows * C + tl.minimum(tl.maximum(k - 1, 0), C - 1), mask=ok, other=0.0)
         return tl.where((k > 0) & (k <= C), t_k, float("-inf"))
 
     @triton.jit
     def _mass_kernel(
-        x_ptr, stride, cand_ptr, C, temp_ptr, top_k_ptr, top_p_ptr, part_ptr, V, CHUNK, S, BLOCK: tl.constexpr
+        x_ptr, stride, cand_ptr, C, temp_ptr, top_k_ptr, top_p_ptr, part_ptr, N, V, CHUNK, S,
+        ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        """Program (row, s): sum over chunk s of exp((x - max) / T) for the x the top-k keeps (top-p rows)."""
-        row = tl.program_id(0)
+        """Program (row group, s): sum over chunk s of exp((x - max) / T) for the x that top-k keeps, for
+        the rows with top-p (0 for the others)."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         s = tl.program_id(1)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        if tl.load(top_p_ptr + row) < 1.0:
-            x_row = x_ptr + row.to(tl.int64) * stride
-            cand_row = cand_ptr + row * C
-            t = tl.load(temp_ptr + row)
-            m = tl.load(cand_row)
-            t_k = _top_k_value(cand_row, tl.load(top_k_ptr + row), C)
-            start = s * CHUNK
-            end = tl.minimum(start + CHUNK, V)
-            for off in range(start, end, BLOCK):
-                offs = off + tl.arange(0, BLOCK)
-                x = tl.load(x_row + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
-                acc += tl.where((x >= t_k) & (x > float("-inf")), tl.exp((x - m) / t), 0.0)
-        tl.store(part_ptr + row * S + s, tl.sum(acc, 0))
+        ok = rows < N
+        need = ok & (tl.load(top_p_ptr + rows, mask=ok, other=1.0) < 1.0)
+        t = tl.load(temp_ptr + rows, mask=ok, other=1.0)[:, None]
+        m = tl.load(cand_ptr + rows * C, mask=ok, other=0.0)[:, None]
+        t_k = _top_k_value(cand_ptr, rows, tl.load(top_k_ptr + rows, mask=ok, other=0), C, ok)[:, None]
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride
+        start = s * CHUNK
+        end = tl.minimum(start + CHUNK, V)
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for off in range(start, end, BLOCK):
+            offs = (off + tl.arange(0, BLOCK))[None, :]
+            x = tl.load(x_rows + offs, mask=need[:, None] & (offs < end), other=float("-inf")).to(tl.float32)
+            acc += tl.where((x >= t_k) & (x > float("-inf")), tl.exp((x - m) / t), 0.0)
+        tl.store(part_ptr + rows * S + s, tl.sum(acc, 1), mask=ok)
+
+    @triton.jit
+    def _threshold_kernel(
+        cand_ptr, C, temp_ptr, top_k_ptr, top_p_ptr, part_ptr, lo_ptr, unsettled_ptr, N, S,
+        ROWS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        """Program row group: lo = max(k-th largest logit, nucleus boundary) from the sorted candidates. The
+        nucleus ends at the last candidate whose preceding mass is < p * (the mass top-k keeps); rows the
+        candidates cannot settle (k > C, or a nucleus that may go on past them) are flagged for bisection."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        ok = rows < N
+        k = tl.load(top_k_ptr + rows, mask=ok, other=0)
+        p = tl.load(top_p_ptr + rows, mask=ok, other=1.0)
+        t = tl.load(temp_ptr + rows, mask=ok, other=1.0)
+        need = ok & (p < 1.0)
+        m = tl.load(cand_ptr + rows * C, mask=ok, other=0.0)
+        t_k = _top_k_value(cand_ptr, rows, k, C, ok)
+        j = tl.arange(0, BLOCK_C)[None, :]
+        c = tl.load(cand_ptr + rows[:, None] * C + j, mask=need[:, None] & (j < C), other=float("-inf"))
+        e = tl.where((c >= t_k[:, None]) & (c > float("-inf")), tl.exp((c - m[:, None]) / t[:, None]), 0.0)
+        incl = tl.cumsum(e, 1)  # mass up to and including candidate j
+        sj = tl.arange(0, BLOCK_S)[None, :]
+        z = tl.sum(tl.load(part_ptr + rows[:, None] * S + sj, mask=need[:, None] & (sj < S), other=0.0), 1)
+        below = tl.sum(((incl < (p * z)[:, None]) & (j < C)).to(tl.int32), 1)  # candidates 0..below are kept
+        t_p = tl.load(cand_ptr + rows * C + tl.minimum(below, C - 1), mask=ok, other=0.0)
+        tl.store(lo_ptr + rows, tl.where(need, tl.maximum(t_k, t_p), t_k), mask=ok)
+        unsettled = (k > C) | (need & (k == 0) & (below >= C))
+        tl.store(unsettled_ptr + rows, unsettled.to(tl.int32), mask=ok)
 
     @triton.jit
     def _count_at_least(x_row, V, key, BLOCK: tl.constexpr):
@@ -536,65 +592,43 @@ if triton is not None:
         return tl.sum(acc, 0)
 
     @triton.jit
-    def _bisect_threshold(x_row, V, k, p, t, m, BLOCK: tl.constexpr):
-        """The exact threshold of a row its candidates did not settle, by bisection over the int keys of the
-        logits (one pass over the row per step, at most 32 steps each): the k-th largest logit (k > 0), then
-        the smallest key whose strictly-greater mass is < p (p < 1)."""
-        t_k = tl.full([], float("-inf"), tl.float32)
-        if k > 0:  # largest key with at least k logits at or above it
-            lo = tl.full([], -2139095041, tl.int64)  # _key(-inf): every logit is at or above it
-            hi = _key(m).to(tl.int64)
-            while lo < hi:
-                mid = lo + (hi - lo + 1) // 2
-                if _count_at_least(x_row, V, mid.to(tl.int32), BLOCK) >= k:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            t_k = _unkey(lo.to(tl.int32))
-        out = t_k
-        if p < 1.0:  # smallest key a with mass(keys > a) < p * mass(logits >= t_k)
-            a = _key(t_k).to(tl.int64) - 1
-            b = _key(m).to(tl.int64)
-            target = p * _mass_above(x_row, V, a.to(tl.int32), m, t, BLOCK)
-            while a < b:
-                mid = a + (b - a) // 2
-                if _mass_above(x_row, V, mid.to(tl.int32), m, t, BLOCK) < target:
-                    b = mid
-                else:
-                    a = mid + 1
-            out = tl.maximum(t_k, _unkey(a.to(tl.int32)))
-        return out
-
-    @triton.jit
-    def _threshold_kernel(
-        x_ptr, stride, cand_ptr, C, temp_ptr, top_k_ptr, top_p_ptr, part_ptr, S, lo_ptr, V,
-        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr,
+    def _bisect_kernel(
+        x_ptr, stride, cand_ptr, C, temp_ptr, top_k_ptr, top_p_ptr, lo_ptr, unsettled_ptr, V, BLOCK: tl.constexpr
     ):
-        """Program row: lo = max(k-th largest logit, nucleus boundary) from the sorted candidates; the nucleus
-        ends at the first candidate whose preceding mass reaches p * (mass kept by top-k)."""
+        """Program row, for a row flagged unsettled (others return at once): its exact threshold by bisection
+        over the int keys of its logits, one pass over the row per step, at most 32 steps each: the k-th
+        largest logit (k > 0), then the smallest key whose strictly-greater mass is < p (p < 1)."""
         row = tl.program_id(0)
-        cand_row = cand_ptr + row * C
-        k = tl.load(top_k_ptr + row)
-        p = tl.load(top_p_ptr + row)
-        t = tl.load(temp_ptr + row)
-        m = tl.load(cand_row)
-        t_k = _top_k_value(cand_row, k, C)
-        lo = t_k
-        unresolved = k > C
-        if p < 1.0:
-            j = tl.arange(0, BLOCK_C)
-            c = tl.load(cand_row + j, mask=j < C, other=float("-inf"))
-            e = tl.where((c >= t_k) & (c > float("-inf")), tl.exp((c - m) / t), 0.0)
-            incl = tl.cumsum(e, 0)  # mass up to and including candidate j
-            sj = tl.arange(0, BLOCK_S)
-            target = p * tl.sum(tl.load(part_ptr + row * S + sj, mask=sj < S, other=0.0), 0)
-            below = tl.sum(((incl < target) & (j < C)).to(tl.int32), 0)  # candidates 0..below are kept
-            lo = tl.maximum(t_k, tl.load(cand_row + tl.minimum(below, C - 1)))
-            # every candidate kept and no top-k: the nucleus may go on past them
-            unresolved = unresolved | ((k == 0) & (below >= C))
-        if unresolved:
-            lo = _bisect_threshold(x_ptr + row.to(tl.int64) * stride, V, k, p, t, m, BLOCK)
-        tl.store(lo_ptr + row, lo)
+        if tl.load(unsettled_ptr + row) != 0:
+            x_row = x_ptr + row.to(tl.int64) * stride
+            k = tl.load(top_k_ptr + row)
+            p = tl.load(top_p_ptr + row)
+            t = tl.load(temp_ptr + row)
+            m = tl.load(cand_ptr + row * C)
+            t_k = tl.full([], float("-inf"), tl.float32)
+            if k > 0:  # the largest key with at least k logits at or above it
+                lo = tl.full([], -2139095041, tl.int64)  # _key(-inf): every logit is at or above it
+                hi = _key(m).to(tl.int64)
+                while lo < hi:
+                    mid = lo + (hi - lo + 1) // 2
+                    if _count_at_least(x_row, V, mid.to(tl.int32), BLOCK) >= k:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                t_k = _unkey(lo.to(tl.int32))
+            out = t_k
+            if p < 1.0:  # the smallest key a with mass(keys > a) < p * mass(logits >= t_k)
+                a = _key(t_k).to(tl.int64) - 1
+                b = _key(m).to(tl.int64)
+                target = p * _mass_above(x_row, V, a.to(tl.int32), m, t, BLOCK)
+                while a < b:
+                    mid = a + (b - a) // 2
+                    if _mass_above(x_row, V, mid.to(tl.int32), m, t, BLOCK) < target:
+                        b = mid
+                    else:
+                        a = mid + 1
+                out = tl.maximum(t_k, _unkey(a.to(tl.int32)))
+            tl.store(lo_ptr + row, out)
 
     @triton.jit
     def _lse_kernel(x_ptr, stride, pm_ptr, ps_ptr, V, CHUNK, S, BLOCK: tl.constexpr):
