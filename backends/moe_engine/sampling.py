@@ -288,7 +288,7 @@ class Sampler:
             if batch.kind == "filter":
                 lo = triton_filter_thresholds(x, batch.device, batch.candidates, self.block, self.rows_per_program)
             return triton_race(x, batch.device, lo, self.block, out, self.rows_per_program)
-        tokens = _sample_torch(logits, batch)
+        tokens = _sample_torch(logits, batch, self.candidates)
         return tokens if out is None else out.copy_(tokens)
 
     def logprobs(
@@ -312,26 +312,38 @@ class Sampler:
 _TORCH_DTYPE = {np.float32: torch.float32, np.int32: torch.int32, np.int64: torch.int64}
 
 
-def _thresholds_torch(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """lo [M] for rows x [M, V] with k [M] (0 off), p [M] (1 off), T [M]: the exact rule of the module doc."""
+def _thresholds_torch(
+    x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int
+) -> torch.Tensor:
+    """lo [M] for rows x [M, V] with k [M] (0 off), p [M] (1 off), T [M]: the exact rule of the module doc.
+    As the Triton path: thresholds from the sorted top candidates; rows whose nucleus may extend past them
+    (top-p without top-k) are done again over the whole sorted row."""
     M, V = x.shape
-    ninf = torch.full((M,), float("-inf"), device=x.device)
     need_p = top_p < 1
-    C = V if bool(need_p.any()) else int(top_k.max())
-    vals = torch.topk(x, C, dim=-1, sorted=True).values  # [M, C] descending
+    nucleus_only = need_p & (top_k == 0)
+    C = min(V, max(int(top_k.max()), candidates if bool(nucleus_only.any()) else 1))
+    # [M, C] descending (a sort when every logit is a candidate: faster than topk of all of them)
+    vals = torch.sort(x, dim=-1, descending=True).values if C == V else torch.topk(x, C, dim=-1).values
+    ninf = torch.full((M,), float("-inf"), device=x.device)
     t_k = torch.where(top_k > 0, vals.gather(1, (top_k.long() - 1).clamp(0, C - 1)[:, None]).squeeze(1), ninf)
     if not bool(need_p.any()):
         return t_k
-    kept = (vals >= t_k[:, None]) & (vals > float("-inf"))
-    e = torch.where(kept, torch.exp((vals - vals[:, :1]) / temperature[:, None]), torch.zeros_like(vals))
-    incl = torch.cumsum(e, dim=-1)  # [M, V]; mass strictly before sorted position j = incl[j - 1]
-    target = top_p * incl[:, -1]
-    count = ((incl < target[:, None]).sum(-1) + 1).clamp(max=C)  # sorted positions whose mass before is < p
-    t_p = vals.gather(1, (count - 1)[:, None]).squeeze(1)
-    return torch.where(need_p, torch.maximum(t_k, t_p), t_k)
+    m, T = vals[:, :1], temperature[:, None]
+    kept = (x >= t_k[:, None]) & (x > float("-inf"))
+    z = torch.where(kept, torch.exp((x - m) / T), torch.zeros_like(x)).sum(-1)  # [M] mass top-k keeps
+    e = torch.where((vals >= t_k[:, None]) & (vals > float("-inf")), torch.exp((vals - m) / T), torch.zeros_like(vals))
+    incl = torch.cumsum(e, dim=-1)  # [M, C]; the mass before sorted position j is incl[j - 1]
+    below = (incl < (top_p * z)[:, None]).sum(-1)  # sorted positions 0..below are kept
+    t_p = vals.gather(1, below.clamp(max=C - 1)[:, None]).squeeze(1)
+    lo = torch.where(need_p, torch.maximum(t_k, t_p), t_k)
+    unsettled = nucleus_only & (below >= C)
+    if C < V and bool(unsettled.any()):
+        rows = torch.nonzero(unsettled).squeeze(1)
+        lo[rows] = _thresholds_torch(x[rows], temperature[rows], top_k[rows], top_p[rows], V)
+    return lo
 
 
-def _sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _sample_torch(logits: torch.Tensor, batch: SamplingBatch, candidates: int) -> torch.Tensor:
     """The pure-torch path: filters batched; each sampled row's noise from a generator seeded per draw."""
     x = logits.float()
     h = batch.host
@@ -345,17 +357,15 @@ def _sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     temperature = dev(h["temperature"])
     lo = None
     if batch.kind == "filter":
-        lo = _thresholds_torch(xs, temperature, dev(h["top_k"], torch.long), dev(h["top_p"]))
+        lo = _thresholds_torch(xs, temperature, dev(h["top_k"], torch.long), dev(h["top_p"]), candidates)
     gen = torch.Generator(device=x.device)
-    noise_dtype = torch.float64 if x.device.type == "cpu" else torch.float32
-    gumbel = torch.empty(xs.shape, dtype=torch.float32, device=x.device)
+    noise = torch.empty_like(xs)  # [M, V]: exponential, then Gumbel, then the race's scores
     for j, r in enumerate(rows):
         gen.manual_seed(draw_key(int(h["seed"][r]), int(h["draw"][r])))
-        e = torch.empty(xs.shape[1], dtype=noise_dtype, device=x.device).exponential_(generator=gen)
-        gumbel[j] = e.clamp_min_(1e-300).log_().neg_()
-    score = xs + temperature[:, None] * gumbel
+        noise[j].exponential_(generator=gen)  # CPU: drawn in double precision, so never 0 in practice
+    score = noise.clamp_min_(1e-38).log_().neg_().mul_(temperature[:, None]).add_(xs)  # x + T * Gumbel
     if lo is not None:
-        score = score.masked_fill(xs < lo[:, None], float("-inf"))
+        score.masked_fill_(xs < lo[:, None], float("-inf"))
     out[idx] = torch.argmax(score, dim=-1)
     return out
 
