@@ -160,7 +160,7 @@ class SamplingBatch:
     kind: str  # "greedy" | "sample" | "filter"
     candidates: int  # "filter": logits per row taken by top-k as threshold candidates (0 otherwise)
     max_top_n: int  # -1: no row asked for logprobs; else the largest top-N asked
-    device: dict[str, torch.Tensor]  # column name -> [rows] tensor on the sampler's device
+    tensors: dict[str, torch.Tensor]  # column name -> [rows] tensor on the sampler's device
     host: dict[str, np.ndarray]  # column name -> [rows] array
 
     @property
@@ -171,6 +171,14 @@ class SamplingBatch:
     @property
     def all_greedy(self) -> bool:
         return self.kind == "greedy"
+
+    @property
+    def any_top_k(self) -> bool:
+        return bool((self.host["top_k"] > 0).any())
+
+    @property
+    def any_top_p(self) -> bool:
+        return bool((self.host["top_p"] < 1).any())
 
 
 class Sampler:
@@ -272,8 +280,8 @@ class Sampler:
             need = np.where((top_k > 0) & (top_k <= self.candidates), top_k, self.candidates)[filtered]
             candidates = min(self.vocab_size, max(min(16, self.candidates), _pow2(int(need.max()))))
         max_top_n = max((st.params.logprobs for st in states if st.params.logprobs is not None), default=-1)
-        device = {name: self._dev_cols[name][:rows] for name, _ in _COLUMNS}
-        return SamplingBatch(rows, kind, candidates, max_top_n, device, host)
+        tensors = {name: self._dev_cols[name][:rows] for name, _ in _COLUMNS}
+        return SamplingBatch(rows, kind, candidates, max_top_n, tensors, host)
 
     # ---- device side -----------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -286,8 +294,10 @@ class Sampler:
             x = logits if logits.stride(-1) == 1 else logits.contiguous()
             lo = None
             if batch.kind == "filter":
-                lo = triton_filter_thresholds(x, batch.device, batch.candidates, self.block, self.rows_per_program)
-            return triton_race(x, batch.device, lo, self.block, out, self.rows_per_program)
+                lo = triton_filter_thresholds(
+                    x, batch.tensors, batch.candidates, self.block, self.rows_per_program, _pow2(self.candidates)
+                )
+            return triton_race(x, batch.tensors, lo, self.block, out, self.rows_per_program)
         tokens = _sample_torch(logits, batch, self.candidates)
         return tokens if out is None else out.copy_(tokens)
 
@@ -301,7 +311,7 @@ class Sampler:
             return None
         if not self.use_triton:
             return compute_logprobs(logits, tokens, n)
-        lse = triton_logsumexp(logits, self.block)  # [N]
+        lse = triton_logsumexp(logits if logits.stride(-1) == 1 else logits.contiguous(), self.block)  # [N]
         chosen = logits.gather(1, tokens.view(-1, 1)).squeeze(1) - lse
         if n <= 0:
             return chosen, None, None
@@ -402,9 +412,12 @@ def _split(V: int, block: int, parts: int) -> tuple[int, int]:
 _MASS_BLOCKS = 8
 
 
-def triton_filter_thresholds(x: torch.Tensor, cols: dict, C: int, block: int, rows: int = 1) -> torch.Tensor:
+def triton_filter_thresholds(
+    x: torch.Tensor, cols: dict, C: int, block: int, rows: int = 1, block_c: int | None = None
+) -> torch.Tensor:
     """lo [N] float32 for logits x [N, V] (unit last stride): the filter threshold of each row. ``rows``:
-    rows per program of the row-wise kernels."""
+    rows per program of the row-wise kernels. ``block_c`` (>= C): the width of the candidates' prefix sum;
+    the sampler keeps it fixed, so that a row's rounding (its nucleus) does not depend on the batch's C."""
     N, V = x.shape
     cand = torch.topk(x, C, dim=-1, sorted=True).values  # [N, C] descending
     S, chunk = _split(V, block, _cdiv(V, block * _MASS_BLOCKS))
@@ -414,7 +427,7 @@ def triton_filter_thresholds(x: torch.Tensor, cols: dict, C: int, block: int, ro
     lo = torch.empty(N, dtype=torch.float32, device=x.device)
     unsettled = torch.empty(N, dtype=torch.int32, device=x.device)
     _threshold_kernel[(_cdiv(N, rows),)](
-        *params, part, lo, unsettled, N, S, ROWS=rows, BLOCK_C=_pow2(C), BLOCK_S=_pow2(S)
+        *params, part, lo, unsettled, N, S, ROWS=rows, BLOCK_C=_pow2(max(C, block_c or C)), BLOCK_S=_pow2(S)
     )
     _bisect_kernel[(N,)](x, x.stride(0), *params, lo, unsettled, V, BLOCK=block)
     return lo

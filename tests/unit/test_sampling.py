@@ -151,23 +151,24 @@ def test_a_large_nucleus_is_found_exactly(path):
         s = make_sampler(path, V, candidates=4)
         batch = s.prepare([make_state(p) for p in params], [0] * 4)
         assert batch.candidates == 4
-        lo = sampling.triton_filter_thresholds(x.to(DEVICE), batch.device, 4, 16).cpu()
+        lo = sampling.triton_filter_thresholds(x.to(DEVICE), batch.tensors, 4, 16).cpu()
         for i in range(4):
             assert set(torch.nonzero(x[i] >= lo[i]).flatten().tolist()) == keep[i]
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_seeded_request_draws_the_same_tokens_whatever_shares_the_batch(path):
-    V = 50
+    V = 80
     x = torch.randn(8, V, generator=torch.Generator().manual_seed(4))
     params = [
-        SamplingParams(seed=100), SamplingParams(temperature=0.8, top_k=10, seed=101),
-        SamplingParams(top_p=0.9, seed=102), SamplingParams(temperature=1.2, top_k=20, top_p=0.8, seed=103),
+        SamplingParams(seed=100), SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=101),
+        SamplingParams(top_p=0.9, seed=102), SamplingParams(temperature=1.2, top_k=40, top_p=0.8, seed=103),
         SamplingParams(temperature=0.0), SamplingParams(top_p=0.6), SamplingParams(seed=106),
         SamplingParams(temperature=2.0, seed=107),
     ]
     states = [make_state(p) for p in params]
-    s = make_sampler(path, V, rows_per_program=1, candidates=16)  # as on a GPU; the bisection settles some rows
+    # one row per program, as on a GPU; 32 candidates: the bisection settles some rows (top_k=40, large nuclei)
+    s = make_sampler(path, V, rows_per_program=1, candidates=32)
     draws = [3, 0, 7, 1, 0, 2, 5, 9]
     alone = s.sample(x.to(DEVICE), s.prepare(states, draws)).cpu()
     # reversed, two rows dropped, another request added, padded to 12 rows: the kept rows' tokens are unchanged
@@ -179,8 +180,8 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_shares_the_batch(path):
     assert batch.rows == 12
     again = s.sample(rows.to(DEVICE), batch).cpu()
     assert again[: len(order)].tolist() == alone[order].tolist()
-    # one at a time: the same
-    for i in (0, 3):
+    # one at a time (row 1 alone takes 16 candidates, in the batch 32): the same
+    for i in (0, 1, 3):
         assert s.sample(x[i : i + 1].to(DEVICE), s.prepare([states[i]], [draws[i]])).item() == alone[i]
 
 
@@ -224,12 +225,13 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits(path):
 def test_prepare_writes_fixed_buffers_and_pads_with_greedy_rows():
     s = Sampler(100, DEVICE, max_rows=8, use_triton=False)
     a = s.prepare([make_state(SamplingParams(top_k=500, top_p=0.9, seed=3))], [4], pad_to=4)
-    ptrs = {name: t.data_ptr() for name, t in a.device.items()}
+    ptrs = {name: t.data_ptr() for name, t in a.tensors.items()}
     b = s.prepare([make_state(SamplingParams(temperature=0.0))] * 3, [0, 1, 2], pad_to=8)
-    assert {name: t.data_ptr() for name, t in b.device.items()} == ptrs  # a captured graph reads these
+    assert {name: t.data_ptr() for name, t in b.tensors.items()} == ptrs  # a captured graph reads these
     assert a.host["top_k"].tolist() == [0, 0, 0, 0]  # top_k >= the vocabulary: off
     assert a.host["greedy"].tolist() == [0, 1, 1, 1] and a.host["draw"][0] == 4 and a.host["seed"][0] == 3
-    assert a.kind == "filter" and b.kind == "greedy" and b.path == ("greedy", 0, -1)
+    assert a.kind == "filter" and a.any_top_p and not a.any_top_k
+    assert b.kind == "greedy" and b.all_greedy and b.path == ("greedy", 0, -1)
     assert s.prepare([make_state(SamplingParams())], [0]).kind == "sample"
 
 
