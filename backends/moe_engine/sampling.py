@@ -93,6 +93,13 @@ class SamplingParams:
 _U64 = (1 << 64) - 1
 
 
+# A request's row of a batch, packed once at make_state: prepare joins the rows' bytes (one numpy view).
+_RECORD = np.dtype([
+    ("temperature", "<f4"), ("top_p", "<f4"), ("top_k", "<i4"), ("greedy", "<i4"), ("logprobs", "<i4"),
+    ("pad", "<i4"), ("seed", "<i8"),
+])
+
+
 @dataclass
 class SamplingState:
     """Per-request sampler state that lives as long as the request."""
@@ -100,8 +107,7 @@ class SamplingState:
     params: SamplingParams
     seed: int = 0  # the request's seed, or a random one; 64-bit, stored as a signed int64
     draws: int = 0  # draws made through the legacy ``sample(logits, states)`` (its draw index)
-    # (temperature, top_p, top_k, greedy, seed): this request's row of a SamplingBatch, made once
-    row: tuple = field(default=(), repr=False)
+    record: bytes = field(default=b"", repr=False)  # this request's row of a batch (_RECORD)
 
 
 def _as_int64(u: int) -> int:
@@ -116,14 +122,16 @@ def make_state(params: SamplingParams, device: torch.device | str | None = None)
     else:  # from torch's default CPU generator: torch.manual_seed makes unseeded runs repeatable too
         seed = int(torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.long).item())
     greedy = params.greedy
-    row = (
-        1.0 if greedy else float(params.temperature),
-        1.0 if greedy or params.top_p >= 1.0 else float(params.top_p),
-        0 if greedy or params.top_k < 0 else int(params.top_k),
-        int(greedy),
+    record = np.array([(
+        1.0 if greedy else params.temperature,
+        1.0 if greedy or params.top_p >= 1.0 else params.top_p,
+        0 if greedy or params.top_k < 0 else params.top_k,
+        greedy,
+        -1 if params.logprobs is None else params.logprobs,
+        0,
         seed,
-    )
-    return SamplingState(params, seed, 0, row)
+    )], dtype=_RECORD).tobytes()
+    return SamplingState(params, seed, 0, record)
 
 
 def _mix64(z: int) -> int:
@@ -229,6 +237,7 @@ class Sampler:
             self._copied = [None]
         self._parity = 0
         self._dev_cols = self._views(self._dev, torch)
+        self._dev_rows: dict[int, dict[str, torch.Tensor]] = {}
         self._stage_cols = [self._views(s.numpy(), np) for s in self._stage]
 
     def _views(self, buf, lib) -> dict:
@@ -252,24 +261,26 @@ class Sampler:
         self._parity = (self._parity + 1) % len(self._stage)
         if self._copied[self._parity] is not None:
             self._copied[self._parity].synchronize()  # the copy two steps ago: long done in practice
+        stage = self._stage[self._parity]
         cols = self._stage_cols[self._parity]
+        max_top_n = -1
         if n:
-            table = np.array([st.row for st in states], dtype=np.float64)  # [n, 5]; seeds exact below
-            cols["temperature"][:n] = table[:, 0]
-            cols["top_p"][:n] = table[:, 1]
-            k = table[:, 2].astype(np.int64)
-            cols["top_k"][:n] = np.where(k >= self.vocab_size, 0, k)
-            cols["greedy"][:n] = table[:, 3]
-            cols["seed"][:n] = [st.row[4] for st in states]
+            rec = np.frombuffer(b"".join([st.record for st in states]), dtype=_RECORD)  # [n]
+            cols["temperature"][:n] = rec["temperature"]
+            cols["top_p"][:n] = rec["top_p"]
+            cols["top_k"][:n] = np.where(rec["top_k"] >= self.vocab_size, 0, rec["top_k"])  # all kept: off
+            cols["greedy"][:n] = rec["greedy"]
+            cols["seed"][:n] = rec["seed"]
             cols["draw"][:n] = draw_index
+            max_top_n = int(rec["logprobs"].max())
         if rows > n:
             for name, value in (("temperature", 1), ("top_p", 1), ("top_k", 0), ("greedy", 1), ("seed", 0), ("draw", 0)):
                 cols[name][n:rows] = value
         if self._cuda:
-            self._dev.copy_(self._stage[self._parity], non_blocking=True)
+            self._dev.copy_(stage, non_blocking=True)
             ev = self._copied[self._parity] = self._copied[self._parity] or torch.cuda.Event()
             ev.record()
-        host = {name: cols[name][:rows].copy() for name, _ in _COLUMNS}
+        host = {name: cols[name][:rows].copy() for name, _ in _COLUMNS}  # the staging buffer is reused
         sampled = host["greedy"] == 0
         top_k, top_p = host["top_k"], host["top_p"]
         filtered = sampled & ((top_k > 0) | (top_p < 1))
@@ -279,8 +290,9 @@ class Sampler:
             # top-k rows within the cap need their k candidates; any other filtered row needs the cap
             need = np.where((top_k > 0) & (top_k <= self.candidates), top_k, self.candidates)[filtered]
             candidates = min(self.vocab_size, max(min(16, self.candidates), _pow2(int(need.max()))))
-        max_top_n = max((st.params.logprobs for st in states if st.params.logprobs is not None), default=-1)
-        tensors = {name: self._dev_cols[name][:rows] for name, _ in _COLUMNS}
+        tensors = self._dev_rows.get(rows)
+        if tensors is None:  # the same views for every batch of this many rows (slicing tensors costs us)
+            tensors = self._dev_rows[rows] = {name: self._dev_cols[name][:rows] for name, _ in _COLUMNS}
         return SamplingBatch(rows, kind, candidates, max_top_n, tensors, host)
 
     # ---- device side -----------------------------------------------------------------------------------
