@@ -123,9 +123,10 @@ def make_state(params: SamplingParams, device: torch.device | str | None = None)
         seed = int(torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.long).item())
     greedy = params.greedy
     record = np.array([(
-        1.0 if greedy else params.temperature,
+        # float32 and finite in every kernel's arithmetic: beyond these bounds the draw cannot tell the difference
+        1.0 if greedy else min(max(params.temperature, 1e-30), 1e30),
         1.0 if greedy or params.top_p >= 1.0 else params.top_p,
-        0 if greedy or params.top_k < 0 else params.top_k,
+        0 if greedy or params.top_k < 0 else min(params.top_k, 2**31 - 1),  # >= the vocabulary: off
         greedy,
         -1 if params.logprobs is None else params.logprobs,
         0,

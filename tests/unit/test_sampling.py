@@ -233,6 +233,8 @@ def test_prepare_writes_fixed_buffers_and_pads_with_greedy_rows():
     assert a.kind == "filter" and a.any_top_p and not a.any_top_k
     assert b.kind == "greedy" and b.all_greedy and b.path == ("greedy", 0, -1)
     assert s.prepare([make_state(SamplingParams())], [0]).kind == "sample"
+    huge = s.prepare([make_state(SamplingParams(top_k=10**12, temperature=1e-40, seed=1))], [0])
+    assert huge.kind == "sample" and huge.host["top_k"][0] == 0 and huge.host["temperature"][0] > 0
 
 
 def test_the_engine_api_reproduces_seeded_requests():
