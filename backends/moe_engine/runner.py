@@ -21,7 +21,7 @@ import torch
 from .attention import ForwardBatch
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache, KVSpec, bytes_per_block
-from .sampling import compute_logprobs, sample
+from .sampling import Sampler
 from .scheduler import StepPlan
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,8 @@ class ModelRunner:
         self._events = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._parity = 0
         self.overlap = overlap
+        # Batched sampling on the device: one host->device copy of the step's sampling parameters, no host sync.
+        self.sampler = Sampler(cfg.vocab_size, self.device, max_rows=max_num_seqs)
         # Attention through paged_attention.py's kernels (they read only each sequence's own blocks) on CUDA with
         # the fused kernels on; the reference (gather + SDPA) elsewhere, and for MLA's latent cache.
         self.use_kernels = use_attention_kernels
@@ -200,10 +202,13 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(hidden[batch.last_token_index[samplers]])  # [N, V] float32
             states = [items[i][0].sampler for i in samplers]
-            tokens = sample(logits, states)  # [N] long, on the device
-            top_n = max((st.params.logprobs for st in states if st.params.logprobs is not None), default=-1)
-            if top_n >= 0:
-                lp = tuple(t.cpu() if t is not None else None for t in compute_logprobs(logits, tokens, top_n))
+            # Each draw is keyed by (seed, output index): a recomputed step after a preemption draws the same.
+            draws = [context[i] + items[i][1] - items[i][0].num_prompt for i in samplers]
+            batch_s = self.sampler.prepare(states, draws)
+            tokens = self.sampler.sample(logits, batch_s)  # [N] long, on the device
+            lps = self.sampler.logprobs(logits, tokens, batch_s)
+            if lps is not None:
+                lp = tuple(t.cpu() if t is not None else None for t in lps)
         return LaunchedStep(plan, samplers, tokens, lp, self._transfer(tokens, T if want_routing else 0))
 
     def _transfer(self, tokens: torch.Tensor | None, rows: int) -> Transfer:
