@@ -107,7 +107,8 @@ class Result:
     output_tokens: int = 0
     ttft_s: float | None = None
     end_s: float | None = None  # since the turn started
-    bytes: int = 0
+    bytes: int = 0  # the whole response (server: SSE body; engine: the routed-experts field)
+    routed_bytes: int = 0  # the routed_experts field (base64 .npy)
     rows: np.ndarray | None = None
     reply_ids: list = field(default_factory=list)
     reply_text: str = ""
@@ -150,7 +151,6 @@ class Users:
 class EngineBackend:
     """The engine's public API in-process: a turn's requests are submitted at once, outputs arrive by callback."""
 
-    kind = "engine"
 
     def __init__(self, model, cfg, ecfg):
         from moe_engine.engine import Engine
@@ -207,7 +207,7 @@ class EngineBackend:
         for r, p in zip(results, parts):
             r.output_tokens = len(r.reply_ids)
             n = sum(len(x) for x in p)
-            r.bytes = b64_npy_bytes(n, L, K, self.wire_dtype)
+            r.bytes = r.routed_bytes = b64_npy_bytes(n, L, K, self.wire_dtype)
             r.rows = (np.concatenate(p) if len(p) > 1 else p[0]) if p else np.zeros((0, L, K), np.uint16)
         return results
 
@@ -218,8 +218,6 @@ class EngineBackend:
 
 class ServerBackend:
     """A running moe-serve: one streaming HTTP request per conversation and turn, from a thread each."""
-
-    kind = "server"
 
     def __init__(self, server, endpoint: str, workers: int):
         import httpx
@@ -284,7 +282,7 @@ class ServerBackend:
         if routed is None:
             r.error = "no routed_experts on the final chunk"
         else:
-            r.rows = decode_routed(routed)
+            r.rows, r.routed_bytes = decode_routed(routed), len(routed)
         return r
 
     def close(self) -> None:
@@ -345,6 +343,7 @@ def run(backend, args, name: str, users: Users, endpoint: str, script: dict | No
             rec["by_mode"][mode] = {
                 "ttft_p50_s": pct([r.ttft_s for r in rs], 50), "ttft_p99_s": pct([r.ttft_s for r in rs], 99),
                 "bytes_mean": float(np.mean([r.bytes for r in rs])) if rs else None,
+                "routed_bytes_mean": float(np.mean([r.routed_bytes for r in rs])) if rs else None,
                 "rows_mean": float(np.mean([len(r.rows) for r in rs])) if rs else None,
                 "prompt_tokens_mean": float(np.mean([r.prompt_tokens for r in rs])) if rs else None,
                 "history_rows_changed": sum(changed.get(i, 0) for i in idx) if mode == "full" and changed else None,
@@ -415,13 +414,14 @@ def markdown(res: dict) -> str:
     for r in res["runs"]:
         lines += ["", f"## {r['name']} ({r['endpoint']})" + ("" if r["complete"] else " (cut short)"), "",
                   "| turn | prompt tokens | tok/s | wall | hit rate | routing | TTFT p50 | TTFT p99 | rows | bytes/resp "
-                  "| history rows changed | errors |", "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+                  "| routed_experts bytes | history rows changed | errors |",
+                  "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for turn, rec in r["turns"].items():
             for mode, m in rec["by_mode"].items():
                 lines.append(
                     f"| {turn} | {m['prompt_tokens_mean'] or 0:.0f} | {rec['tok_s'] or 0:.0f} | {rec['wall_s']:.2f} s | "
                     f"{_pct(rec['hit_rate'])} | {mode} | {_ms(m['ttft_p50_s'])} | {_ms(m['ttft_p99_s'])} | "
-                    f"{m['rows_mean'] or 0:.0f} | {_kb(m['bytes_mean'])} | "
+                    f"{m['rows_mean'] or 0:.0f} | {_kb(m['bytes_mean'])} | {_kb(m['routed_bytes_mean'])} | "
                     f"{'-' if m['history_rows_changed'] is None else m['history_rows_changed']} | {len(rec['errors'])} |")
     return "\n".join(lines) + "\n"
 
@@ -455,8 +455,8 @@ def run_all(args, backends, endpoints: list[str], users_for) -> list[dict]:
                 replay = name.startswith("off") and script is not None
                 turns = all_turns
                 if replay:  # the turns asked for that the live run reached ("last": its last one)
-                    last = max(script)
-                    turns = sorted({min(t, last) for t in args.off_turn_list})
+                    last = max(script, default=0)
+                    turns = sorted({min(t, last) for t in args.off_turn_list} - {0})
                 r = run(backend, args, name, users_for(k), endpoint, script if replay else None, turns)
             finally:
                 backend.close()
