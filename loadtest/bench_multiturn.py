@@ -296,26 +296,32 @@ class ServerBackend:
 # ----------------------------------------------------------------------------- the loop
 
 
-def run(backend, args, name: str, users: Users, endpoint: str, script: dict | None, turns: list[int]) -> dict:
-    """One run of the agent loop; returns per-turn records (and, for a live run, the script it followed)."""
-    routing = name.split("-", 1)[1]
-    modes = [("full", "start")[i % 2] if routing == "mixed" else routing for i in range(args.conversations)]
-    convs = [Conversation(m, []) for m in modes]
-    out: dict = {"name": name, "endpoint": endpoint, "modes": modes, "turns": {}, "script": {}, "complete": True}
-    deadline = args.deadline if script is not None or not args.off_follows else args.live_deadline
-    for turn in turns:
-        if time.perf_counter() > deadline:
-            out["complete"] = False
-            log(f"{name}: time budget spent before turn {turn}")
-            break
+class AgentRun:
+    """One run of the agent loop, a turn at a time. A live run builds its conversations from the answers and
+    records them in ``script``; a replay (``source``: a live run's script) sends what the live run sent."""
+
+    def __init__(self, backend, args, name: str, users: Users, endpoint: str, source: dict | None = None):
+        self.backend, self.args, self.name, self.users, self.endpoint, self.source = (
+            backend, args, name, users, endpoint, source)
+        routing = name.split("-", 1)[1]
+        self.modes = [("full", "start")[i % 2] if routing == "mixed" else routing for i in range(args.conversations)]
+        self.convs = [Conversation(m, []) for m in self.modes]
+        self.script: dict = {}
+        self.only: set[int] = set()  # a replay's turns
+        self.record = {"name": name, "endpoint": endpoint, "modes": self.modes, "turns": {}, "complete": True,
+                       "replayed": source is not None}
+
+    def turn(self, turn: int) -> None:
+        args, convs, endpoint, name, modes = self.args, self.convs, self.endpoint, self.name, self.modes
         for i, c in enumerate(convs):
-            if script is not None:  # replay: the conversation as the live run had it at this turn
-                c.prompt, c.prev_total = script[turn][i]
+            if self.source is not None:  # replay: the conversation as the live run had it at this turn
+                c.prompt, c.prev_total = self.source[turn][i]
             elif endpoint == "chat":
-                c.prompt = c.prompt + [{"role": "user", "content": users.text(i, turn, args.user_tokens)}]
+                c.prompt = c.prompt + [{"role": "user", "content": self.users.text(i, turn, args.user_tokens)}]
             else:
-                c.prompt = c.prompt + users.ids(i, turn, args.user_tokens)
-        out["script"][turn] = [(c.prompt, c.prev_total) for c in convs]
+                c.prompt = c.prompt + self.users.ids(i, turn, args.user_tokens)
+        self.script[turn] = [(c.prompt, c.prev_total) for c in convs]
+        backend = self.backend
         q0, h0 = backend.cache_counters()
         results = backend.run_turn(convs, args.output_tokens, timeout=args.turn_timeout)
         wall = max(r.end_s or 0.0 for r in results)
@@ -341,7 +347,7 @@ def run(backend, args, name: str, users: Users, endpoint: str, script: dict | No
                     changed[i] = (int(diff[:cached].sum()), int(diff[cached:].sum()))
                 c.prev_rows, c.prev_tokens = r.rows, c.prompt + r.reply_ids
             c.prev_total = r.prompt_tokens + r.output_tokens
-            if script is None:
+            if self.source is None:
                 c.prompt = (c.prompt + [{"role": "assistant", "content": r.reply_text}] if endpoint == "chat"
                             else c.prompt + r.reply_ids)
         for mode in sorted(set(modes)):
@@ -356,12 +362,13 @@ def run(backend, args, name: str, users: Users, endpoint: str, script: dict | No
                 "history_rows_changed": [sum(changed[i][k] for i in idx if i in changed) for k in (0, 1)]
                 if mode == "full" and changed else None,  # [in cached blocks, forwarded again]
             }
-        out["turns"][turn] = rec
+        self.record["turns"][turn] = rec
         summary = ", ".join(f"{m}: TTFT p50 {_ms(v['ttft_p50_s'])}, {_kb(v['bytes_mean'])}/resp"
                             for m, v in rec["by_mode"].items())
         log(f"{name} [{endpoint}] turn {turn}: {rec['output_tokens']} tok in {wall:.2f} s = {rec['tok_s'] or 0:.0f} tok/s, "
             f"hit rate {_pct(rec['hit_rate'])}; {summary}" + (f"; {len(rec['errors'])} ERRORS" if rec["errors"] else ""))
-    return out
+
+
 
 
 # ----------------------------------------------------------------------------- report
@@ -451,30 +458,54 @@ def warm_up(backend, args, users: Users, endpoint: str) -> None:
     log(f"warm-up ({endpoint}): {time.perf_counter() - t:.1f} s")
 
 
-def run_all(args, backends, endpoints: list[str], users_for) -> list[dict]:
-    """Every run for every endpoint; ``backends(name, endpoint)`` gives (backend, close after use)."""
-    runs = []
-    all_turns = list(range(1, args.turns + 1))
+def run_all(args, make_backend, endpoints: list[str], users_for, interleave: bool) -> list[dict]:
+    """Every run for every endpoint; ``make_backend(name, endpoint)`` gives a backend (closed after use).
+
+    ``interleave`` (server mode, where both servers stay up): turn k of every run, then turn k + 1, so that runs
+    compared with each other share the machine's conditions (on a shared CPU they drift by 2x within minutes).
+    Otherwise (engine mode: one engine, with its KV cache, at a time) each run goes to its end before the next."""
+    records = []
     for endpoint in endpoints:
-        script = None
+        runs: list[AgentRun] = []
+        live: AgentRun | None = None
         for k, name in enumerate(args.run_list):
-            backend = backends(name, endpoint)
+            backend = make_backend(name, endpoint)
+            warm_up(backend, args, users_for(-1), endpoint)
+            replay = name.startswith("off") and live is not None
+            run = AgentRun(backend, args, name, users_for(k), endpoint, live.script if replay else None)
+            if replay:  # --off-turns; "last" is the live run's last turn (it may have been cut short)
+                last = args.turns if interleave else max(live.script, default=0)
+                run.only = {min(t, last) for t in args.off_turn_list}
+            live = live or (run if name.startswith("on") else None)
+            runs.append(run)
+            if not interleave:
+                try:
+                    _play(args, [run])
+                finally:
+                    backend.close()
+        if interleave:
             try:
-                warm_up(backend, args, users_for(-1), endpoint)
-                replay = name.startswith("off") and script is not None
-                turns = all_turns
-                if replay:  # the turns asked for that the live run reached ("last": its last one)
-                    last = max(script, default=0)
-                    turns = sorted({min(t, last) for t in args.off_turn_list} - {0})
-                r = run(backend, args, name, users_for(k), endpoint, script if replay else None, turns)
+                _play(args, runs)
             finally:
-                backend.close()
-            if name.startswith("on") and script is None:
-                script = r["script"]
-            r.pop("script")
-            r["replayed"] = replay
-            runs.append(r)
-    return runs
+                for run in runs:
+                    run.backend.close()
+        records += [r.record for r in runs]
+    return records
+
+
+def _play(args, runs: list[AgentRun]) -> None:
+    """Turns 1..T of ``runs`` together; a replay only at its --off-turns (``last``: the live run's last turn)."""
+    live_only = len(runs) == 1 and not runs[0].record["replayed"] and args.off_follows
+    deadline = args.live_deadline if live_only else args.deadline
+    for turn in range(1, args.turns + 1):
+        for run in runs:
+            if run.source is not None and (turn not in run.only or turn not in run.source):
+                continue
+            if time.perf_counter() > deadline:
+                run.record["complete"] = False
+                log(f"{run.name}: time budget spent before turn {turn}")
+                continue
+            run.turn(turn)
 
 
 def server_mode(args) -> tuple[list[dict], str]:
@@ -496,8 +527,15 @@ def server_mode(args) -> tuple[list[dict], str]:
     if max_len > cfg["max_position_embeddings"]:
         raise SystemExit(f"--turns x (user + output tokens) needs max_model_len {max_len}, more than the model's "
                          f"{cfg['max_position_embeddings']}: use fewer turns or tokens")
+    # KV cache: every conversation of every cache-on run at its longest (runs are interleaved on one server), so
+    # that a hit rate below 100% of the history is the block granularity, not eviction.
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    elem = 2 if cfg.get("torch_dtype") in ("bfloat16", "float16") else 4
+    per_token = cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * 2 * head_dim * elem
+    on_runs = sum(r.startswith("on") for r in args.run_list)
+    kv_gib = 1.1 * max(1, on_runs) * args.conversations * (max_len + 2 * BLOCK_SIZE) * per_token / 2**30
     flags = ["--model", ckpt, "--served-model-name", name, "--max-num-seqs", str(args.conversations),
-             "--max-model-len", str(max_len)]
+             "--max-model-len", str(max_len), "--kv-cache-memory", f"{kv_gib:.6f}"]
     flags += ["--num-threads", str(args.num_threads)] if args.num_threads else []
     flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []
     work = args.out / "servers"
@@ -514,12 +552,13 @@ def server_mode(args) -> tuple[list[dict], str]:
                 raise SystemExit(f"the {key} server says prefix_caching_enabled={card.get('prefix_caching_enabled')}")
         tok = Tokenizer.from_dir(ckpt)
         runs = run_all(args, lambda run_name, ep: ServerBackend(servers[run_name.split("-")[0]], ep, args.conversations),
-                       endpoints, lambda k: Users(cfg["vocab_size"], args.seed * 100 + k, tok))
+                       endpoints, lambda k: Users(cfg["vocab_size"], args.seed * 100 + k, tok), interleave=True)
     finally:
         codes = {k: s.stop() for k, s in servers.items()}
         log(f"servers stopped: {codes}")
     setup = (f"moe-serve on `{name}` ({cfg['num_hidden_layers']} layers, {cfg.get('num_local_experts')} experts "
              f"top-{cfg['num_experts_per_tok']}), CPU, max_model_len {max_len}, max_num_seqs {args.conversations}, "
+             f"KV cache {kv_gib * 1024:.0f} MiB, "
              f"torch threads {args.num_threads or 'default'}; {args.conversations} conversations x {args.turns} turns, "
              f"{args.user_tokens} user tokens and {args.output_tokens} output tokens per turn (greedy, streaming); "
              f"endpoints {args.endpoints}.")
@@ -550,7 +589,7 @@ def engine_mode(args) -> tuple[list[dict], str]:
         log(f"engine for {name}: {ecfg}; stats {b.engine.stats()}")
         return b
 
-    runs = run_all(args, backend, ["engine"], lambda k: Users(cfg.vocab_size, args.seed * 100 + k))
+    runs = run_all(args, backend, ["engine"], lambda k: Users(cfg.vocab_size, args.seed * 100 + k), interleave=False)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     setup = (f"engine API in-process, {args.shape} shape ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts "
              f"top-{cfg.num_experts_per_tok}, vocabulary {cfg.vocab_size}), random {args.init} weights, {dtype}, "
