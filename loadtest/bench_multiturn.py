@@ -30,19 +30,25 @@ Targets: cache on: TTFT p50 of the last turn within 2x of turn 1's; prompt start
 Modes:
   --mode server   moe-serve on a checkpoint (default ``medium``, loadtest/common.py; CPU), two servers (cache on
                   and off) started side by side, ``--endpoints generate,chat`` (``/inference/v1/generate`` with
-                  token ids; ``/v1/chat/completions`` with messages, where the previous answer goes back as text).
+                  token ids; ``/v1/chat/completions`` with messages, where the previous answer goes back as text),
+                  streaming. The runs are interleaved turn by turn, so that the runs compared share the machine's
+                  conditions.
   --mode engine   the engine's public API in-process on the Qwen3-30B-A3B shape with random weights built on the
-                  device (loadtest/real_shape_model.py); one engine per run.
+                  device (loadtest/real_shape_model.py); one engine (and KV cache) per run, runs one after another.
 
 Usage:
-    .venv/bin/python loadtest/bench_multiturn.py --mode server --conversations 8 --turns 8 --user-tokens 48 \\
-        --output-tokens 24                                         # CPU, medium model, a few minutes
+    .venv/bin/python loadtest/bench_multiturn.py --mode server --conversations 8 --turns 8 --user-tokens 96 \
+        --output-tokens 32                          # CPU, medium model: about 5 minutes (loadtest/reports/multiturn.md)
     python loadtest/bench_multiturn.py --mode engine --device cuda --quick --out $OUT/multiturn     # H200, < 4 min
-    .venv/bin/python loadtest/bench_multiturn.py --mode engine --device cpu --shape tiny --conversations 4 \\
-        --turns 4 --user-tokens 32 --output-tokens 8                # CPU smoke test of the engine mode
+    python loadtest/bench_multiturn.py --mode engine --device cuda --out $OUT/multiturn   # all runs: several min
+    .venv/bin/python loadtest/bench_multiturn.py --mode engine --device cpu --shape tiny --conversations 4 \
+        --turns 4 --user-tokens 32 --output-tokens 8                # CPU smoke test of the engine mode (seconds)
 --quick: runs ``on-mixed,off-mixed``, the off run only at turns 1 and the last, a 210 s budget (no turn starts after
 it; the on run starts none after 65% of it, so that the off run's replay fits).
 Output: ``results.json`` and ``report.md`` in --out (default loadtest/results/multiturn-<time>/).
+
+Longer than the project's usual ~450 lines: one benchmark whose two drivers (HTTP server, in-process engine) share
+the agent loop, its checks and the report.
 """
 from __future__ import annotations
 
@@ -501,9 +507,11 @@ def _play(args, runs: list[AgentRun]) -> None:
         for run in runs:
             if run.source is not None and (turn not in run.only or turn not in run.source):
                 continue
+            if not run.record["complete"]:
+                continue
             if time.perf_counter() > deadline:
                 run.record["complete"] = False
-                log(f"{run.name}: time budget spent before turn {turn}")
+                log(f"{run.name}: time budget spent before turn {turn}; no more turns")
                 continue
             run.turn(turn)
 
@@ -572,6 +580,8 @@ def engine_mode(args) -> tuple[list[dict], str]:
     from moe_engine.engine import EngineConfig
 
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # the parameters' device, as the engine compares it
+        device = torch.device("cuda", torch.cuda.current_device())
     if args.device == "cpu" and args.num_threads:
         torch.set_num_threads(args.num_threads)
     dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if args.dtype == "auto" else getattr(torch, args.dtype)
