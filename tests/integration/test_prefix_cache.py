@@ -183,31 +183,31 @@ def ask(server, endpoint: str, prompt, *, stream: bool = False, n: int = 1, prom
     if endpoint == "generate":
         return _generate(server, prompt, stream, n, prompt_start or 0,
                          {**sampling, "logprobs": 1, "n": n, "routed_experts_prompt_start": prompt_start or 0})
-    client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0, timeout=120)
     kw = dict(model=server.model, n=n, max_tokens=max_tokens, temperature=sampling["temperature"], seed=seed,
               stream=stream, extra_body=options)
-    if endpoint == "completions":
-        resp = client.completions.create(prompt=prompt, logprobs=1, **kw)
-    else:
-        resp = client.chat.completions.create(messages=prompt, logprobs=True, top_logprobs=1, **kw)
     got = {i: Choice([], [], None, [], start=prompt_start or 0) for i in range(n)}
-    for chunk in resp if stream else [resp]:
-        for c in chunk.choices:
-            g = got[c.index]
-            g.tokens += extra(c, "token_ids") or []
-            g.prompt_ids = extra(c, "prompt_token_ids") or g.prompt_ids
-            if endpoint == "completions":
-                g.text += c.text or ""
-            else:
-                g.text += (c.delta.content if stream else c.message.content) or ""
-            if c.logprobs is not None:
-                g.logprobs += (c.logprobs.token_logprobs if endpoint == "completions"
-                               else [x.logprob for x in c.logprobs.content or []])
-            if c.finish_reason is not None:
-                assert c.finish_reason == "length"
-                g.rows = decode(extra(c, "routed_experts"))
-            elif stream:
-                assert extra(c, "routed_experts") is None  # the whole array comes with the final chunk
+    with openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0, timeout=120) as client:
+        if endpoint == "completions":
+            resp = client.completions.create(prompt=prompt, logprobs=1, **kw)
+        else:
+            resp = client.chat.completions.create(messages=prompt, logprobs=True, top_logprobs=1, **kw)
+        for chunk in resp if stream else [resp]:
+            for c in chunk.choices:
+                g = got[c.index]
+                g.tokens += extra(c, "token_ids") or []
+                g.prompt_ids = extra(c, "prompt_token_ids") or g.prompt_ids
+                if endpoint == "completions":
+                    g.text += c.text or ""
+                else:
+                    g.text += (c.delta.content if stream else c.message.content) or ""
+                if c.logprobs is not None:
+                    g.logprobs += (c.logprobs.token_logprobs if endpoint == "completions"
+                                   else [x.logprob for x in c.logprobs.content or []])
+                if c.finish_reason is not None:
+                    assert c.finish_reason == "length"
+                    g.rows = decode(extra(c, "routed_experts"))
+                elif stream:
+                    assert extra(c, "routed_experts") is None  # the whole array comes with the final chunk
     return [got[i] for i in range(n)]
 
 
