@@ -107,24 +107,33 @@ def engine_counters(server) -> dict[str, float]:
 
 class Counters:
     """Deltas of the engine counters across requests. The backend refreshes Triton's metrics every 0.2 s, so a
-    delta is read once the queries counter has grown by what the requests looked up (prompt tokens of every
-    choice) and two reads in a row agree."""
+    reading counts only once it held for longer than that (the baseline too: a request that just finished may
+    still be on its way in), and a delta waits until the queries counter has grown by what the requests looked
+    up (prompt tokens of every choice)."""
+
+    SETTLE_S = 0.3
 
     def __init__(self, server):
         self.server = server
-        self.last = engine_counters(server)
+        self.last = self._settled()
+
+    def _settled(self) -> dict[str, float]:
+        prev = engine_counters(self.server)
+        while True:
+            time.sleep(self.SETTLE_S)
+            now = engine_counters(self.server)
+            if now == prev:
+                return now
+            prev = now
 
     def delta(self, min_queries: int, timeout: float = 15.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout
-        prev = None
-        while True:
-            now = engine_counters(self.server)
-            if now["queries"] >= self.last["queries"] + min_queries and now == prev:
-                break
+        while engine_counters(self.server)["queries"] < self.last["queries"] + min_queries:
             if time.monotonic() > deadline:
-                raise AssertionError(f"prefix-cache counters did not reach +{min_queries} queries: {self.last} -> {now}")
-            prev = now
+                raise AssertionError(f"prefix-cache queries did not grow by {min_queries}: {self.last} -> "
+                                     f"{engine_counters(self.server)}")
             time.sleep(0.05)
+        now = self._settled()
         d = {k: now[k] - self.last[k] for k in ("queries", "hits", "preemptions")}
         self.last = now
         return d
