@@ -402,7 +402,7 @@ def parse_args(argv=None):
 
 def expert_width(cfg) -> int:
     """The expert width of a MoEConfig of any engine revision (nested specs since issue 15, flat before)."""
-    return cfg.experts.intermediate_size if hasattr(cfg, "experts") else cfg.moe_intermediate_size
+    return getattr(getattr(cfg, "experts", None), "intermediate_size", None) or cfg.moe_intermediate_size
 
 
 def main(argv=None) -> int:
@@ -559,7 +559,7 @@ def main(argv=None) -> int:
             "parameters": n_params,
             "num_hidden_layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size,
-            "num_attention_heads": cfg.attention.num_heads if hasattr(cfg, "attention") else cfg.num_attention_heads,
+            "num_attention_heads": getattr(cfg.attention, "num_heads", None) or cfg.num_attention_heads,
             "num_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.num_experts_per_tok,
             "moe_intermediate_size": expert_width(cfg),
