@@ -43,6 +43,7 @@ class RequestOutput:
     top_logprobs: np.ndarray | None = None  # [new tokens, N] float32
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    weight_version: str | None = None  # the weights that produced it (set by the engine)
 
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -141,6 +142,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._computing: dict[int, Sequence] = {}  # prompt-block hash -> the running sequence computing it
         self._preempted_this_round = False  # no admissions in a step that had to preempt
+        # Weights epoch (the engine bumps it at every weight update): the prefix-cache key of every sequence
+        # admitted without blocks, so that blocks and routing rows computed under other weights never match.
+        self.cache_epoch = 0
 
     # ------------------------------------------------------------------ queues
 
@@ -202,6 +206,15 @@ class Scheduler:
         self.num_preemptions += 1
         self._preempted_this_round = True
 
+    def retract_all(self) -> int:
+        """Preempt every running sequence (newest first, so they wait in admission order); returns how many."""
+        n = len(self.running)
+        while self.running:
+            self.preempt(self.running[-1])
+        self.num_preemptions -= n  # not memory pressure: neither counted nor holding admissions back
+        self._preempted_this_round = False
+        return n
+
     def _admit(self, planned: list[tuple[Sequence, int]], budget: int) -> None:
         """Start waiting sequences, first come first served, while blocks, slots and the token budget last. A
         sequence whose next prompt block another running sequence is computing right now waits for it (then
@@ -209,6 +222,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
+            seq.table.cache_key = self.cache_epoch or None  # it holds no blocks: keyed by the current weights
             hits = self.blocks.match_prefix(seq.tokens, seq.table.cache_key)
             if self._being_computed(seq, len(hits)):
                 i += 1
