@@ -159,6 +159,7 @@ class Engine(RolloutLifecycle):
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.update_groups.close()
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"

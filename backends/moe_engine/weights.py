@@ -341,6 +341,10 @@ class UpdateGroups:
         pg, backend = entry
         return pg, (self.device if backend == "nccl" else torch.device("cpu"))
 
+    def close(self) -> None:
+        for name in list(self._groups):
+            self.destroy(name)
+
     def destroy(self, group_name: str) -> bool:
         with self._lock:
             entry = self._groups.pop(group_name, None)
