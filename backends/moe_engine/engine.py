@@ -21,7 +21,8 @@ before it finish first (requests submitted after it wait until it is done) or ab
 (``abort_all_requests``); while generation is paused it runs at once (requests kept in place continue on the new
 weights after ``continue_generation``, as SGLang's in_place pause). Every weight change bumps the weights epoch,
 which the scheduler puts in the prefix-cache key of every sequence it admits: blocks (and routing rows) computed
-under other weights never match a later request, whether or not the cache is flushed. weights.py does the loading.
+under other weights never match a later request, whether or not the cache is flushed. The operations are
+lifecycle.py's (mixed into ``Engine``), the weight loading weights.py's.
 """
 from __future__ import annotations
 
@@ -40,11 +41,11 @@ from .config import MoEConfig
 from .engine_config import EngineConfig
 from .errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
 from .kv_cache import blocks_for_budget
-from .lifecycle import RolloutLifecycle
 from .runner import LaunchedStep, ModelRunner, kv_cache_budget
 from .sampling import make_state
 from .scheduler import Request, RequestOutput, Scheduler, Sequence
 from . import weights as W
+from .lifecycle import RolloutLifecycle
 
 log = logging.getLogger(__name__)
 

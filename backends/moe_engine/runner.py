@@ -131,7 +131,6 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
-        self.num_blocks = num_blocks
         self.kv = KVCache(model.kv_layout(), num_blocks, block_size, self.dtype, self.device)
         self.null_block = self.kv.null_block
         self.step_tokens = S = step_tokens
@@ -154,34 +153,12 @@ class ModelRunner:
         self._parity = 0
         self.overlap = overlap
         self.use_kernels = False  # paged-attention kernels (set by the engine when they apply)
-        self._graph_limits = None if graphs_off is not None else (max_num_seqs, max_model_len)
-        self.graphs: DecodeGraphs | None = None
-        self.reset_graphs()
-
-    # RL: the KV cache freed and allocated again, graphs dropped and captured again (release / resume memory).
-
-    def reset_graphs(self) -> None:
-        """Drop every captured decode graph (captured again lazily): after the weights or the KV cache moved. An
-        in-place weight update keeps the addresses, and the graphs."""
-        self.graphs = None
-        if self._graph_limits is not None and self.kv is not None:
-            max_batch, max_model_len = self._graph_limits
-            self.graphs = DecodeGraphs(self.model, self.kv, max_batch=max_batch, max_model_len=max_model_len,
-                                       capture_buf=self.capture_buf)
-            self.graphs.use_kernels = self.use_kernels
-
-    def drop_graphs(self) -> None:
-        self.graphs = None
-
-    def release_kv(self) -> int:
-        """Free the KV cache and the graphs that hold its addresses; returns the bytes freed."""
-        nbytes = self.kv.nbytes
-        self.graphs = None
-        self.kv = None
-        return nbytes
-
-    def allocate_kv(self) -> None:
-        self.kv = KVCache(self.model.kv_layout(), self.num_blocks, self.block_size, self.dtype, self.device)
+        self.graphs = (
+            DecodeGraphs(model, self.kv, max_batch=max_num_seqs, max_model_len=max_model_len,
+                         capture_buf=self.capture_buf)
+            if graphs_off is None
+            else None
+        )
 
     @torch.inference_mode()
     def launch(
@@ -255,3 +232,32 @@ class ModelRunner:
         # One conversion for the step, into a fresh array: requests get views of it (no per-request copy).
         routing = tr.host[S : S + tr.rows * L * K].reshape(tr.rows, L, K).astype(np.uint16) if tr.rows else None
         return tr.host[: tr.n].tolist(), routing
+
+    # ---------------------------------------------------------------- RL: release / resume memory
+
+    def drop_graphs(self) -> None:
+        """Drop the decode graphs (they replay the weights' and the KV cache's current addresses)."""
+        if self.graphs is not None:
+            self._graph_limits = (self.graphs.max_batch, self.graphs.kv_lens[-1])
+        self.graphs = None
+
+    def reset_graphs(self) -> None:
+        """Drop every captured decode graph; they are captured again lazily. Needed after the weights or the KV
+        cache moved (release / resume); an in-place weight update keeps the addresses, and the graphs."""
+        self.drop_graphs()
+        limits = getattr(self, "_graph_limits", None)  # None: graphs are off for this engine
+        if limits is not None and self.kv is not None:
+            self.graphs = DecodeGraphs(self.model, self.kv, max_batch=limits[0], max_model_len=limits[1],
+                                       capture_buf=self.capture_buf)
+            self.graphs.use_kernels = self.use_kernels
+
+    def release_kv(self) -> int:
+        """Free the KV cache (and the graphs that hold its addresses); returns the bytes freed."""
+        self.drop_graphs()
+        self._kv_blocks, nbytes = self.kv.num_blocks, self.kv.nbytes
+        self.kv = None
+        return nbytes
+
+    def allocate_kv(self) -> None:
+        """The KV cache again, as it was sized at start (zeros); graphs follow with ``reset_graphs``."""
+        self.kv = KVCache(self.model.kv_layout(), self._kv_blocks, self.block_size, self.dtype, self.device)
