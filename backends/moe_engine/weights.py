@@ -274,6 +274,8 @@ def receive_broadcast(model: torch.nn.Module, group, device: torch.device, plan:
         if dst is not None and not direct:
             dst.copy_(buf)
         received += buf.nbytes
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # done means received (and the timing says so)
     return received
 
 
