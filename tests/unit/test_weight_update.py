@@ -3,6 +3,7 @@ pause / continue, release / resume. Checkpoints A and B are written by transform
 "what B computes" is always an engine started on B, never numbers copied from this implementation."""
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -283,9 +284,15 @@ def test_unknown_names_and_non_float_dtypes_are_refused(ckpts):
 # ------------------------------------------------------------------------------------------ pause / release
 
 
-def reference(ckpts, prompts, max_tokens):
-    engine = engine_on(ckpts["A"])
+@functools.lru_cache(maxsize=None)
+def _reference(path, prompts: tuple[tuple[int, ...], ...], max_tokens: int) -> list[list[int]]:
+    engine = engine_on(path)
     return [generate(engine, p, max_tokens=max_tokens).tokens for p in prompts]
+
+
+def reference(ckpts, prompts, max_tokens):
+    """A's greedy tokens for each prompt, uninterrupted (computed once per set)."""
+    return _reference(ckpts["A"], tuple(tuple(p) for p in prompts), max_tokens)
 
 
 def wait_for_steps(engine, n, timeout=30):
@@ -298,14 +305,14 @@ def wait_for_steps(engine, n, timeout=30):
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
 def test_pause_and_continue_end_every_request(ckpts, mode):
     prompts = [prompt_of(9 + 7 * i, 20 + i) for i in range(3)]
-    expected = reference(ckpts, prompts + [P], 150)
+    expected = reference(ckpts, prompts + [P], 100)
     engine = engine_on(ckpts["A"])
     engine.start()
     try:
-        running = [submit(engine, p, max_tokens=150, ignore_eos=True) for p in prompts]
+        running = [submit(engine, p, max_tokens=100, ignore_eos=True) for p in prompts]
         wait_for_steps(engine, 3)
         engine.pause_generation(mode).result(30)
-        late = submit(engine, P, max_tokens=150, ignore_eos=True)  # submitted while paused: waits
+        late = submit(engine, P, max_tokens=100, ignore_eos=True)  # submitted while paused: waits
         steps = engine.num_steps
         time.sleep(0.3)
         assert engine.num_steps == steps and not late.done.is_set()  # nothing runs while paused
@@ -327,13 +334,13 @@ def test_update_while_paused_in_place_runs_at_once_and_the_request_continues(ckp
     engine = engine_on(ckpts["A"])
     engine.start()
     try:
-        c = submit(engine, P, max_tokens=150, ignore_eos=True)
+        c = submit(engine, P, max_tokens=100, ignore_eos=True)
         wait_for_steps(engine, 3)
         engine.pause_generation("in_place").result(30)
         engine.update_weights_from_disk(str(ckpts["B"])).result(30)  # does not wait for the paused request
         assert not c.done.is_set()
         engine.continue_generation().result(30)
-        assert c.done.wait(60) and c.finish_reason == "length" and len(c.tokens) == 150
+        assert c.done.wait(60) and c.finish_reason == "length" and len(c.tokens) == 100
         assert "B" in c.weight_versions  # its last tokens came from B
     finally:
         engine.shutdown()
@@ -341,16 +348,16 @@ def test_update_while_paused_in_place_runs_at_once_and_the_request_continues(ckp
 
 def test_release_and_resume_memory_keep_every_request(ckpts):
     prompts = [prompt_of(11 + 5 * i, 40 + i) for i in range(3)]
-    expected = reference(ckpts, prompts + [P], 150)
+    expected = reference(ckpts, prompts + [P], 100)
     engine = engine_on(ckpts["A"])
     engine.start()
     try:
-        running = [submit(engine, p, max_tokens=150, ignore_eos=True) for p in prompts]
+        running = [submit(engine, p, max_tokens=100, ignore_eos=True) for p in prompts]
         wait_for_steps(engine, 3)
         result = engine.release_memory_occupation().result(30)
         assert "KV cache" in result["message"] and engine.runner.kv is None
         assert engine.release_memory_occupation(["kv_cache"]).result(30)["message"].startswith("released nothing")
-        late = submit(engine, P, max_tokens=150, ignore_eos=True)
+        late = submit(engine, P, max_tokens=100, ignore_eos=True)
         time.sleep(0.3)
         assert not late.done.is_set() and not any(c.done.is_set() for c in running)
         engine.resume_memory_occupation().result(30)
