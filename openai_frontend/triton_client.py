@@ -342,7 +342,8 @@ class TritonClient:
         async def one_request():
             yield payload
 
-        call = self._client.stream_infer(one_request())
+        # headers: the per-run Triton key where the client has one (the same as generate sends)
+        call = self._client.stream_infer(one_request(), headers=getattr(self, "headers", None))
         try:
             async for result, error in call:
                 if error is not None:

@@ -269,7 +269,8 @@ def test_triton_control_contract_for_tritonclient_users(on_a):
     server, http, ckpts = on_a
     answers: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.triton_grpc_url)
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    client.start_stream(callback=lambda result, error: answers.put((result, error)),
+                        headers=getattr(server, "triton_grpc_headers", None) or None)  # Triton's key, if any
     try:
         def control(body):
             ids = grpcclient.InferInput("input_ids", [0], "INT64")
