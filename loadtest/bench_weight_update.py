@@ -347,13 +347,13 @@ def gpu_mode(args) -> dict:
                                      "--rounds", "2", "--trainer-device", "cuda:1" if cuda else "cpu",
                                      *(["--simulate"] if args.simulate else [])], stdout=subprocess.PIPE,
                                     text=True)
-            res["init_group_s"], _ = timed(lambda: engine.init_weights_update_group(
+            res["init_group_s"], _ = timed(lambda: engine.lifecycle.init_weights_update_group(
                 "127.0.0.1", port, 1, 2, backend="nccl" if cuda else "gloo").result(600))
             names = [n for n, _ in model.named_parameters()]
             shapes = [list(p.shape) for _, p in model.named_parameters()]
             res["broadcast_update_s"] = []
             for r in range(2):
-                t, out = timed(lambda: engine.update_weights_from_distributed(
+                t, out = timed(lambda: engine.lifecycle.update_weights_from_distributed(
                     names, ["bfloat16"] * len(names), shapes, weight_version=f"bcast-{r}").result(600))
                 res["broadcast_update_s"].append(t)
                 log(f"broadcast round {r}: {t:.2f} s ({out['message']})")
@@ -388,13 +388,13 @@ def gpu_mode(args) -> dict:
             torch.cuda.empty_cache()
         # Release / resume (the trainer borrows the GPU).
         before = allocated()
-        res["release_s"], _ = timed(lambda: engine.release_memory_occupation().result(600))
+        res["release_s"], _ = timed(lambda: engine.lifecycle.release_memory_occupation().result(600))
         res["gpu_bytes_released"] = before - allocated()
-        res["resume_s"], _ = timed(lambda: engine.resume_memory_occupation().result(600))
+        res["resume_s"], _ = timed(lambda: engine.lifecycle.resume_memory_occupation().result(600))
         generate("after_resume")
         last = res.get("generate_after_broadcast", res.get("generate_before"))
         res["release_resume_kept_weights"] = res["generate_after_resume"] == last  # same tokens as before release
-        res["flush_cache_s"], _ = timed(lambda: engine.flush_cache().result(60))
+        res["flush_cache_s"], _ = timed(lambda: engine.lifecycle.flush_cache().result(60))
     finally:
         engine.shutdown()
     cpu_start = args.cpu_restart_s
@@ -402,8 +402,9 @@ def gpu_mode(args) -> dict:
                                  "engine set-up (measured)": res["engine_init_s"],
                                  "server start (CPU-mode figure, --cpu-restart-s)": cpu_start}
     res["summary"] = {
-        "update by broadcast from a trainer process (NCCL; --simulate: gloo), s": (res["broadcast_update_s"][-1] if isinstance(
-            res["broadcast_update_s"], list) else res["broadcast_update_s"]),
+        "update by broadcast from a trainer process (NCCL; --simulate: gloo), s": (
+            res["broadcast_update_s"][-1] if isinstance(res["broadcast_update_s"], list)
+            else res["broadcast_update_s"]),
         "update from disk (page cache), s, extrapolated": round(res["disk_update_61GB_extrapolated_s"], 2),
         "restart, s, estimated (>=)": round(sum(v for v in res["restart_estimate_s"].values() if v), 2),
         "release / resume (KV + weights), s": [round(res["release_s"], 2), round(res["resume_s"], 2)],

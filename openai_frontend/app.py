@@ -81,7 +81,8 @@ class _FrontMiddleware:
                 self.metrics.e2e.labels(endpoint).observe(time.monotonic() - t0)
 
 
-def model_card(cfg: FrontendConfig, model: ModelInfo, created: int, weight_version: str | None = None) -> dict[str, Any]:
+def model_card(cfg: FrontendConfig, model: ModelInfo, created: int,
+               weight_version: str | None = None) -> dict[str, Any]:
     return {
         "id": cfg.served_model_name,
         "object": "model",

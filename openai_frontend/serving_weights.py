@@ -2,7 +2,8 @@
 trainers written for SGLang drive this server unchanged):
 
     POST /update_weights_from_disk          {model_path, weight_version?, flush_cache?, abort_all_requests?}
-    POST /init_weights_update_group         {master_address, master_port, rank_offset, world_size, group_name?, backend?}
+    POST /init_weights_update_group         {master_address, master_port, rank_offset, world_size, group_name?,
+                                             backend?}
     POST /update_weights_from_distributed   {names, dtypes, shapes, group_name?, weight_version?, flush_cache?, ...}
     GET|POST /flush_cache
     POST /pause_generation                  {mode?: "abort" | "retract" | "in_place"}

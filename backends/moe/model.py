@@ -81,7 +81,7 @@ class _ControlReply:
     future: object  # concurrent.futures.Future of the op's result dict
 
 
-# op -> the arguments it takes (beyond them, a control request is refused); each is an Engine method.
+# op -> the arguments it takes (beyond them, a control request is refused); each is a method of engine.lifecycle.
 CONTROL_OPS = {
     "update_weights_from_disk": ("model_path", "weight_version", "flush_cache", "abort_all_requests"),
     "init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size", "group_name",
@@ -259,7 +259,7 @@ class TritonPythonModel:
             raise InvalidRequestError(f"control {op}: unknown arguments {unknown}; it takes {list(CONTROL_OPS[op])}",
                                       param=unknown[0])
         try:
-            future = getattr(self.engine, op)(**body)
+            future = getattr(self.engine.lifecycle, op)(**body)
         except TypeError as exc:  # a required argument missing
             raise InvalidRequestError(f"control {op}: {exc}", param="control") from exc
         log.info("control %s %s", op, {k: v for k, v in body.items() if k not in ("names", "dtypes", "shapes")})

@@ -22,7 +22,7 @@ before it finish first (requests submitted after it wait until it is done) or ab
 weights after ``continue_generation``, as SGLang's in_place pause). Every weight change bumps the weights epoch,
 which the scheduler puts in the prefix-cache key of every sequence it admits: blocks (and routing rows) computed
 under other weights never match a later request, whether or not the cache is flushed. The operations are
-lifecycle.py's (mixed into ``Engine``), the weight loading weights.py's.
+``engine.lifecycle``'s (lifecycle.py), the weight loading weights.py's.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ import itertools
 import logging
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -45,24 +44,14 @@ from .runner import LaunchedStep, ModelRunner, kv_cache_budget
 from .sampling import make_state
 from .scheduler import Request, RequestOutput, Scheduler, Sequence
 from . import weights as W
-from .lifecycle import RolloutLifecycle
+from .lifecycle import Control, RolloutLifecycle
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "Request", "RequestOutput"]
 
 
-@dataclass
-class _Control:
-    """A control operation waiting in the inbox: ``fn`` runs on the engine thread between steps."""
-
-    fn: Callable[[], dict]
-    future: Future
-    drain: bool = False  # first let the requests submitted before it finish (later ones wait)
-    abort: bool = False  # first abort the requests submitted before it
-
-
-class Engine(RolloutLifecycle):
+class Engine:
     def __init__(self, model: torch.nn.Module, cfg: MoEConfig, engine_cfg: EngineConfig | None = None):
         self.model = model
         self.cfg = cfg
@@ -113,12 +102,12 @@ class Engine(RolloutLifecycle):
             "on" if self.fused else "off",
         )
         self._inbox: collections.deque = collections.deque()  # ("add", seq) | ("abort", id) | ("control", c)
-        self._controls: collections.deque[_Control] = collections.deque()  # taken from the inbox, not yet run
+        self._controls: collections.deque[Control] = collections.deque()  # taken from the inbox, not yet run
         self._held: collections.deque[Sequence] = collections.deque()  # submitted after a pending control
         self.paused = False  # pause_generation: no steps until continue_generation
         self.released: set[str] = set()  # release_memory_occupation tags in effect (no steps while any is)
         self.weight_version = ""  # set by the caller (the checkpoint's folder name), then by weight updates
-        self.update_groups = W.UpdateGroups(self.device)
+        self.lifecycle = RolloutLifecycle(self)  # the control operations (weight updates, pause, release, ...)
         self._known_ids: set[str] = set()
         self._cv = threading.Condition()
         self._stop = False
@@ -160,7 +149,7 @@ class Engine(RolloutLifecycle):
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-        self.update_groups.close()
+        self.lifecycle.update_groups.close()
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -362,7 +351,7 @@ class Engine(RolloutLifecycle):
             if self.dead is not None or self._stop:
                 future.set_exception(EngineStoppedError("the engine is not running"))
                 return future
-            self._inbox.append(("control", _Control(fn, future, drain, abort)))
+            self._inbox.append(("control", Control(fn, future, drain, abort)))
             self._cv.notify_all()
         return future
 

@@ -39,11 +39,11 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: list[float] | None = None  # chosen tokens' logprobs, one per new token
+    weight_version: str | None = None  # the weights that produced it (set by the engine)
     top_logprob_ids: np.ndarray | None = None  # [new tokens, N] int64
     top_logprobs: np.ndarray | None = None  # [new tokens, N] float32
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    weight_version: str | None = None  # the weights that produced it (set by the engine)
 
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -57,6 +57,14 @@ class Request:
     return_routed_experts: bool = True
     routed_experts_prompt_start: int = 0
     on_output: OutputCallback | None = None
+
+
+@dataclass(frozen=True)
+class WeightsKey:
+    """A prefix-cache key under weights epoch ``epoch`` (epoch 0, the weights loaded at start, keeps plain keys)."""
+
+    epoch: int
+    key: object = None  # the sequence's own key
 
 
 class Status(enum.Enum):
@@ -142,14 +150,27 @@ class Scheduler:
         self.num_preemptions = 0
         self._computing: dict[int, Sequence] = {}  # prompt-block hash -> the running sequence computing it
         self._preempted_this_round = False  # no admissions in a step that had to preempt
-        # Weights epoch (the engine bumps it at every weight update): the prefix-cache key of every sequence
-        # admitted without blocks, so that blocks and routing rows computed under other weights never match.
+        # Weights epoch (the engine bumps it at every weight update), part of the prefix-cache key of every sequence
+        # added (``WeightsKey``): blocks and routing rows computed under other weights never match.
         self.cache_epoch = 0
 
     # ------------------------------------------------------------------ queues
 
     def add(self, seq: Sequence) -> None:
+        self._key(seq)
         self.waiting.append(seq)
+
+    def rekey_waiting(self) -> None:
+        """After a weight update: waiting sequences that hold no blocks compute under the new weights, so they
+        take the new epoch's key (running ones keep theirs: their blocks were computed under the old weights)."""
+        for seq in self.waiting:
+            if not seq.table.blocks:
+                self._key(seq)
+
+    def _key(self, seq: Sequence) -> None:
+        key = seq.table.cache_key
+        base = key.key if isinstance(key, WeightsKey) else key  # the sequence's own key (e.g. a routing replay)
+        seq.table.cache_key = WeightsKey(self.cache_epoch, base) if self.cache_epoch else base
 
     def find(self, request_id: str) -> Sequence | None:
         for seq in self.running:
@@ -222,7 +243,6 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            seq.table.cache_key = self.cache_epoch or None  # it holds no blocks: keyed by the current weights
             hits = self.blocks.match_prefix(seq.tokens, seq.table.cache_key)
             if self._being_computed(seq, len(hits)):
                 i += 1

@@ -193,7 +193,8 @@ def checkpoint_targets(model: torch.nn.Module) -> dict[str, Target]:
             for block in blocks:
                 for e in range(shape[0]):
                     for part, lo, hi in parts:
-                        out[f"{prefix}.{block}.experts.{e}.{part}.weight"] = Target(name, (hi - lo, shape[2]), (e, lo, hi))
+                        key = f"{prefix}.{block}.experts.{e}.{part}.weight"
+                        out[key] = Target(name, (hi - lo, shape[2]), (e, lo, hi))
         elif ".mlp." in name:
             for block in blocks:
                 if block != "mlp":
@@ -224,7 +225,8 @@ class Incoming:
     target: Target | None
 
 
-def check_tensors(model: torch.nn.Module, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[Incoming]:
+def check_tensors(model: torch.nn.Module, names: list[str], dtypes: list[str],
+                  shapes: list[list[int]]) -> list[Incoming]:
     """Check a trainer's announced tensors against the live model; raises WeightUpdateError at the first mismatch."""
     if not (len(names) == len(dtypes) == len(shapes)):
         raise WeightUpdateError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, "

@@ -100,7 +100,8 @@ def test_update_from_disk_serves_what_an_engine_started_on_b_serves(on_a):
 
     r = http.post("/update_weights_from_disk", json={"model_path": str(ckpts["B"])})
     assert r.status_code == 200
-    assert r.json() == {"success": True, "message": r.json()["message"], "weight_version": "B", "num_paused_requests": 0}
+    assert r.json() == {"success": True, "message": r.json()["message"], "weight_version": "B",
+                        "num_paused_requests": 0}
     tokens_b, rows_b, choice = generate(http, P)
     ref_tokens, ref_rows = reference(ckpts["B"], P)
     assert tokens_b == ref_tokens and tokens_b != tokens_a

@@ -123,7 +123,7 @@ def test_update_from_disk_serves_exactly_what_an_engine_started_on_b_serves(ckpt
     engine = engine_on(ckpts["A"])
     before = generate(engine, P)
     params_before = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
-    result = settle(engine, engine.update_weights_from_disk(str(ckpts["B"])))
+    result = settle(engine, engine.lifecycle.update_weights_from_disk(str(ckpts["B"])))
     assert result["num_bytes"] > 0 and engine.weight_version == "B"
     # In place: the same tensors hold B's values, exactly as loading B does.
     assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == params_before
@@ -141,7 +141,7 @@ def test_prompt_cached_under_a_is_computed_again_under_b(ckpts, on_b, flush_cach
     warm_a = generate(engine, LONG)
     assert warm_a.num_cached == 32  # the cache works: A's two blocks (and their routing rows) were reused
     assert not np.array_equal(cold_a.routing[:32], on_b["LONG"].routing[:32])  # A's rows are not B's
-    settle(engine, engine.update_weights_from_disk(str(ckpts["B"]), flush_cache=flush_cache))
+    settle(engine, engine.lifecycle.update_weights_from_disk(str(ckpts["B"]), flush_cache=flush_cache))
     # Whether or not the cache was flushed, A's blocks cannot match: the weights epoch is in the key.
     cold_b = generate(engine, LONG)
     assert cold_b.num_cached == 0
@@ -159,7 +159,7 @@ def test_requests_before_an_update_finish_on_a_or_abort_and_later_ones_get_b(ckp
     engine.start()
     try:
         first = submit(engine, P, max_tokens=100, ignore_eos=True)
-        update = engine.update_weights_from_disk(str(ckpts["B"]), abort_all_requests=abort)
+        update = engine.lifecycle.update_weights_from_disk(str(ckpts["B"]), abort_all_requests=abort)
         later = submit(engine, P, max_tokens=10, ignore_eos=True)
         update.result(60)
         assert first.done.wait(60) and later.done.wait(60)
@@ -182,7 +182,7 @@ def test_refused_checkpoints_name_the_problem_and_keep_the_old_weights(ckpts):
         "missing": "is not a directory",
     }
     for name, expected in cases.items():
-        future = engine.update_weights_from_disk(str(ckpts.get(name, ckpts["A"] / "missing")))
+        future = engine.lifecycle.update_weights_from_disk(str(ckpts.get(name, ckpts["A"] / "missing")))
         with pytest.raises(WeightUpdateError, match=expected.replace(".", r"\.")) as info:
             settle(engine, future)
         if name == "bad":
@@ -207,14 +207,15 @@ def trainer(checkpoint, port) -> subprocess.Popen:
 def test_distributed_update_over_gloo_equals_the_disk_update(ckpts, on_b):
     engine = engine_on(ckpts["A"])
     disk = engine_on(ckpts["A"])
-    settle(disk, disk.update_weights_from_disk(str(ckpts["B"])))
+    settle(disk, disk.lifecycle.update_weights_from_disk(str(ckpts["B"])))
     engine.start()
     try:
         port = free_port()
         proc = trainer(ckpts["B"], port)
-        engine.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo").result(60)
+        engine.lifecycle.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo").result(60)
         tensors = checkpoint_tensors(ckpts["B"])  # the Hub's per-expert names, as a trainer exports them
-        result = engine.update_weights_from_distributed(**announce(tensors), weight_version="step-1").result(60)
+        update = engine.lifecycle.update_weights_from_distributed(**announce(tensors), weight_version="step-1")
+        result = update.result(60)
         assert proc.wait(60) == 0 and result["num_bytes"] > 0
         assert engine.weight_version == "step-1"
         assert_same_weights(engine.model, params_of(disk.model))
@@ -225,8 +226,9 @@ def test_distributed_update_over_gloo_equals_the_disk_update(ckpts, on_b):
         wrong = "model.layers.1.mlp.experts.3.up_proj.weight"
         port = free_port()
         proc = trainer(ckpts["A"], port)
-        engine.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo").result(60)
-        refused = engine.update_weights_from_distributed(**announce(checkpoint_tensors(ckpts["A"]), wrong))
+        engine.lifecycle.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo").result(60)
+        refused = engine.lifecycle.update_weights_from_distributed(**announce(checkpoint_tensors(ckpts["A"]),
+                                                                              wrong))
         with pytest.raises(WeightUpdateError, match=wrong.replace(".", r"\.")):
             refused.result(60)
         assert proc.wait(60) == 0
@@ -240,9 +242,9 @@ def test_nccl_group_is_refused_on_cpu_and_unknown_groups_are_named(ckpts):
     engine = engine_on(ckpts["A"])
     if DEVICE == "cpu":
         with pytest.raises(WeightUpdateError, match="gloo"):
-            engine.init_weights_update_group("127.0.0.1", free_port(), 1, 2, backend="nccl").result(10)
+            engine.lifecycle.init_weights_update_group("127.0.0.1", free_port(), 1, 2, backend="nccl").result(10)
     with pytest.raises(WeightUpdateError, match="no weight update group 'g'"):
-        engine.update_weights_from_distributed(["x"], ["float32"], [[1]], group_name="g").result(10)
+        engine.lifecycle.update_weights_from_distributed(["x"], ["float32"], [[1]], group_name="g").result(10)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -311,7 +313,7 @@ def test_pause_and_continue_end_every_request(ckpts, mode):
     try:
         running = [submit(engine, p, max_tokens=100, ignore_eos=True) for p in prompts]
         wait_for_steps(engine, 3)
-        engine.pause_generation(mode).result(30)
+        engine.lifecycle.pause_generation(mode).result(30)
         late = submit(engine, P, max_tokens=100, ignore_eos=True)  # submitted while paused: waits
         steps = engine.num_steps
         time.sleep(0.3)
@@ -320,7 +322,7 @@ def test_pause_and_continue_end_every_request(ckpts, mode):
             assert all(c.done.is_set() and c.finish_reason == "abort" for c in running)
         else:
             assert not any(c.done.is_set() for c in running)
-        engine.continue_generation().result(30)
+        engine.lifecycle.continue_generation().result(30)
         for c in running + [late]:
             assert c.done.wait(60)
     finally:
@@ -336,10 +338,10 @@ def test_update_while_paused_in_place_runs_at_once_and_the_request_continues(ckp
     try:
         c = submit(engine, P, max_tokens=100, ignore_eos=True)
         wait_for_steps(engine, 3)
-        engine.pause_generation("in_place").result(30)
-        engine.update_weights_from_disk(str(ckpts["B"])).result(30)  # does not wait for the paused request
+        engine.lifecycle.pause_generation("in_place").result(30)
+        engine.lifecycle.update_weights_from_disk(str(ckpts["B"])).result(30)  # no waiting for the paused one
         assert not c.done.is_set()
-        engine.continue_generation().result(30)
+        engine.lifecycle.continue_generation().result(30)
         assert c.done.wait(60) and c.finish_reason == "length" and len(c.tokens) == 100
         assert "B" in c.weight_versions  # its last tokens came from B
     finally:
@@ -354,13 +356,14 @@ def test_release_and_resume_memory_keep_every_request(ckpts):
     try:
         running = [submit(engine, p, max_tokens=100, ignore_eos=True) for p in prompts]
         wait_for_steps(engine, 3)
-        result = engine.release_memory_occupation().result(30)
+        result = engine.lifecycle.release_memory_occupation().result(30)
         assert "KV cache" in result["message"] and engine.runner.kv is None
-        assert engine.release_memory_occupation(["kv_cache"]).result(30)["message"].startswith("released nothing")
+        again = engine.lifecycle.release_memory_occupation(["kv_cache"]).result(30)
+        assert again["message"].startswith("released nothing")
         late = submit(engine, P, max_tokens=100, ignore_eos=True)
         time.sleep(0.3)
         assert not late.done.is_set() and not any(c.done.is_set() for c in running)
-        engine.resume_memory_occupation().result(30)
+        engine.lifecycle.resume_memory_occupation().result(30)
         assert engine.runner.kv is not None
         for c in running + [late]:
             assert c.done.wait(60) and c.finish_reason == "length"
@@ -368,19 +371,19 @@ def test_release_and_resume_memory_keep_every_request(ckpts):
         engine.shutdown()
     assert [c.tokens for c in running + [late]] == expected
     with pytest.raises(Exception, match="unknown memory tags"):
-        engine.release_memory_occupation(["gpu"]).result(1)
+        engine.lifecycle.release_memory_occupation(["gpu"]).result(1)
 
 
 def test_shutdown_fails_pending_controls_and_later_ones(ckpts):
     engine = engine_on(ckpts["A"])
     engine.start()
     c = submit(engine, P, max_tokens=200, ignore_eos=True)
-    update = engine.update_weights_from_disk(str(ckpts["B"]))  # waits for c to finish first
+    update = engine.lifecycle.update_weights_from_disk(str(ckpts["B"]))  # waits for c to finish first
     wait_for_steps(engine, 2)
     engine.shutdown()
     with pytest.raises(EngineStoppedError):
         update.result(10)
     assert c.done.is_set() and c.finish_reason == "error"
     with pytest.raises(EngineStoppedError):
-        engine.flush_cache().result(1)
+        engine.lifecycle.flush_cache().result(1)
     assert engine.weight_version == "A"
