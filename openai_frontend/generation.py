@@ -59,6 +59,7 @@ class ChoiceDelta:
     stop_reason: int | str | None = None
     routed_experts: bytes | None = None  # base64 .npy (ASCII bytes); only on the last delta
     first: bool = False
+    weight_version: str | None = None  # the weights that produced the choice; only on the last delta
 
     @property
     def last(self) -> bool:
@@ -76,6 +77,7 @@ class ChoiceResult:
     finish_reason: str
     stop_reason: int | str | None
     routed_experts: bytes | None  # base64 .npy (ASCII bytes)
+    weight_version: str | None = None  # the weights of the backend's last response
 
 
 class Hooks:
@@ -123,6 +125,7 @@ class ChoiceRunner:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.routed_experts: bytes | None = None
+        self.weight_version: str | None = None
 
     def result(self) -> ChoiceResult:
         assert self.finish_reason is not None
@@ -134,6 +137,7 @@ class ChoiceRunner:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             routed_experts=self.routed_experts,
+            weight_version=self.weight_version,
         )
 
     async def run(self) -> AsyncIterator[ChoiceDelta]:
@@ -165,6 +169,7 @@ class ChoiceRunner:
             async for out in gen:
                 if acc is not None:
                     acc.add(out.routed_experts)
+                self.weight_version = out.weight_version or self.weight_version
                 n_new = int(out.output_ids.shape[0])
                 now = time.monotonic()
                 if n_new and timed:
@@ -239,6 +244,7 @@ class ChoiceRunner:
             stop_reason=stop_reason,
             routed_experts=self.routed_experts,
             first=first,
+            weight_version=self.weight_version,
         )
         if spec.detokenize:
             self.text_parts.append(delta.text)

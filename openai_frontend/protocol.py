@@ -365,6 +365,7 @@ class CompletionResponseChoice(_Base):
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
+    weight_version: str | None = None  # the weights that produced the choice (on its last chunk when streaming)
 
 
 class CompletionResponse(_Base):
@@ -419,6 +420,7 @@ class ChatCompletionResponseChoice(_Base):
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
+    weight_version: str | None = None  # the weights that produced the choice
 
 
 class ChatCompletionResponse(_Base):
@@ -452,6 +454,7 @@ class ChatCompletionResponseStreamChoice(_Base):
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
+    weight_version: str | None = None  # on the choice's last chunk
 
 
 class ChatCompletionStreamResponse(_Base):
@@ -470,6 +473,7 @@ class GenerateResponseChoice(_Base):
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
+    weight_version: str | None = None  # the weights that produced the choice (on its last chunk when streaming)
 
 
 class GenerateResponse(_Base):

@@ -73,6 +73,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 token_ids=r.token_ids if token_ids_on else None,
                 prompt_token_ids=prompt_ids if token_ids_on else None,
                 routed_experts=payloads.ref(r.routed_experts),
+                weight_version=r.weight_version,
             )
             for r in outcome.results
         ]
@@ -109,6 +110,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 if d.last:
                     fields["stop_reason"] = d.stop_reason
                     fields["routed_experts"] = payloads.ref(d.routed_experts)
+                    fields["weight_version"] = d.weight_version
                 yield chunk(ChatCompletionResponseStreamChoice(
                     index=d.index,
                     delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),

@@ -72,6 +72,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                     token_ids=r.token_ids if token_ids_on else None,
                     prompt_token_ids=prompt.ids if token_ids_on else None,
                     routed_experts=payloads.ref(r.routed_experts),
+                    weight_version=r.weight_version,
                 )
             )
         return json_response(
@@ -111,6 +112,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                         token_ids=d.token_ids if token_ids_on else None,
                         prompt_token_ids=prompt.ids if token_ids_on and d.first else None,
                         routed_experts=payloads.ref(d.routed_experts),
+                        weight_version=d.weight_version,
                     )
                 ],
             )

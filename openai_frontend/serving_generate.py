@@ -65,6 +65,7 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
                         token_ids=r.token_ids,
                         prompt_token_ids=prompt_ids if token_ids_on else None,
                         routed_experts=payloads.ref(r.routed_experts),
+                        weight_version=r.weight_version,
                     )
                     for r in outcome.results
                 ],
@@ -90,6 +91,7 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
                         token_ids=d.token_ids,
                         prompt_token_ids=prompt_ids if token_ids_on and d.first else None,
                         routed_experts=payloads.ref(d.routed_experts),
+                        weight_version=d.weight_version,
                     )
                 ],
             )
