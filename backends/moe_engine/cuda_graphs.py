@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from .attention import ForwardBatch
+from .experts import StepRouting
 from .kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def _round_up(sizes: list[int], n: int) -> int:
 
 
 class DecodeGraphs:
-    """Captured decode forwards, keyed by (batch bucket, kv-length bucket, capture on/off)."""
+    """Captured decode forwards, keyed by (batch bucket, kv-length bucket, capture on/off, weights on/off)."""
 
     # Staging rows: token id, position, slot, sequence length.
     _IDS, _POS, _SLOT, _LEN = range(4)
@@ -71,12 +72,14 @@ class DecodeGraphs:
         max_batch: int,
         max_model_len: int,
         capture_buf: torch.Tensor | None,
+        weights_buf: torch.Tensor | None = None,
         use_kernels: bool = False,
     ):
         self.model = model
         self.kv = kv
         self.block_size = bs = kv.block_size
         self.capture_buf = capture_buf  # [>= max_batch, L, K] int32, the engine's step buffer
+        self.weights_buf = weights_buf  # [>= max_batch, L, K] float32: combine weights, when a request asks
         self.batch_sizes = batch_buckets(max_batch)
         self.kv_lens = kv_len_buckets(max_model_len)
         self.max_batch = max_batch
@@ -97,7 +100,7 @@ class DecodeGraphs:
         # Every graph writes its logits into this one buffer (a per-graph output would hold [B, V] float32
         # for each of up to hundreds of graphs: 150 MB each at B=256 and a 150k vocabulary).
         self.logits = torch.empty(max_batch, model.config.vocab_size, dtype=torch.float32, device=device)
-        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=device)  # capture and warm-up run off the default stream
 
@@ -106,7 +109,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(
-        self, token_ids: list[int] | torch.Tensor, positions: list[int], tables: list[list[int]], capture: bool
+        self, token_ids: list[int] | torch.Tensor, positions: list[int], tables: list[list[int]], capture: bool,
+        capture_weights: bool = False,
     ) -> torch.Tensor:
         """One decode step of n sequences at ``positions`` with block ``tables``; returns their logits [n, V]
         float32 (a view of the buffer every graph writes, valid until the next replay). Routing rows land in
@@ -142,14 +146,14 @@ class DecodeGraphs:
                                                          non_blocking=True)
         if on_device:
             self._scalars[self._IDS, :n].copy_(token_ids)
-        key = (B, Lk, capture)
+        key = (B, Lk, capture, capture and capture_weights)
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(*key)
         g.replay()
         return self.logits[:n]
 
-    def _forward(self, B: int, Lk: int, capture: bool) -> None:
+    def _forward(self, B: int, Lk: int, capture: bool, capture_weights: bool) -> None:
         ids, positions, slots, seq_lens = (self._scalars[i, :B] for i in range(4))
         nb = -(-Lk // self.block_size)
         batch = ForwardBatch(
@@ -167,24 +171,26 @@ class DecodeGraphs:
             block_size=self.block_size,
             use_kernels=self.use_kernels,
         )
-        buf = self.capture_buf if capture else None
-        hidden = self.model(ids, batch, self.kv, buf)  # [B, H]
+        routing = StepRouting(ids=self.capture_buf if capture else None,
+                              weights=self.weights_buf if capture_weights else None)
+        hidden = self.model(ids, batch, self.kv, routing=routing)  # [B, H]
         self.model.compute_logits(hidden, out=self.logits[:B])  # [B, V] float32
 
-    def _capture(self, B: int, Lk: int, capture: bool) -> torch.cuda.CUDAGraph:
+    def _capture(self, B: int, Lk: int, capture: bool, capture_weights: bool) -> torch.cuda.CUDAGraph:
         t0 = time.monotonic()
         current = torch.cuda.current_stream()
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             # Warm-up run (lazy kernel and workspace initialisation must not happen during capture). It runs
             # the real step's inputs: the KV it writes is what the replay writes again.
-            self._forward(B, Lk, capture)
+            self._forward(B, Lk, capture, capture_weights)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                self._forward(B, Lk, capture)
+                self._forward(B, Lk, capture, capture_weights)
         current.wait_stream(self._stream)
         log.info(
-            "captured a CUDA graph for decode steps of %d sequences, %d keys, routing %s (%.0f ms; %d graphs)",
-            B, Lk, "on" if capture else "off", (time.monotonic() - t0) * 1e3, len(self._graphs) + 1,
+            "captured a CUDA graph for decode steps of %d sequences, %d keys, routing %s%s (%.0f ms; %d graphs)",
+            B, Lk, "on" if capture else "off", " with weights" if capture_weights else "",
+            (time.monotonic() - t0) * 1e3, len(self._graphs) + 1,
         )
         return graph

@@ -16,6 +16,7 @@ while the host hands out this one's tokens and routing rows.
 from __future__ import annotations
 
 import collections
+import hashlib
 import itertools
 import logging
 import threading
@@ -30,12 +31,40 @@ from .errors import EngineOverloadedError, EngineStoppedError, InvalidRequestErr
 from .kv_cache import blocks_for_budget
 from .paged_attention import available as paged_attention_available
 from .runner import LaunchedStep, ModelRunner, kv_cache_budget
-from .sampling import make_state
+from .sampling import SamplingParams, make_state
 from .scheduler import Request, RequestOutput, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "Request", "RequestOutput"]
+
+
+def validate_replay(replay: np.ndarray, num_prompt: int, cfg: MoEConfig) -> None:
+    """A routing replay must be [R, num_hidden_layers, top_k] integer ids, R <= the prompt, each MoE layer's row
+    naming top_k distinct experts (rows of dense layers are ignored)."""
+    L, K, E = cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.num_experts
+
+    def bad(msg: str):
+        raise InvalidRequestError(f"replay_routed_experts: {msg}", param="replay_routed_experts")
+
+    if not isinstance(replay, np.ndarray) or replay.dtype.kind not in "iu":
+        bad("must be an integer array")
+    if replay.ndim != 3 or replay.shape[1:] != (L, K) or replay.shape[0] == 0:
+        bad(f"expected shape [R, {L}, {K}] with 1 <= R <= {num_prompt} (prompt tokens), got {list(replay.shape)}")
+    if replay.shape[0] > num_prompt:
+        bad(f"{replay.shape[0]} rows but the prompt has only {num_prompt} tokens (rows force prompt tokens)")
+    moe = replay[:, list(cfg.moe_layers)].astype(np.int64)  # [R, moe layers, K]
+    if moe.size and (moe.min() < 0 or moe.max() >= E):
+        where = np.argwhere((moe < 0) | (moe >= E))[0]
+        bad(f"expert id {int(moe[tuple(where)])} at row {where[0]}, layer {cfg.moe_layers[where[1]]} is outside "
+            f"[0, {E})")
+    if K > 1 and moe.size:
+        srt = np.sort(moe, axis=-1)
+        dup = np.argwhere((srt[..., 1:] == srt[..., :-1]).any(-1))
+        if len(dup):
+            r, layer = dup[0]
+            bad(f"row {r}, layer {cfg.moe_layers[layer]} repeats an expert id ({moe[r, layer].tolist()}): a token's "
+                f"{K} experts must be distinct")
 
 
 class Engine:
@@ -163,6 +192,13 @@ class Engine:
                 f"routed_experts_prompt_start: must be in [0, {n}) for a {n}-token prompt, got {ps}",
                 param="routed_experts_prompt_start",
             )
+        if req.replay_routed_experts is not None:
+            validate_replay(req.replay_routed_experts, n, self.cfg)
+        lp = req.prompt_logprobs
+        if lp is not None and not 0 <= lp <= SamplingParams.MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"prompt_logprobs: must be in [0, {SamplingParams.MAX_LOGPROBS}], got {lp}", param="prompt_logprobs"
+            )
 
     def add_request(self, req: Request) -> None:
         self.validate(req)
@@ -182,6 +218,11 @@ class Engine:
                 tokens=list(req.prompt_token_ids),
                 num_prompt=len(req.prompt_token_ids),
             )
+            if req.replay_routed_experts is not None:
+                # Blocks computed under forced routing are shared only with the same replay, never with requests
+                # routed by the router's own choice (and never the other way round).
+                req.replay_routed_experts = np.ascontiguousarray(req.replay_routed_experts, dtype=np.int64)
+                seq.table.cache_key = ("replay", hashlib.sha1(req.replay_routed_experts.tobytes()).hexdigest())
             self._inbox.append(("add", seq))
             self._cv.notify_all()
 
@@ -256,7 +297,8 @@ class Engine:
         return True
 
     def _wants_routing(self, plan) -> bool:
-        return self.keep_rows or any(s.req.return_routed_experts for s, _ in plan.items)
+        return self.keep_rows or any(s.req.return_routed_experts or s.req.return_routed_weights
+                                     for s, _ in plan.items)
 
     def _launch_following(self, prev: LaunchedStep) -> LaunchedStep | None:
         """The decode step after ``prev``, fed by its samples on the device (overlapped decode), or None."""
@@ -269,15 +311,14 @@ class Engine:
         """Leave a launched step in flight when the next one can follow it on the device, else finish it now."""
         self.num_steps += 1
         if self.runner.overlap and self.scheduler.can_follow(launched.plan, launched.logprobs is not None) and (
-            len(launched.samplers) == len(launched.plan.items)
+            len(launched.plan.samplers) == len(launched.plan.items)
         ):
             self._inflight = launched
         else:
             self._complete(launched)
 
     def _complete(self, step: LaunchedStep) -> None:
-        tokens, routing = self.runner.results(step)
-        self.scheduler.process(step.plan, step.samplers, tokens, routing, step.logprobs, self._emit)
+        self.scheduler.process(self.runner.results(step), self._emit)
 
     def _drain_inbox(self) -> None:
         with self._cv:

@@ -7,7 +7,10 @@ Where routed experts flow (data-path order):
    the MoE block passes it on with the router's ids (routing.py).
 3. Here, each experts module writes exactly the ids it then uses into that slice: on the fused path inside
    ``kernels.route`` (the kernel that groups (token, slot) pairs by expert, so capture adds no launch), otherwise
-   by one ``copy_`` before the experts run. Dense layers get no slice and their rows stay 0.
+   by one ``copy_`` before the experts run; and, when a request asked for them, the combine weights it multiplies
+   the expert outputs by (float32, a second buffer). Dense layers get no slice and their rows stay 0. Forced
+   routing (replay) reaches the router through the same per-layer ``LayerRouting``: the ids captured for a forced
+   token are the forced ids, because those are the ids the forward used.
 4. ``runner.py`` copies the step's first T rows to the host with its sampled tokens (one transfer), and
    ``scheduler.py`` slices them per request (rows of prefix-cache hits come from the block manager).
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +40,39 @@ from torch import Tensor, nn
 
 from . import fused_moe, kernels
 from .config import ExpertsSpec
+from .routing import Forced
+
+@dataclass(frozen=True)
+class LayerRouting:
+    """One MoE layer's routing I/O in a step: where to write the ids (``ids`` [T, K] int32) and combine weights
+    (``weights`` [T, K] float32) it uses, and the tokens whose experts are given (``forced``)."""
+
+    ids: Tensor | None = None
+    weights: Tensor | None = None
+    forced: Forced | None = None
+
+
+NO_ROUTING = LayerRouting()
+
+
+@dataclass(frozen=True)
+class StepRouting:
+    """A step's routing I/O for every layer: capture buffers [>=T, num_hidden_layers, K] (views of the runner's
+    step buffer; ``weights`` holds float32) and forced routing (``forced_mask`` [T] bool, ``forced_ids``
+    [T, num_hidden_layers, K] long)."""
+
+    ids: Tensor | None = None
+    weights: Tensor | None = None
+    forced_mask: Tensor | None = None
+    forced_ids: Tensor | None = None
+
+    def layer(self, i: int, T: int) -> LayerRouting:
+        return LayerRouting(
+            ids=self.ids[:T, i] if self.ids is not None else None,
+            weights=self.weights[:T, i] if self.weights is not None else None,
+            forced=Forced(self.forced_mask, self.forced_ids[:, i]) if self.forced_mask is not None else None,
+        )
+
 
 # A step with at most this many (token, slot) pairs (a small decode batch) gathers each token's expert weights
 # and runs one batched matmul, with no host sync (unfused CUDA path only).
@@ -143,6 +180,12 @@ def _capture(capture: Tensor | None, ids: Tensor) -> None:
         capture.copy_(ids)
 
 
+def _capture_weights(capture: Tensor | None, weights: Tensor) -> None:
+    """The combine weights exactly as the experts multiply their outputs by them, as float32."""
+    if capture is not None:
+        capture.copy_(weights)
+
+
 # ----------------------------------------------------------------------------- SwiGLU experts
 
 
@@ -172,10 +215,15 @@ class Experts(nn.Module):
             return f"torch's grouped GEMM syncs with the host for {dtype} on this GPU (use bfloat16)"
         return None
 
-    def forward(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None,
+        weights_capture: Tensor | None = None,
+    ) -> Tensor:
         """x [T, H], ids [T, K], weights [T, K] -> sum_k weights[t, k] * expert_{ids[t, k]}(x[t])  [T, H].
         capture [T, K] int32 (a view of the step's routing buffer): receives exactly ``ids``, before the experts
-        run (on the fused path, by the kernel that reads them to group the pairs)."""
+        run (on the fused path, by the kernel that reads them to group the pairs); weights_capture [T, K] float32
+        receives ``weights``."""
+        _capture_weights(weights_capture, weights)
         T, K = ids.shape
         # Fused, the grouped path is faster than gathering weights even for one token (H200, C=1 decode step:
         # 0.41 vs 0.46 ms), and its route kernel does the capture copy.
@@ -281,9 +329,13 @@ class GptOssExperts(nn.Module):
     def graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         return "GPT-OSS experts group tokens by expert on the host"
 
-    def forward(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None) -> Tensor:
-        """As ``Experts.forward``; capture [T, K] receives exactly ``ids``."""
+    def forward(
+        self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None,
+        weights_capture: Tensor | None = None,
+    ) -> Tensor:
+        """As ``Experts.forward``; capture [T, K] receives exactly ``ids``, weights_capture ``weights``."""
         _capture(capture, ids)
+        _capture_weights(weights_capture, weights)
         T, K = ids.shape
         if T == 0:
             return torch.zeros_like(x)

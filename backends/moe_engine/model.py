@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from . import kernels
 from .attention import ForwardBatch, LayerKV, attend, attend_cached, cached_kv, store_kv
 from .config import AttentionSpec, ExpertsSpec, MoEConfig, RopeSpec, RouterSpec
-from .experts import TRITON_GEMM_MAX_PAIRS, Experts, GptOssExperts
+from .experts import NO_ROUTING, TRITON_GEMM_MAX_PAIRS, Experts, GptOssExperts, LayerRouting, StepRouting
 from .kv_cache import KVCache, KVSpec
 from .rope import RotaryEmbedding, apply_rotary, deepseek_softmax_scale
 from .routing import make_router
@@ -211,10 +211,10 @@ class MoEBlock(nn.Module):
         self.shared_expert = MLP(hidden_size, width) if width else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if experts.shared_gate else None
 
-    def forward(self, x: Tensor, capture: Tensor | None = None) -> Tensor:
-        ids, weights = self.gate(x)  # [T, K] int64, [T, K]
-        # capture: [T, K] int32 view of the step buffer; the experts write exactly the ids they use into it
-        out = self.experts(x, ids, weights, capture)
+    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING) -> Tensor:
+        ids, weights = self.gate(x, routing.forced)  # [T, K] int64, [T, K]
+        # the experts write exactly the ids (and weights) they use into the step's capture buffers
+        out = self.experts(x, ids, weights, routing.ids, routing.weights)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -234,9 +234,9 @@ class DeepseekMoE(nn.Module):
         width = experts.shared_intermediate_size
         self.shared_experts = MLP(hidden_size, width, bias=experts.shared_bias) if width else None
 
-    def forward(self, x: Tensor, capture: Tensor | None = None) -> Tensor:
-        ids, weights = self.gate(x)  # [T, K] int64 (unsorted slots, as HF's topk(sorted=False)), [T, K] fp32
-        out = self.experts(x, ids, weights, capture)
+    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING) -> Tensor:
+        ids, weights = self.gate(x, routing.forced)  # [T, K] int64 (unsorted, as HF's topk(sorted=False)), fp32
+        out = self.experts(x, ids, weights, routing.ids, routing.weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -250,9 +250,9 @@ class GptOssMoE(nn.Module):
         self.router = make_router(router, hidden_size)
         self.experts = GptOssExperts(experts, hidden_size)
 
-    def forward(self, x: Tensor, capture: Tensor | None = None) -> Tensor:
-        ids, weights = self.router(x)  # [T, K] sorted descending, [T, K] model dtype
-        return self.experts(x, ids, weights, capture)
+    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING) -> Tensor:
+        ids, weights = self.router(x, routing.forced)  # [T, K] sorted descending, [T, K] model dtype
+        return self.experts(x, ids, weights, routing.ids, routing.weights)
 
 
 MOE_BLOCKS: dict[str, type[nn.Module]] = {"default": MoEBlock, "deepseek": DeepseekMoE, "gpt_oss": GptOssMoE}
@@ -280,13 +280,13 @@ class DecoderLayer(nn.Module):
         sin: Tensor,
         batch: ForwardBatch,
         cache: LayerKV,
-        capture: Tensor | None,
+        routing: LayerRouting,
     ) -> tuple[Tensor, Tensor]:  # (residual stream, this layer's MLP output to add to it)
         # x + delta and x + attention are each added right before the norm that reads them (same values as
         # HF's adds at the end of a layer; the fused norm does the add in its first kernel).
         x, normed = self.input_layernorm.add_forward(x, delta)
         h, normed = self.post_attention_layernorm.add_forward(x, self.self_attn(normed, cos, sin, batch, cache))
-        return h, (self.mlp(normed, capture) if self.is_moe else self.mlp(normed))
+        return h, (self.mlp(normed, routing) if self.is_moe else self.mlp(normed))
 
 
 class MoEModel(nn.Module):
@@ -366,15 +366,18 @@ class MoEForCausalLM(nn.Module):
         input_ids: Tensor,  # [T] long, tokens of all sequences flattened
         batch: ForwardBatch,  # attention layout for this step
         kv: KVCache | list[LayerKV],  # kv[layer] -> LayerKV
-        capture: Tensor | None = None,  # [>=T, num_hidden_layers, K] int32 step buffer
+        capture: Tensor | None = None,  # [>=T, num_hidden_layers, K] int32 step buffer (routing.ids)
+        routing: StepRouting | None = None,  # capture buffers and forced routing (experts.py)
     ) -> Tensor:  # [T, H] final hidden states (after the final norm)
         T = input_ids.shape[0]
+        if routing is None:
+            routing = StepRouting(ids=capture)
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.model.rotary_emb(batch.positions, x.dtype)  # [T, R] each (complex style: [T, R/2], None)
         delta = None
         for i, layer in enumerate(self.model.layers):
-            layer_capture = capture[:T, i] if capture is not None and layer.is_moe else None  # [T, K]
-            x, delta = layer(x, delta, cos, sin, batch, kv[i], layer_capture)
+            layer_routing = routing.layer(i, T) if layer.is_moe else NO_ROUTING
+            x, delta = layer(x, delta, cos, sin, batch, kv[i], layer_routing)
         return self.model.norm.add_forward(x, delta)[1]
 
     def compute_logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:

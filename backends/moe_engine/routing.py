@@ -33,15 +33,35 @@ from torch import nn
 from .config import RouterSpec
 
 
+class Forced:
+    """Routing replay for one MoE layer of a step: tokens whose experts are given instead of chosen.
+
+    ``mask`` [T] bool (which tokens are forced), ``ids`` [T, K] long (their experts, in the slot order to use;
+    rows of unforced tokens are ignored). A router applies its own weight formula to the given ids (the
+    architecture's softmax / sigmoid / bias / renormalisation / scaling pipeline, as Megatron's RouterReplay does),
+    so a forced token's weights are exactly what the reference would compute had its top-k chosen those ids."""
+
+    def __init__(self, mask: torch.Tensor, ids: torch.Tensor):
+        self.mask = mask
+        self.ids = ids
+
+    def apply(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.mask[:, None], self.ids, ids)
+
+
 class Router(nn.Module):
-    """Base class: ``forward(x [T, H]) -> (ids [T, K] int64, weights [T, K])``."""
+    """Base class: ``forward(x [T, H], forced: Forced | None) -> (ids [T, K] int64, weights [T, K])``.
+
+    With ``forced``, the chosen ids of forced tokens are replaced before the weights are taken, and the weights of
+    every token are gathered from the router's scores at its ids: for unforced tokens that is exactly the top-k's
+    own values, so a step mixing forced and unforced tokens computes the unforced ones bit for bit as without."""
 
     def __init__(self, spec: RouterSpec, hidden_size: int):
         super().__init__()
         self.num_experts = spec.num_experts
         self.top_k = spec.top_k
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
 
@@ -58,10 +78,13 @@ class SoftmaxTopKRouter(Router):
         self.weights_fp32 = spec.weights_fp32
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size), requires_grad=False)  # [E, H]
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)  # [T, E] in the model dtype (bf16 logits for a bf16 model)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E] float32
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K], sorted descending
+        if forced is not None:
+            ids = forced.apply(ids)
+            weights = probs.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.weights_fp32:
@@ -89,14 +112,17 @@ class DeepseekV2Router(Router):
         self.routed_scaling_factor = spec.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())  # [T, E] float32
-        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        scores = all_scores = logits.softmax(dim=-1, dtype=torch.float32)
         if self.topk_method == "group_limited_greedy":
             E, G = self.num_experts, self.n_group
             group_scores = scores.view(-1, G, E // G).max(dim=-1).values  # [T, G]
             scores = scores.masked_fill(~_group_mask(group_scores, self.topk_group, E // G), 0.0)
         weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        if forced is not None:  # the group mask only chooses; a forced expert's weight is its own score
+            ids = forced.apply(ids)
+            weights = all_scores.gather(1, ids)
         return ids, weights * self.routed_scaling_factor
 
 
@@ -113,7 +139,7 @@ class DeepseekV3Router(Router):
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         E, G = self.num_experts, self.n_group
         logits = F.linear(x.float(), self.weight.float())  # [T, E] float32
         scores = logits.sigmoid()
@@ -121,6 +147,8 @@ class DeepseekV3Router(Router):
         group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
         choice = choice.masked_fill(~_group_mask(group_scores, self.topk_group, E // G), float("-inf"))
         ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, K]
+        if forced is not None:
+            ids = forced.apply(ids)
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -136,9 +164,12 @@ class GptOssRouter(Router):
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(spec.num_experts), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight, self.bias)  # [T, E]
         top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, K], sorted descending
+        if forced is not None:
+            ids = forced.apply(ids)
+            top = logits.gather(1, ids)
         return ids, torch.softmax(top, dim=1, dtype=top.dtype)
 
 

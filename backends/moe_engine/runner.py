@@ -22,11 +22,13 @@ from .attention import ForwardBatch
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache, KVSpec, bytes_per_block
 from .sampling import Sampler
-from .scheduler import StepPlan
+from .experts import StepRouting
+from .scheduler import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
-CPU_KV_BUDGET = 2 << 30  # CPU default: 2 GiB, or less when max_num_seqs full-length sequences need less
+CPU_KV_BUDGET = 2 << 30
+PROMPT_LOGPROB_ROWS = 512  # prompt scoring: logits rows materialised at once ([512, vocab] float32)  # CPU default: 2 GiB, or less when max_num_seqs full-length sequences need less
 
 
 @dataclass
@@ -39,6 +41,8 @@ class Transfer:
     event: torch.cuda.Event | None = None
     tokens: list[int] | None = None  # CPU: the results themselves
     routing: np.ndarray | None = None
+    weights: np.ndarray | None = None
+    weight_rows: int = 0  # combine-weight rows fetched (0: none)
 
 
 @dataclass
@@ -50,6 +54,7 @@ class LaunchedStep:
     tokens: torch.Tensor | None  # [N] sampled tokens on the device (input of an overlapped next step)
     logprobs: tuple | None  # (chosen [N], top ids [N, n], top values [N, n]) on the host, when asked
     transfer: Transfer
+    prompt_logprobs: dict | None = None  # prompt scoring of this step (StepResult.prompt_logprobs)
 
 
 def kv_cache_budget(
@@ -137,17 +142,21 @@ class ModelRunner:
         self.step_tokens = S = step_tokens
         L, K = self.routing_shape = cfg.num_hidden_layers, cfg.num_experts_per_tok
         # The step's outputs in one int32 buffer: [S] sampled tokens, then the capture buffer [S, L, K] that each
-        # MoE layer writes. Preallocated (a decode step allocates nothing; graphs capture its address). Dense
-        # layers' columns are never written and stay 0. On CUDA a step's tokens and first T routing rows are one
-        # contiguous prefix, fetched with a single copy into pinned memory.
+        # MoE layer writes, then the combine weights [S, L, K] (float32 bits) written when a request asks for them.
+        # Preallocated (a decode step allocates nothing; graphs capture its address). Dense layers' columns are
+        # never written and stay 0. On CUDA a step's tokens and first T routing rows are one contiguous prefix,
+        # fetched with a single copy into pinned memory (the weights' first T rows are a second copy).
         capture_numel = S * L * K if capture_routing else 0
-        self.step_out = torch.zeros(S + capture_numel, dtype=torch.int32, device=self.device)
-        self.capture_buf = self.step_out[S:].view(S, L, K) if capture_routing else None
+        self.step_out = torch.zeros(S + 2 * capture_numel, dtype=torch.int32, device=self.device)
+        self.capture_buf = self.step_out[S : S + capture_numel].view(S, L, K) if capture_routing else None
+        self.weights_buf = (
+            self.step_out[S + capture_numel :].view(torch.float32).view(S, L, K) if capture_routing else None
+        )
         cuda = self.device.type == "cuda"
         # Two pinned host copies (an overlapped step's transfer lands while the previous one is read), with
         # numpy views (slicing numpy costs a fraction of slicing torch) and an event each.
         self.step_out_host = (
-            [torch.empty(S + capture_numel, dtype=torch.int32, pin_memory=True) for _ in range(2)] if cuda else None
+            [torch.empty(S + 2 * capture_numel, dtype=torch.int32, pin_memory=True) for _ in range(2)] if cuda else None
         )
         self._host_np = [h.numpy() for h in self.step_out_host] if cuda else None
         self._events = [torch.cuda.Event() for _ in range(2)] if cuda else None
@@ -160,7 +169,7 @@ class ModelRunner:
         self.use_kernels = use_attention_kernels
         self.graphs = (
             DecodeGraphs(model, self.kv, max_batch=max_num_seqs, max_model_len=max_model_len,
-                         capture_buf=self.capture_buf, use_kernels=use_attention_kernels)
+                         capture_buf=self.capture_buf, weights_buf=self.weights_buf, use_kernels=use_attention_kernels)
             if graphs_off is None
             else None
         )
@@ -180,18 +189,29 @@ class ModelRunner:
             for (seq, n), c in zip(items, context):
                 ids.extend(seq.tokens[c : c + n])
         want_routing = want_routing and self.capture_buf is not None
+        want_weights = want_routing and any(s.req.return_routed_weights for s, _ in items)
+        forced = self._forced_routing(plan)
+        scoring = [i for i, ((s, n), c) in enumerate(zip(items, context))
+                   if s.req.prompt_logprobs is not None and c + 1 < s.num_prompt]
         tables = [seq.table.blocks for seq, _ in items]
         graph_logits = None  # [T, V]: a one-token-per-sequence step replayed from a CUDA graph
-        if self.graphs is not None and T == len(items) and self.graphs.supports(T, max(context) + 1):
-            graph_logits = self.graphs.run(ids if input_ids is None else input_ids, context, tables, want_routing)
+        if (self.graphs is not None and T == len(items) and forced is None and not scoring
+                and self.graphs.supports(T, max(context) + 1)):
+            graph_logits = self.graphs.run(ids if input_ids is None else input_ids, context, tables, want_routing,
+                                           want_weights)
         else:
             batch = ForwardBatch.build(tables, context, [n for _, n in items], self.device, self.block_size,
                                        self.null_block)
             batch.use_kernels = self.use_kernels
             if input_ids is None:
                 input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-            capture = self.capture_buf[:T] if want_routing else None
-            hidden = self.model(input_ids, batch, self.kv, capture)  # [T, H]
+            routing = StepRouting(
+                ids=self.capture_buf[:T] if want_routing else None,
+                weights=self.weights_buf[:T] if want_weights else None,
+                forced_mask=forced[0] if forced else None,
+                forced_ids=forced[1] if forced else None,
+            )
+            hidden = self.model(input_ids, batch, self.kv, routing=routing)  # [T, H]
 
         samplers = plan.samplers
         tokens = None
@@ -209,17 +229,84 @@ class ModelRunner:
             lps = self.sampler.logprobs(logits, tokens, batch_s)
             if lps is not None:
                 lp = tuple(t.cpu() if t is not None else None for t in lps)
-        return LaunchedStep(plan, samplers, tokens, lp, self._transfer(tokens, T if want_routing else 0))
+        prompt_lp = self._prompt_logprobs(plan, scoring, hidden) if scoring else None
+        return LaunchedStep(plan, samplers, tokens, lp,
+                            self._transfer(tokens, T if want_routing else 0, T if want_weights else 0), prompt_lp)
 
-    def _transfer(self, tokens: torch.Tensor | None, rows: int) -> Transfer:
+    def _forced_routing(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(mask [T] bool, ids [T, L, K] long) on the device for a step with replayed routing rows, else None."""
+        spans = []
+        offset = 0
+        for (seq, n), c in zip(plan.items, plan.context):
+            replay = seq.req.replay_routed_experts
+            if replay is not None and c < len(replay):
+                spans.append((offset, replay[c : min(c + n, len(replay))]))
+            offset += n
+        if not spans:
+            return None
+        (L, K), T = self.routing_shape, plan.num_tokens
+        mask = np.zeros(T, dtype=bool)
+        ids = np.zeros((T, L, K), dtype=np.int64)
+        for lo, rows in spans:
+            mask[lo : lo + len(rows)] = True
+            ids[lo : lo + len(rows)] = rows
+        return (torch.from_numpy(mask).to(self.device, non_blocking=True),
+                torch.from_numpy(ids).to(self.device, non_blocking=True))
+
+    def _prompt_logprobs(self, plan: StepPlan, scoring: list[int], hidden: torch.Tensor) -> dict:
+        """Prompt scoring: for each scoring sequence's positions p in this step with p + 1 in the prompt, the
+        logprob of prompt token p + 1 (and its rank, and the top N) from the logits at p, in chunks of rows so that
+        a long prefill chunk never holds [T, vocab] float32 logits at once."""
+        rows, targets, owners = [], [], []
+        offset = 0
+        starts = {}
+        for i, ((seq, n), c) in enumerate(zip(plan.items, plan.context)):
+            if i in scoring:
+                end = min(c + n, seq.num_prompt - 1)  # positions c..end-1 score tokens c+1..end
+                starts[i] = len(rows)
+                rows.extend(range(offset, offset + end - c))
+                targets.extend(seq.tokens[c + 1 : end + 1])
+                owners.append((i, end - c))
+            offset += n
+        top_n = max(plan.items[i][0].req.prompt_logprobs for i in scoring)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        targets_t = torch.tensor(targets, dtype=torch.long, device=self.device)
+        chosen, ranks, top_ids, top_vals = [], [], [], []
+        for lo in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            logits = self.model.compute_logits(hidden[rows_t[lo : lo + PROMPT_LOGPROB_ROWS]])  # [m, V] float32
+            tgt = targets_t[lo : lo + PROMPT_LOGPROB_ROWS]
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, tgt[:, None]).squeeze(1)
+            chosen.append(picked - lse)
+            ranks.append((logits > picked[:, None]).sum(-1) + 1)
+            if top_n > 0:
+                v, k = torch.topk(logits, top_n, dim=-1)
+                top_vals.append(v - lse[:, None])
+                top_ids.append(k)
+        chosen_h = torch.cat(chosen).cpu().numpy()
+        ranks_h = torch.cat(ranks).cpu().numpy()
+        ids_h = torch.cat(top_ids).cpu().numpy() if top_n > 0 else None
+        vals_h = torch.cat(top_vals).cpu().numpy() if top_n > 0 else None
+        out = {}
+        for i, m in owners:
+            a = starts[i]
+            out[i] = (chosen_h[a : a + m], ranks_h[a : a + m],
+                      ids_h[a : a + m] if ids_h is not None else None,
+                      vals_h[a : a + m] if vals_h is not None else None)
+        return out
+
+    def _transfer(self, tokens: torch.Tensor | None, rows: int, weight_rows: int) -> Transfer:
         """Queue the step's device->host transfer: sampled tokens [N] and the first ``rows`` routing rows
-        [rows, L, K], one copy into one of two pinned buffers."""
+        [rows, L, K] (one copy into one of two pinned buffers), and ``weight_rows`` rows of combine weights."""
         n = 0 if tokens is None else tokens.shape[0]
         S, (L, K) = self.step_tokens, self.routing_shape
         routing_end = S + rows * L * K
+        w0 = S + S * L * K  # where the weights region starts
         if self.step_out_host is None:  # CPU: done already; copy out before the next step reuses the buffer
             routing = self.step_out[S:routing_end].numpy().reshape(rows, L, K).astype(np.uint16) if rows else None
-            return Transfer(n, rows, tokens=tokens.tolist() if n else [], routing=routing)
+            weights = self.weights_buf[:weight_rows].numpy().copy() if weight_rows else None
+            return Transfer(n, rows, tokens=tokens.tolist() if n else [], routing=routing, weights=weights,
+                            weight_rows=weight_rows)
         self._parity ^= 1
         host, event = self.step_out_host[self._parity], self._events[self._parity]
         if n:
@@ -227,16 +314,26 @@ class ModelRunner:
         end = routing_end if rows else n
         if end:
             host[:end].copy_(self.step_out[:end], non_blocking=True)
+        if weight_rows:
+            w1 = w0 + weight_rows * L * K
+            host[w0:w1].copy_(self.step_out[w0:w1], non_blocking=True)
         event.record()
-        return Transfer(n, rows, host=self._host_np[self._parity], event=event)
+        return Transfer(n, rows, host=self._host_np[self._parity], event=event, weight_rows=weight_rows)
 
-    def results(self, step: LaunchedStep) -> tuple[list[int], np.ndarray | None]:
-        """Wait for a step's transfer: (tokens, routing rows [rows, L, K] uint16 or None)."""
+    def results(self, step: LaunchedStep) -> StepResult:
+        """Wait for a step's transfer and hand back what the step produced."""
         tr = step.transfer
+        result = StepResult(step.plan, [], logprobs=step.logprobs, prompt_logprobs=step.prompt_logprobs)
         if tr.host is None:
-            return tr.tokens, tr.routing
+            result.tokens, result.routing, result.weights = tr.tokens, tr.routing, tr.weights
+            return result
         tr.event.synchronize()
         S, (L, K) = self.step_tokens, self.routing_shape
         # One conversion for the step, into a fresh array: requests get views of it (no per-request copy).
-        routing = tr.host[S : S + tr.rows * L * K].reshape(tr.rows, L, K).astype(np.uint16) if tr.rows else None
-        return tr.host[: tr.n].tolist(), routing
+        if tr.rows:
+            result.routing = tr.host[S : S + tr.rows * L * K].reshape(tr.rows, L, K).astype(np.uint16)
+        if tr.weight_rows:
+            w0 = S + S * L * K
+            result.weights = tr.host[w0 : w0 + tr.weight_rows * L * K].view(np.float32).reshape(tr.weight_rows, L, K).copy()
+        result.tokens = tr.host[: tr.n].tolist()
+        return result

@@ -43,6 +43,14 @@ class RequestOutput:
     top_logprobs: np.ndarray | None = None  # [new tokens, N] float32
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    routed_weights: np.ndarray | None = None  # [rows, L, K] float32, the same rows as routed_experts
+    # Prompt scoring, set once (on the output that completes the prompt): for prompt tokens 1..n-1, the logprob of
+    # each given the tokens before it [n-1] float32, its rank in that distribution [n-1] int64 (1 = the most
+    # likely), and the top N [n-1, N] (ids int64, logprobs float32).
+    prompt_logprobs: np.ndarray | None = None
+    prompt_logprob_ranks: np.ndarray | None = None
+    prompt_top_logprob_ids: np.ndarray | None = None
+    prompt_top_logprobs: np.ndarray | None = None
 
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -56,6 +64,17 @@ class Request:
     return_routed_experts: bool = True
     routed_experts_prompt_start: int = 0
     on_output: OutputCallback | None = None
+    # Routing replay: [R, num_hidden_layers, top_k] integer ids; row i forces the experts of the token at position i
+    # (R <= prompt tokens; rows of dense layers ignored). Normalised to int64 by Engine.add_request.
+    replay_routed_experts: np.ndarray | None = None
+    return_routed_weights: bool = False  # the combine weights beside the routed experts
+    prompt_logprobs: int | None = None  # None: off; N >= 0: every prompt token's logprob (after the first), top N
+
+    @property
+    def needs_full_prompt(self) -> bool:
+        """Whether every prompt token must be forwarded by this request (no prefix-cache hits): the cache keeps
+        KV and routing ids, not logits or combine weights."""
+        return self.prompt_logprobs is not None or self.return_routed_weights
 
 
 class Status(enum.Enum):
@@ -81,6 +100,8 @@ class Sequence:
     pending_rows: list = field(default_factory=list)
     pending_start: int = 0  # absolute position of pending_rows' first row
     claims: list = field(default_factory=list)  # prompt-block hashes this sequence is computing (n > 1 sharing)
+    prompt_lp: list = field(default_factory=list)  # prompt-logprob chunks of the steps so far (until sent)
+    prompt_lp_sent: bool = False
     arrival: float = field(default_factory=time.monotonic)
 
     def __post_init__(self):
@@ -118,6 +139,20 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
+
+
+@dataclass
+class StepResult:
+    """What a finished step produced, on the host."""
+
+    plan: StepPlan
+    tokens: list[int]  # one per plan.samplers entry
+    routing: np.ndarray | None = None  # [T, L, K] uint16 routed experts of the step's tokens
+    weights: np.ndarray | None = None  # [T, L, K] float32 combine weights (when a request asked)
+    logprobs: tuple | None = None  # (chosen [N], top ids [N, n], top values [N, n]) of the sampled tokens
+    # plan index -> (logprob [m] float32, rank [m] int64, top ids [m, N], top logprobs [m, N]) of the prompt
+    # tokens after this step's positions (prompt scoring)
+    prompt_logprobs: dict | None = None
 
 
 class Scheduler:
@@ -197,6 +232,7 @@ class Scheduler:
         self._release_claims(seq)
         seq.num_computed = 0
         seq.pending_rows, seq.pending_start = [], 0
+        seq.prompt_lp = []
         seq.status = Status.PREEMPTED
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -209,7 +245,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            hits = self.blocks.match_prefix(seq.tokens, seq.table.cache_key)
+            hits = [] if seq.req.needs_full_prompt else self.blocks.match_prefix(seq.tokens, seq.table.cache_key)
             if self._being_computed(seq, len(hits)):
                 i += 1
                 continue
@@ -233,7 +269,7 @@ class Scheduler:
             budget -= n
 
     def _being_computed(self, seq: Sequence, num_hits: int) -> bool:
-        if not self._computing or len(seq.tokens) - 1 < (num_hits + 1) * self.blocks.block_size:
+        if not self._computing or seq.req.needs_full_prompt or len(seq.tokens) - 1 < (num_hits + 1) * self.blocks.block_size:
             return False
         h = list(self.blocks.prefix_hashes(seq.tokens, seq.table.cache_key, num_hits + 1))[-1]
         owner = self._computing.get(h)
@@ -283,28 +319,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
 
-    def process(
-        self,
-        plan: StepPlan,
-        samplers: list[int],
-        new_tokens: list[int],
-        routing: np.ndarray | None,
-        logprobs: tuple | None,
-        emit: Callable[[Sequence, RequestOutput], None],
-    ) -> None:
+    def process(self, step: StepResult, emit: Callable[[Sequence, RequestOutput], None]) -> None:
         """Hand a finished step's results to its sequences: tokens, routing rows, stop conditions, outputs."""
+        plan, routing, weights, logprobs = step.plan, step.routing, step.weights, step.logprobs
         # A step of one token per sequence (decode) hands out one row each: views made in one C-level pass.
         row_views = list(routing[:, None]) if routing is not None and len(routing) == len(plan.items) else None
-        sampled = dict(zip(samplers, range(len(samplers))))
+        sampled = dict(zip(plan.samplers, range(len(plan.samplers))))
         offset = 0
         for i, (seq, n) in enumerate(plan.items):
             c = plan.context[i]
             offset += n
             if seq.status is not Status.RUNNING or seq.num_computed != c:
                 continue  # finished, aborted or preempted while this overlapped step was in flight: dropped
-            step_rows = None
+            step_rows = step_weights = None
             if routing is not None:
                 step_rows = row_views[i] if row_views is not None else routing[offset - n : offset]
+            if weights is not None:
+                step_weights = weights[offset - n : offset]
             seq.num_computed += n
             self._keep_rows(seq, step_rows, c)
             if seq.claims:
@@ -312,16 +343,19 @@ class Scheduler:
             out = RequestOutput(
                 request_id=seq.request_id,
                 new_token_ids=[],
-                routed_experts=self._rows_to_send(seq, step_rows, c, n),
+                routed_experts=None,
                 finished=False,
                 finish_reason=None,
                 num_prompt_tokens=seq.num_prompt,
                 num_output_tokens=seq.num_output,
                 num_cached_tokens=seq.num_cached,
             )
+            self._rows_to_send(seq, out, step_rows, step_weights, c, n)
+            if step.prompt_logprobs is not None and i in step.prompt_logprobs:
+                seq.prompt_lp.append(step.prompt_logprobs[i])
             if i in sampled:
                 j = sampled[i]
-                t = new_tokens[j]
+                t = step.tokens[j]
                 out.new_token_ids.append(t)
                 seq.tokens.append(t)
                 seq.num_output += 1
@@ -332,24 +366,47 @@ class Scheduler:
                     if n_lp > 0:
                         out.top_logprob_ids = logprobs[1][j : j + 1, :n_lp].numpy()
                         out.top_logprobs = logprobs[2][j : j + 1, :n_lp].numpy()
+                if seq.req.prompt_logprobs is not None and not seq.prompt_lp_sent:
+                    self._attach_prompt_logprobs(seq, out)
                 reason = self._stop_reason(seq, t)
                 if reason is not None:
                     self.finish(seq, reason, emit, last=out)
                     continue
             emit(seq, out)
 
-    def _rows_to_send(self, seq: Sequence, step_rows: np.ndarray | None, c: int, n: int) -> np.ndarray | None:
-        """The rows of positions [c, c+n) this request has not been sent yet (none before its prompt start, none
-        twice after a preemption), preceded at its first step by the rows of its prefix-cache hits."""
+    def _rows_to_send(
+        self, seq: Sequence, out: RequestOutput, step_rows: np.ndarray | None, step_weights: np.ndarray | None,
+        c: int, n: int,
+    ) -> None:
+        """The rows (and combine weights) of positions [c, c+n) this request has not been sent yet (none before
+        its prompt start, none twice after a preemption), preceded at its first step by the rows of its prefix-
+        cache hits (a request that asks for weights takes no hits)."""
         if step_rows is None or not seq.req.return_routed_experts:
-            return None
+            return
         first = max(c, seq.rows_sent)
-        out = step_rows[first - c :] if first < c + n else step_rows[:0]
+        rows = step_rows[first - c :] if first < c + n else step_rows[:0]
         if seq.rows_sent < c:  # positions before c were served from the cache: their stored rows go first
             cached = self.blocks.cached_rows(seq.table.blocks[: c // self.blocks.block_size])
-            out = np.concatenate([cached[seq.rows_sent : c], out]) if cached is not None else out
+            rows = np.concatenate([cached[seq.rows_sent : c], rows]) if cached is not None else rows
+        out.routed_experts = rows
+        if seq.req.return_routed_weights and step_weights is not None:
+            out.routed_weights = step_weights[first - c :] if first < c + n else step_weights[:0]
         seq.rows_sent = max(seq.rows_sent, c + n)
-        return out
+
+    def _attach_prompt_logprobs(self, seq: Sequence, out: RequestOutput) -> None:
+        """All prompt logprobs, once, on the output that completes the prompt."""
+        chunks = seq.prompt_lp
+        seq.prompt_lp, seq.prompt_lp_sent = [], True
+        if not chunks:  # a one-token prompt: nothing to score
+            out.prompt_logprobs = np.zeros(0, np.float32)
+            out.prompt_logprob_ranks = np.zeros(0, np.int64)
+            return
+        out.prompt_logprobs = np.concatenate([ch[0] for ch in chunks])
+        out.prompt_logprob_ranks = np.concatenate([ch[1] for ch in chunks])
+        if seq.req.prompt_logprobs:
+            N = seq.req.prompt_logprobs
+            out.prompt_top_logprob_ids = np.concatenate([ch[2][:, :N] for ch in chunks])
+            out.prompt_top_logprobs = np.concatenate([ch[3][:, :N] for ch in chunks])
 
     def _keep_rows(self, seq: Sequence, step_rows: np.ndarray | None, c: int) -> None:
         """Register the blocks this step filled, with their rows when the prefix cache keeps rows."""
