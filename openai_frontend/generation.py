@@ -41,6 +41,7 @@ class PromptScores(NamedTuple):
     logprobs: np.ndarray  # float32 [num_prompt - 1]
     top_ids: np.ndarray | None  # int64 [num_prompt - 1, N] (None when N = 0)
     top_logprobs: np.ndarray | None  # float32 [num_prompt - 1, N]
+    ranks: np.ndarray | None = None  # int64 [num_prompt - 1]: the prompt token's rank (1 = the most likely)
 
 
 @dataclass
@@ -193,7 +194,8 @@ class ChoiceRunner:
                     acc_w.add(out.routed_weights)
                 if out.prompt_logprobs is not None and self.prompt_logprobs is None:
                     self.prompt_logprobs = prompt_scores = PromptScores(
-                        out.prompt_logprobs, out.prompt_top_logprob_ids, out.prompt_top_logprobs)
+                        out.prompt_logprobs, out.prompt_top_logprob_ids, out.prompt_top_logprobs,
+                        out.prompt_logprob_ranks)
                 n_new = int(out.output_ids.shape[0])
                 now = time.monotonic()
                 if n_new and timed:

@@ -86,8 +86,8 @@ def prompt_logprobs(
     """vLLM's ``prompt_logprobs``: None for the first token, then per token ``{token_id: Logprob}`` holding
     the prompt token first and the top ``top_n``.
 
-    ``rank`` is the position in the engine's top list (1 = most likely); a prompt
-    token outside the top ``N`` has rank None (the engine sends no full ranks).
+    ``rank``: 1 = the most likely token (the engine's rank of the prompt token in
+    the whole vocabulary; the top N are 1..N).
     ``decoded_token`` is None when ``tokenizer`` is None (token-ids-only
     requests).  None when the engine sent none for a prompt of several tokens.
     """
@@ -102,7 +102,10 @@ def prompt_logprobs(
 
     for i, tid in enumerate(prompt_ids[1:]):
         value, top = _prompt_position(scores, i, full_top)
-        rank = next((j + 1 for j, (t, _) in enumerate(top) if t == tid), None)
+        if scores.ranks is not None:
+            rank: int | None = int(scores.ranks[i])
+        else:  # without the engine's ranks: the position in its top list, if there
+            rank = next((j + 1 for j, (t, _) in enumerate(top) if t == tid), None)
         d = {tid: entry(tid, value, rank)}
         for j, (t, v) in enumerate(top[:top_n]):
             d.setdefault(t, entry(t, v, j + 1))

@@ -4,7 +4,7 @@ The request field arrives decoded (:func:`.routing_codec.decode_int_array`:
 a 3-D array of any integer dtype).  Here it must be the routing of this
 prompt on this model, exactly as the server returns ``routed_experts``:
 
-- shape ``[R, num_hidden_layers, top_k]`` with ``R <= prompt tokens`` (row i
+- shape ``[R, num_hidden_layers, top_k]`` with ``1 <= R <= prompt tokens`` (row i
   forces the experts of the token at absolute position i; positions past R
   route normally);
 - in every MoE layer, ids in ``0..num_experts-1`` and no id twice in a row.
@@ -32,6 +32,9 @@ def check_replay(arr: np.ndarray, num_prompt: int, model: ModelInfo, param: str)
             f"tokens, num_hidden_layers, top_k), as the server returns routed_experts.",
             param=param,
         )
+    if R == 0:
+        raise BadRequestError(f"`{param}` has no rows; send at least the first prompt token's, or leave it out.",
+                              param=param)
     if R > num_prompt:
         raise BadRequestError(
             f"`{param}` has {R} rows but the prompt has {num_prompt} tokens: row i forces the experts of prompt "
@@ -40,7 +43,7 @@ def check_replay(arr: np.ndarray, num_prompt: int, model: ModelInfo, param: str)
         )
     out = np.zeros((R, L, K), dtype=np.int32)
     moe = list(model.moe_layers)
-    if R == 0 or not moe:
+    if not moe:
         return out
     ids = arr[:, moe]  # [R, M, K] in the client's dtype (no cast before the range check: no wrap-around)
     bad = (ids < 0) | (ids >= E)

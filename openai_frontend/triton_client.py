@@ -159,6 +159,7 @@ _OUTPUTS = (
     "top_logprobs",
     "routed_weights",
     "prompt_logprobs",
+    "prompt_logprob_ranks",
     "prompt_top_logprob_ids",
     "prompt_top_logprobs",
 )
@@ -179,6 +180,7 @@ class BackendOutput:
     routed_weights: np.ndarray | None = None  # float32 [rows, layers, top_k], the rows of routed_experts
     # Sent once (on the response with the first new token): position i = logprob of prompt token i + 1.
     prompt_logprobs: np.ndarray | None = None  # float32 [num_prompt - 1]
+    prompt_logprob_ranks: np.ndarray | None = None  # int64 [num_prompt - 1], 1 = the most likely token
     prompt_top_logprob_ids: np.ndarray | None = None  # int64 [num_prompt - 1, N] (N > 0)
     prompt_top_logprobs: np.ndarray | None = None  # float32 [num_prompt - 1, N]
 
@@ -216,6 +218,9 @@ class BackendOutput:
         if plp is not None:
             out.prompt_logprobs = plp.reshape(-1)
             n = out.prompt_logprobs.shape[0]
+            ranks = result.as_numpy("prompt_logprob_ranks")
+            if ranks is not None:
+                out.prompt_logprob_ranks = ranks.reshape(-1)
             ids = result.as_numpy("prompt_top_logprob_ids")
             vals = result.as_numpy("prompt_top_logprobs")
             if ids is not None and vals is not None and n:

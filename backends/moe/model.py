@@ -183,7 +183,7 @@ class TritonPythonModel:
             logprobs=None if logprobs is None or logprobs < 0 else logprobs,
         )
         want_routing = opt("return_routed_experts", bool, True) and self.routing_enabled
-        want_weights = opt("return_routed_weights", bool, False)
+        want_weights = opt("return_routed_weights", bool, False) and self.routing_enabled
         replay_t = pb_utils.get_input_tensor_by_name(request, "replay_routed_experts")
         engine_id = f"{self.engine.new_request_id()}:{request.request_id()}"
         pending = _Pending(
@@ -199,7 +199,8 @@ class TritonPythonModel:
             request_id=engine_id,
             prompt_token_ids=prompt,
             sampling=sampling,
-            return_routed_experts=want_routing,
+            # The engine hands out weights with the ids: it captures both when either is asked for.
+            return_routed_experts=want_routing or want_weights,
             routed_experts_prompt_start=opt("routed_experts_prompt_start", int, 0),
             replay_routed_experts=replay_t.as_numpy() if replay_t is not None else None,  # the engine checks it
             return_routed_weights=want_weights,
@@ -363,6 +364,8 @@ class TritonPythonModel:
             tensors.append(T("routed_weights", _rows(weight_rows, p, np.float32)))
         if prompt_lp is not None:
             tensors.append(T("prompt_logprobs", np.asarray(prompt_lp.prompt_logprobs, dtype=np.float32).reshape(-1)))
+            if prompt_lp.prompt_logprob_ranks is not None:
+                tensors.append(T("prompt_logprob_ranks", np.asarray(prompt_lp.prompt_logprob_ranks, np.int64)))
             if prompt_lp.prompt_top_logprob_ids is not None:
                 tensors.append(T("prompt_top_logprob_ids", np.asarray(prompt_lp.prompt_top_logprob_ids, np.int64)))
                 tensors.append(T("prompt_top_logprobs", np.asarray(prompt_lp.prompt_top_logprobs, np.float32)))

@@ -171,6 +171,10 @@ def test_routed_weights_align_with_routed_experts(openai_client, moe_server):
     plain = complete(openai_client, moe_server.model, extra={"return_routed_weights": True})["choices"][0]
     e_full, w_full = check_weights(plain["routed_experts"], plain["routed_weights"])
     assert complete(openai_client, moe_server.model)["choices"][0]["routed_weights"] is None  # off by default
+    alone = complete(openai_client, moe_server.model,
+                     extra={"return_routed_weights": True, "return_routed_experts": False})["choices"][0]
+    assert alone["routed_experts"] is None
+    np.testing.assert_allclose(decode(alone["routed_weights"]), w_full, rtol=0, atol=1e-6)
 
     cut = complete(openai_client, moe_server.model,
                    extra={"return_routed_weights": True, "routed_experts_prompt_start": 2})["choices"][0]

@@ -129,11 +129,11 @@ def replay_tensor(arr: np.ndarray):
 @pytest.mark.parametrize(
     "arr, says",
     [
-        (routing(dtype=np.int32)[:, :, :1], f"({P}, {L}, {K})"),  # the expected shape, with this prompt's R bound
-        (with_cell(8, np.int32), "8"),
-        (with_cell(-1, np.int32), "-1"),
-        (repeated().astype(np.int32), "5"),
-        (routing(rows=P + 1, dtype=np.int32), str(P)),
+        (routing(dtype=np.int32)[:, :, :1], f"[R, {L}, {K}] with 1 <= R <= {P}"),  # the expected shape
+        (with_cell(8, np.int32), "expert id 8"),
+        (with_cell(-1, np.int32), "expert id -1"),
+        (repeated().astype(np.int32), "repeats an expert id"),
+        (routing(rows=P + 1, dtype=np.int32), f"{P + 1} rows but the prompt has only {P} tokens"),
     ],
 )
 def test_triton_clients_get_invalid_arg_from_the_engine(moe_server, arr, says):

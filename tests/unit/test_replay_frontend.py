@@ -119,6 +119,7 @@ def test_check_replay_returns_int32_with_dense_layers_zeroed():
         (np.zeros((2, 3, 3), np.uint8), 4, "expected (rows, 3, 2)"),
         (np.zeros((2, 4, 2), np.uint8), 4, "expected (rows, 3, 2)"),
         (np.tile(np.array([0, 1], np.uint8), (5, 3, 1)), 4, "at most 4 rows"),
+        (np.zeros((0, 3, 2), np.uint8), 4, "has no rows"),
         (np.tile(np.array([0, 8], np.uint8), (1, 3, 1)), 4, "expert id 8"),
         (np.tile(np.array([-1, 2], np.int64), (1, 3, 1)), 4, "expert id -1"),
         (np.tile(np.array([2**32 + 1, 2], np.uint64), (1, 3, 1)), 4, f"expert id {2**32 + 1}"),  # no int32 wrap
@@ -199,6 +200,13 @@ def test_prompt_logprobs_with_n0_or_a_token_outside_the_top():
     assert entry[7].rank is None and entry[7].decoded_token is None and entry[3].rank == 1
     assert prompt_logprobs([5], _scores([]), _Tok(), top_n=1) == [None]
     assert prompt_logprobs([5, 6], _scores([-math.inf]), _Tok(), top_n=0)[1][6].logprob == -9999.0
+
+
+def test_prompt_logprobs_use_the_engines_ranks():
+    s = _scores([-7.0, -0.1], [[3], [9]], [[-0.1], [-0.1]])
+    s = s._replace(ranks=np.array([57, 1], np.int64))
+    out = prompt_logprobs([5, 7, 9], s, _Tok(), top_n=1)
+    assert out[1][7].rank == 57 and out[1][3].rank == 1 and out[2][9].rank == 1 and len(out[2]) == 1
 
 
 def test_echo_logprobs_put_the_prompt_first_with_a_null():
