@@ -45,8 +45,8 @@ from .generation import ChoiceDelta, ChoiceGroup, ChoiceResult, ChoiceRunner, Ch
 from .http_utils import run_with_cancellation
 from .metrics import Metrics
 from .prompts import PromptInput, PromptSource
-from .replay import check_replay
 from .protocol import INT64_MAX, INT64_MIN, GenerationRequestFields, StreamOptions, UsageInfo
+from .replay import check_replay
 from .tokenizer import Tokenizer
 from .triton_client import BackendClient, BackendError, BackendRequest, ModelInfo
 
