@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import time
 
 import httpx
@@ -195,15 +196,25 @@ def test_routed_weights_align_with_routed_experts(openai_client, moe_server):
         np.testing.assert_allclose(w, w_full[2:], rtol=0, atol=TOL)
 
 
-def test_routed_weights_on_chat_and_generate(openai_client, moe_server):
-    chat = openai_client.chat.completions.create(
-        model=moe_server.model, messages=[{"role": "user", "content": "Hi there"}], max_tokens=4, temperature=0,
-        extra_body={"return_routed_weights": True}).model_dump()["choices"][0]
-    check_weights(chat["routed_experts"], chat["routed_weights"])
-    gen = post_generate(moe_server, {"token_ids": [1, 17, 42, 99, 7], "return_routed_weights": True,
-                                     "sampling_params": {"max_tokens": 4, "temperature": 0, "ignore_eos": True}})
-    e, _ = check_weights(gen["choices"][0]["routed_experts"], gen["choices"][0]["routed_weights"])
+def test_weights_and_replay_on_chat_and_generate(openai_client, moe_server):
+    chat_kw = {"model": moe_server.model, "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 4,
+               "temperature": 0, "extra_body": {"return_routed_weights": True}}
+    chat = openai_client.chat.completions.create(**chat_kw).model_dump()["choices"][0]
+    _, w = check_weights(chat["routed_experts"], chat["routed_weights"])
+    last = [ch for chunk in openai_client.chat.completions.create(stream=True, **chat_kw)
+            for ch in chunk.model_dump()["choices"] if ch["finish_reason"]]
+    assert len(last) == 1
+    np.testing.assert_allclose(check_weights(last[0]["routed_experts"], last[0]["routed_weights"])[1], w, rtol=0,
+                               atol=TOL)
+
+    body = {"token_ids": [1, 17, 42, 99, 7], "return_routed_weights": True,
+            "sampling_params": {"max_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    gen = post_generate(moe_server, body)["choices"][0]
+    e, _ = check_weights(gen["routed_experts"], gen["routed_weights"])
     assert e.shape[0] == 5 + 4 - 1
+    forced = e[:5, :, ::-1].copy()  # top level, as return_routed_experts
+    again = post_generate(moe_server, {**body, "replay_routed_experts": npy_b64(forced)})["choices"][0]
+    np.testing.assert_array_equal(decode(again["routed_experts"])[:5], forced)
 
 
 def test_forced_ids_get_the_routers_weights_for_those_ids(openai_client, moe_server):
@@ -249,9 +260,14 @@ def test_prompt_logprobs_format_and_agreement_across_endpoints(openai_client, mo
     assert all(len(t) <= 4 and tok in t for tok, t in zip(lp["tokens"][1:], lp["top_logprobs"][1:]))
     assert echo["prompt_logprobs"] is not None  # as vLLM: echo + logprobs N computes prompt logprobs N
 
-    gen = post_generate(moe_server, {"token_ids": prompt_ids, "sampling_params": {
-        "max_tokens": 1, "temperature": 0, "prompt_logprobs": 3}})
-    assert_same_prompt_logprobs(gen["prompt_logprobs"], pl)
+    gen_body = {"token_ids": prompt_ids, "sampling_params": {"max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}}
+    assert_same_prompt_logprobs(post_generate(moe_server, gen_body)["prompt_logprobs"], pl)
+    with httpx.stream("POST", moe_server.root_url + "/inference/v1/generate", json={**gen_body, "stream": True},
+                      headers={"Authorization": f"Bearer {moe_server.api_key}"}, timeout=60) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    sent = [e["prompt_logprobs"] for e in events if e.get("prompt_logprobs") is not None]
+    assert len(sent) == 1  # once, on the chunk of the first token
+    assert_same_prompt_logprobs(sent[0], pl)
 
 
 def test_prompt_logprobs_streaming_n2_and_echo_stream(openai_client, moe_server):
