@@ -154,6 +154,8 @@ class EngineRunner:
         )
         if args.max_num_batched_tokens:
             ecfg.max_num_batched_tokens = args.max_num_batched_tokens
+        if hasattr(ecfg, "enable_prefix_caching"):  # repeated trials reuse prompts: measure the compute, not the cache
+            ecfg.enable_prefix_caching = False
         self.ecfg = ecfg
         self.capture = capture
         self.cfg = cfg
@@ -398,6 +400,11 @@ def parse_args(argv=None):
     return args
 
 
+def expert_width(cfg) -> int:
+    """The expert width of a MoEConfig of any engine revision (nested specs since issue 15, flat before)."""
+    return getattr(getattr(cfg, "experts", None), "intermediate_size", None) or cfg.moe_intermediate_size
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = args.device
@@ -417,7 +424,7 @@ def main(argv=None) -> int:
     path = ensure_checkpoint(args)
     cfg = load_config(path)
     log(f"checkpoint {path}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts "
-        f"top-{cfg.num_experts_per_tok}, expert width {cfg.experts.intermediate_size}, vocab {cfg.vocab_size}; "
+        f"top-{cfg.num_experts_per_tok}, expert width {expert_width(cfg)}, vocab {cfg.vocab_size}; "
         f"{device} {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} torch threads")
 
     runners: dict = {}
@@ -552,10 +559,10 @@ def main(argv=None) -> int:
             "parameters": n_params,
             "num_hidden_layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size,
-            "num_attention_heads": cfg.attention.num_heads,
+            "num_attention_heads": getattr(cfg.attention, "num_heads", None) or cfg.num_attention_heads,
             "num_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.num_experts_per_tok,
-            "moe_intermediate_size": cfg.experts.intermediate_size,
+            "moe_intermediate_size": expert_width(cfg),
             "vocab_size": cfg.vocab_size,
         },
         "workload": {

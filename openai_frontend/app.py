@@ -119,6 +119,8 @@ def model_card(cfg: FrontendConfig, model: ModelInfo, created: int) -> dict[str,
         "top_k": model.num_experts_per_tok,
         "routed_experts_dtype": model.routed_experts_dtype,
         "routed_experts_enabled": cfg.enable_routed_experts,
+        # Cached prompt tokens still get their exact routed-experts rows (stored with the KV blocks).
+        "prefix_caching_enabled": model.enable_prefix_caching,
     }
 
 

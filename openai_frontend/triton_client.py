@@ -52,6 +52,9 @@ class ModelInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     vocab_size: int
+    # Automatic prefix caching in the engine (moe-serve's --enable-prefix-caching, on by default). Not stated in
+    # the metadata (an older moe-serve): reported as off rather than promised.
+    enable_prefix_caching: bool = False
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> ModelInfo:
@@ -70,6 +73,7 @@ class ModelInfo:
             max_model_len=int(meta["max_model_len"]),
             eos_token_ids=tuple(int(i) for i in meta.get("eos_token_ids", ())),
             vocab_size=int(meta["vocab_size"]),
+            enable_prefix_caching=bool(meta.get("enable_prefix_caching", False)),
         )
 
     @classmethod

@@ -32,7 +32,8 @@ from .kv_cache import blocks_for_budget
 from .paged_attention import available as paged_attention_available
 from .runner import LaunchedStep, ModelRunner, kv_cache_budget
 from .sampling import SamplingParams, make_state
-from .scheduler import Request, RequestOutput, Scheduler, Sequence
+from .scheduler import Scheduler
+from .sequence import Request, RequestOutput, Sequence
 
 log = logging.getLogger(__name__)
 

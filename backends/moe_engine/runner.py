@@ -222,13 +222,16 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(hidden[batch.last_token_index[samplers]])  # [N, V] float32
             states = [items[i][0].sampler for i in samplers]
-            # Each draw is keyed by (seed, output index): a recomputed step after a preemption draws the same.
-            draws = [context[i] + items[i][1] - items[i][0].num_prompt for i in samplers]
-            batch_s = self.sampler.prepare(states, draws)
-            tokens = self.sampler.sample(logits, batch_s)  # [N] long, on the device
-            lps = self.sampler.logprobs(logits, tokens, batch_s)
-            if lps is not None:
-                lp = tuple(t.cpu() if t is not None else None for t in lps)
+            if all(st.params.greedy and st.params.logprobs is None for st in states):
+                tokens = torch.argmax(logits, dim=-1)  # greedy: no parameters to stage (H200, 1 row: 35 vs 96 us)
+            else:
+                # Each draw is keyed by (seed, output index): a recomputed step after a preemption draws the same.
+                draws = [context[i] + items[i][1] - items[i][0].num_prompt for i in samplers]
+                batch_s = self.sampler.prepare(states, draws)
+                tokens = self.sampler.sample(logits, batch_s)  # [N] long, on the device
+                lps = self.sampler.logprobs(logits, tokens, batch_s)
+                if lps is not None:
+                    lp = tuple(t.cpu() if t is not None else None for t in lps)
         prompt_lp = self._prompt_logprobs(plan, scoring, hidden) if scoring else None
         return LaunchedStep(plan, samplers, tokens, lp,
                             self._transfer(tokens, T if want_routing else 0, T if want_weights else 0), prompt_lp)

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_engine import sampling
+from moe_engine import sampling, sampling_kernels
 from moe_engine.sampling import SamplingParams, Sampler, compute_logprobs, make_state, sample
 
 DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
-PATHS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(sampling.triton is None, reason="no Triton"))]
+PATHS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(sampling_kernels.triton is None, reason="no Triton"))]
 
 
 def make_sampler(path: str, vocab: int, **kw) -> Sampler:
@@ -151,7 +151,7 @@ def test_a_large_nucleus_is_found_exactly(path):
         s = make_sampler(path, V, candidates=4)
         batch = s.prepare([make_state(p) for p in params], [0] * 4)
         assert batch.candidates == 4
-        lo = sampling.triton_filter_thresholds(x.to(DEVICE), batch.tensors, 4, 16).cpu()
+        lo = sampling_kernels.triton_filter_thresholds(x.to(DEVICE), batch.tensors, 4, 16).cpu()
         for i in range(4):
             assert set(torch.nonzero(x[i] >= lo[i]).flatten().tolist()) == keep[i]
 
@@ -250,7 +250,7 @@ def test_the_engine_api_reproduces_seeded_requests():
     assert make_state(SamplingParams()).seed != make_state(SamplingParams()).seed
 
 
-@pytest.mark.skipif(sampling.triton is None, reason="no Triton")
+@pytest.mark.skipif(sampling_kernels.triton is None, reason="no Triton")
 def test_the_kernels_compile_for_hopper():
     """The interpreter does not type-check as the compiler does: compile every kernel for sm_90 (no GPU
     needed) in a process without TRITON_INTERPRET."""
@@ -258,7 +258,7 @@ def test_the_kernels_compile_for_hopper():
 import sys; sys.path.insert(0, {str(Path(sampling.__file__).parents[1])!r})
 import triton
 from triton.backends.compiler import GPUTarget
-from moe_engine import sampling as S
+from moe_engine import sampling_kernels as S
 P, I, C = "*fp32", "i32", "constexpr"
 x = dict(x_ptr=P, stride=I)
 par = dict(cand_ptr=P, C=I, temp_ptr=P, top_k_ptr="*i32", top_p_ptr=P)
