@@ -50,6 +50,7 @@ from .serving import ServingContext
 from .serving_chat import create_chat_completion
 from .serving_completions import create_completion
 from .serving_generate import create_generate
+from .serving_weights import current_weight_version, rl_router
 from .tokenizer import Tokenizer
 from .triton_client import ModelInfo, TritonClient
 
@@ -101,7 +102,8 @@ class _FrontMiddleware:
                 self.metrics.e2e.labels(endpoint).observe(time.monotonic() - t0)
 
 
-def model_card(cfg: FrontendConfig, model: ModelInfo, created: int) -> dict[str, Any]:
+def model_card(cfg: FrontendConfig, model: ModelInfo, created: int,
+               weight_version: str | None = None) -> dict[str, Any]:
     return {
         "id": cfg.served_model_name,
         "object": "model",
@@ -121,6 +123,7 @@ def model_card(cfg: FrontendConfig, model: ModelInfo, created: int) -> dict[str,
         "routed_experts_enabled": cfg.enable_routed_experts,
         # Cached prompt tokens still get their exact routed-experts rows (stored with the KV blocks).
         "prefix_caching_enabled": model.enable_prefix_caching,
+        "weight_version": weight_version,  # the engine's current weights (serving_weights.py updates them)
     }
 
 
@@ -213,13 +216,16 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [model_card(cfg, ctx.model_info(), ctx.created)]})
+        card = model_card(cfg, ctx.model_info(), ctx.created, await current_weight_version(ctx))
+        return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> JSONResponse:
         if model_id != cfg.served_model_name:
             raise model_not_found(model_id)
-        return JSONResponse(model_card(cfg, ctx.model_info(), ctx.created))
+        return JSONResponse(model_card(cfg, ctx.model_info(), ctx.created, await current_weight_version(ctx)))
+
+    app.include_router(rl_router(ctx))  # RL rollout lifecycle (SGLang's endpoints), behind the API key
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:

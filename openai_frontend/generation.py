@@ -72,6 +72,7 @@ class ChoiceDelta:
     routed_weights: bytes | None = None  # base64 .npy float32, the same rows; only on the last delta
     prompt_logprobs: PromptScores | None = None  # once, on the delta of the response with the first token
     first: bool = False
+    weight_version: str | None = None  # the weights that produced the choice; only on the last delta
 
     @property
     def last(self) -> bool:
@@ -91,6 +92,7 @@ class ChoiceResult:
     routed_experts: bytes | None  # base64 .npy (ASCII bytes)
     routed_weights: bytes | None = None  # base64 .npy float32
     prompt_logprobs: PromptScores | None = None
+    weight_version: str | None = None  # the weights of the backend's last response
 
 
 class Hooks:
@@ -140,6 +142,7 @@ class ChoiceRunner:
         self.routed_experts: bytes | None = None
         self.routed_weights: bytes | None = None
         self.prompt_logprobs: PromptScores | None = None
+        self.weight_version: str | None = None
 
     def result(self) -> ChoiceResult:
         assert self.finish_reason is not None
@@ -153,6 +156,7 @@ class ChoiceRunner:
             routed_experts=self.routed_experts,
             routed_weights=self.routed_weights,
             prompt_logprobs=self.prompt_logprobs,
+            weight_version=self.weight_version,
         )
 
     async def run(self) -> AsyncIterator[ChoiceDelta]:
@@ -196,6 +200,7 @@ class ChoiceRunner:
                     self.prompt_logprobs = prompt_scores = PromptScores(
                         out.prompt_logprobs, out.prompt_top_logprob_ids, out.prompt_top_logprobs,
                         out.prompt_logprob_ranks)
+                self.weight_version = out.weight_version or self.weight_version
                 n_new = int(out.output_ids.shape[0])
                 now = time.monotonic()
                 if n_new and timed:
@@ -279,6 +284,7 @@ class ChoiceRunner:
             routed_weights=self.routed_weights,
             prompt_logprobs=prompt_scores,
             first=first,
+            weight_version=self.weight_version,
         )
         if spec.detokenize:
             self.text_parts.append(delta.text)

@@ -57,6 +57,7 @@ class CompletionResponseChoice(_Base):
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
     routed_weights: str | None = None
+    weight_version: str | None = None  # the weights that produced the choice (on its last chunk when streaming)
 
 
 class CompletionResponse(_Base):
@@ -112,6 +113,7 @@ class ChatCompletionResponseChoice(_Base):
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
     routed_weights: str | None = None
+    weight_version: str | None = None  # the weights that produced the choice
 
 
 class ChatCompletionResponse(_Base):
@@ -146,6 +148,7 @@ class ChatCompletionResponseStreamChoice(_Base):
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
     routed_weights: str | None = None
+    weight_version: str | None = None  # on the choice's last chunk
 
 
 class ChatCompletionStreamResponse(_Base):
@@ -165,6 +168,7 @@ class GenerateResponseChoice(_Base):
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
     routed_weights: str | None = None
+    weight_version: str | None = None  # the weights that produced the choice (on its last chunk when streaming)
 
 
 class GenerateResponse(_Base):

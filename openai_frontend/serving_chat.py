@@ -77,6 +77,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 prompt_token_ids=prompt_ids if token_ids_on else None,
                 routed_experts=payloads.ref(r.routed_experts),
                 routed_weights=payloads.ref(r.routed_weights),
+                weight_version=r.weight_version,
             )
             for r in outcome.results
         ]
@@ -114,6 +115,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                     fields["stop_reason"] = d.stop_reason
                     fields["routed_experts"] = payloads.ref(d.routed_experts)
                     fields["routed_weights"] = payloads.ref(d.routed_weights)
+                    fields["weight_version"] = d.weight_version
                 yield chunk(ChatCompletionResponseStreamChoice(
                     index=d.index,
                     delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),

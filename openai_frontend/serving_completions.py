@@ -89,6 +89,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                     prompt_token_ids=prompt.ids if token_ids_on else None,
                     routed_experts=payloads.ref(r.routed_experts),
                     routed_weights=payloads.ref(r.routed_weights),
+                    weight_version=r.weight_version,
                 )
             )
         return json_response(
@@ -138,6 +139,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                         prompt_token_ids=prompt.ids if token_ids_on and d.first else None,
                         routed_experts=payloads.ref(d.routed_experts),
                         routed_weights=payloads.ref(d.routed_weights),
+                        weight_version=d.weight_version,
                     )
                 ],
             )

@@ -83,6 +83,7 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
                         prompt_token_ids=prompt_ids if token_ids_on else None,
                         routed_experts=payloads.ref(r.routed_experts),
                         routed_weights=payloads.ref(r.routed_weights),
+                        weight_version=r.weight_version,
                     )
                     for r in outcome.results
                 ],
@@ -113,6 +114,7 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
                         prompt_token_ids=prompt_ids if token_ids_on and d.first else None,
                         routed_experts=payloads.ref(d.routed_experts),
                         routed_weights=payloads.ref(d.routed_weights),
+                        weight_version=d.weight_version,
                     )
                 ],
             )

@@ -146,7 +146,7 @@ class BackendRequest:
 
 def _tensor(name: str, arr: np.ndarray) -> grpcclient.InferInput:
     dtype = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
-             np.dtype(np.bool_): "BOOL"}[arr.dtype]
+             np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES"}[arr.dtype]
     t = grpcclient.InferInput(name, list(arr.shape), dtype)
     t.set_data_from_numpy(arr)
     return t
@@ -166,6 +166,7 @@ _OUTPUTS = (
     "prompt_logprob_ranks",
     "prompt_top_logprob_ids",
     "prompt_top_logprobs",
+    "weight_version",
 )
 
 
@@ -187,6 +188,7 @@ class BackendOutput:
     prompt_logprob_ranks: np.ndarray | None = None  # int64 [num_prompt - 1], 1 = the most likely token
     prompt_top_logprob_ids: np.ndarray | None = None  # int64 [num_prompt - 1, N] (N > 0)
     prompt_top_logprobs: np.ndarray | None = None  # float32 [num_prompt - 1, N]
+    weight_version: str | None = None  # the weights that produced this response's tokens
 
     @classmethod
     def from_result(cls, result: grpcclient.InferResult) -> BackendOutput:
@@ -202,6 +204,10 @@ class BackendOutput:
             val = fr.reshape(-1)[0]
             val = val.decode("utf-8", "replace") if isinstance(val, bytes) else str(val)
             out.finish_reason = val or None
+        wv = result.as_numpy("weight_version")
+        if wv is not None and wv.size:
+            val = wv.reshape(-1)[0]
+            out.weight_version = (val.decode("utf-8", "replace") if isinstance(val, bytes) else str(val)) or None
         for name in ("num_prompt_tokens", "num_output_tokens"):
             arr = result.as_numpy(name)
             if arr is not None and arr.size:
@@ -383,6 +389,41 @@ class TritonClient:
         finally:
             if not finished:
                 call.cancel()  # client went away / stop string: Triton marks the request cancelled
+
+
+    async def control(self, op: str, args: dict[str, Any], request_id: str = "") -> dict[str, Any]:
+        """One control request (RL rollout lifecycle; backends/moe/model.py lists the ops): returns the backend's
+        ``control_result`` JSON (``success``, ``message``, ``weight_version``, ...). Raises :class:`BackendError`
+        when Triton or the backend answers with an error (engine not running, malformed request)."""
+        payload = {
+            "model_name": self.model_name,
+            "inputs": [_tensor("input_ids", np.empty(0, dtype=np.int64)),
+                       _tensor("control", np.array([json.dumps({"op": op, **args}).encode()], dtype=np.object_))],
+            "outputs": [grpcclient.InferRequestedOutput("control_result")],
+            "request_id": request_id,
+        }
+
+        async def one_request():
+            yield payload
+
+        # headers: the per-run Triton key where the client has one (the same as generate sends)
+        call = self._client.stream_infer(one_request(), headers=getattr(self, "headers", None))
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise classify_error(str(error.message() if hasattr(error, "message") else error))
+                raw = result.as_numpy("control_result")
+                if raw is None or not raw.size:
+                    continue
+                await _drain(call)
+                val = raw.reshape(-1)[0]
+                return json.loads(val.decode("utf-8") if isinstance(val, bytes) else str(val))
+            raise BackendError(BackendError.INTERNAL, "Triton closed the stream without a control result")
+        except grpc.aio.AioRpcError as e:
+            raise classify_status(e.code(), e.details() or "") from e
+        except InferenceServerException as e:
+            name = (e.status() or "").rpartition(".")[2]
+            raise classify_status(getattr(grpc.StatusCode, name, None), e.message() or "") from e
 
 
 async def _drain(call: Any, timeout_s: float = 0.5) -> bool:

@@ -5,10 +5,27 @@
   separate response thread drains, so the engine never waits on Triton IPC.
 - Streaming requests get one response per step; non-streaming requests get one
   response with everything (routed experts and weights concatenated; prompt
-  logprobs, which the engine sends once, on the response that carries them). Every request ends with exactly one response that
-  carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` (an error response included).
+  logprobs, which the engine sends once, on the response that carries them).
+  Every request ends with exactly one response that carries
+  ``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` (an error response included).
 - A request Triton marks cancelled is aborted in the engine and ended with a
   CANCELLED error.
+- Every response carries ``weight_version``: the weights that produced its tokens.
+
+Control requests (RL rollout lifecycle; what the frontend's SGLang-named endpoints send, and what a
+tritonclient user sends directly): a request with the optional BYTES input ``control`` = one JSON object
+``{"op": <name>, ...arguments}`` (``input_ids`` is required by the model config: send an empty INT64 [0]).
+It gets exactly one response, whose BYTES output ``control_result`` is the JSON
+``{"success": bool, "message": str, "weight_version": str, ...}``; a refused operation (bad arguments, a
+checkpoint of another shape: nothing changed) is ``success: false``, an engine that is not running an
+"unavailable: ..." Triton error. Ops and their arguments (SGLang's names, see ``CONTROL_OPS``):
+update_weights_from_disk {model_path, weight_version?, flush_cache?, abort_all_requests?},
+init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name?, backend?},
+update_weights_from_distributed {names, dtypes, shapes, group_name?, weight_version?, flush_cache?,
+abort_all_requests?}, flush_cache {}, pause_generation {mode?: abort|retract|in_place},
+continue_generation {}, release_memory_occupation {tags?}, resume_memory_occupation {tags?},
+get_weight_version {}. ``execute`` never waits for one: the engine runs it between steps
+(moe_engine/lifecycle.py) and the response thread sends the answer.
 """
 from __future__ import annotations
 
@@ -58,6 +75,31 @@ class _Pending:
     prompt_lp: RequestOutput | None = None  # the output that carried the prompt logprobs
     cancelled: bool = False
     first_sent: bool = False  # streaming: whether a response went out already
+
+
+@dataclass
+class _ControlReply:
+    """A control operation's outcome, on its way to the response thread."""
+
+    sender: object
+    op: str
+    future: object  # concurrent.futures.Future of the op's result dict
+
+
+# op -> the arguments it takes (beyond them, a control request is refused); each is a method of engine.lifecycle.
+CONTROL_OPS = {
+    "update_weights_from_disk": ("model_path", "weight_version", "flush_cache", "abort_all_requests"),
+    "init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size", "group_name",
+                                  "backend"),
+    "update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name", "weight_version", "flush_cache",
+                                        "abort_all_requests"),
+    "flush_cache": (),
+    "pause_generation": ("mode",),
+    "continue_generation": (),
+    "release_memory_occupation": ("tags",),
+    "resume_memory_occupation": ("tags",),
+    "get_weight_version": (),
+}
 
 
 def _param(params: dict, key: str, default: str = "") -> str:
@@ -121,6 +163,7 @@ class TritonPythonModel:
         model = load_model(checkpoint, dtype=dtype, device=device)
         log.info("loaded %s in %.1f s", self.cfg.architecture, time.monotonic() - t0)
         self.engine = Engine(model, self.cfg, ecfg)
+        self.engine.weight_version = os.path.basename(os.path.normpath(checkpoint))
         self.routing_enabled = ecfg.enable_routed_experts
 
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
@@ -138,6 +181,10 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
+                control = pb_utils.get_input_tensor_by_name(request, "control")
+                if control is not None:
+                    self._control(control, sender)
+                    continue
                 self._submit(request, sender)
             except EngineError as exc:
                 # The message starts with its kind, because Triton's stream responses carry only the text:
@@ -216,6 +263,49 @@ class TritonPythonModel:
                 self._pending.pop(engine_id, None)
             raise
 
+    def _control(self, tensor, sender) -> None:
+        """Start a control operation; its one response goes out from the response thread when it is done."""
+        values = tensor.as_numpy().reshape(-1)
+        if values.size != 1:
+            raise InvalidRequestError(f"control: expected one JSON object, got {values.size} values", param="control")
+        raw = values[0]
+        try:
+            body = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else str(raw))
+        except ValueError as exc:
+            raise InvalidRequestError(f"control: not JSON ({exc})", param="control") from exc
+        if not isinstance(body, dict):
+            raise InvalidRequestError("control: expected a JSON object", param="control")
+        op = body.pop("op", None)
+        if op not in CONTROL_OPS:
+            raise InvalidRequestError(f"control: unknown op {op!r}; known: {', '.join(CONTROL_OPS)}", param="op")
+        unknown = sorted(set(body) - set(CONTROL_OPS[op]))
+        if unknown:
+            raise InvalidRequestError(f"control {op}: unknown arguments {unknown}; it takes {list(CONTROL_OPS[op])}",
+                                      param=unknown[0])
+        try:
+            future = getattr(self.engine.lifecycle, op)(**body)
+        except TypeError as exc:  # a required argument missing
+            raise InvalidRequestError(f"control {op}: {exc}", param="control") from exc
+        log.info("control %s %s", op, {k: v for k, v in body.items() if k not in ("names", "dtypes", "shapes")})
+        future.add_done_callback(lambda f: self._outputs.put(_ControlReply(sender, op, f)))
+
+    def _send_control_reply(self, reply: _ControlReply) -> None:
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        exc = reply.future.exception()
+        if isinstance(exc, (EngineOverloadedError, EngineStoppedError)):
+            reply.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"unavailable: {exc}", pb_utils.TritonError.UNAVAILABLE)), flags=flags)
+            return
+        if exc is None:
+            result = {"success": True, **reply.future.result()}
+        elif isinstance(exc, EngineError):  # refused: nothing changed
+            result = {"success": False, "message": str(exc), "param": getattr(exc, "param", None)}
+        else:
+            result = {"success": False, "message": f"{reply.op} failed: {exc!r}", "internal": True}
+        result["weight_version"] = self.engine.weight_version
+        out = pb_utils.Tensor("control_result", np.array([json.dumps(result).encode()], dtype=np.object_))
+        reply.sender.send(pb_utils.InferenceResponse(output_tensors=[out]), flags=flags)
+
     # ------------------------------------------------------------------ response path
 
     def _response_loop(self) -> None:
@@ -234,6 +324,12 @@ class TritonPythonModel:
                     break
             by_request: dict[str, list[RequestOutput]] = {}
             for out in batch:
+                if isinstance(out, _ControlReply):
+                    try:
+                        self._send_control_reply(out)
+                    except Exception:
+                        log.exception("sending a control reply failed")
+                    continue
                 by_request.setdefault(out.request_id, []).append(out)
             for outs in by_request.values():
                 try:
@@ -357,6 +453,7 @@ class TritonPythonModel:
             T("finish_reason", np.array([(out.finish_reason or "").encode()], dtype=np.object_)),
             T("num_prompt_tokens", np.array([out.num_prompt_tokens], dtype=np.int32)),
             T("num_output_tokens", np.array([out.num_output_tokens], dtype=np.int32)),
+            T("weight_version", np.array([(out.weight_version or "").encode()], dtype=np.object_)),
         ]
         if p.routing:
             tensors.append(T("routed_experts", _rows(rows, p, np.uint16)))

@@ -171,15 +171,25 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: ForwardBat
     cache.v.view(nb * bs, *cache.v.shape[2:])[batch.slot_mapping] = v.to(cache.v.dtype)
 
 
-def cached_kv(cache: LayerKV, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's cached k [B, Hkv, Lk, Dk] and v [B, Hkv, Lk, Dv], gathered from its blocks (Lk = the step's
-    max_seq_len, exactly the longest sequence's keys as HF would hold them; positions past a sequence's own length
-    hold stale values the mask hides)."""
-    Lk = batch.max_seq_len
-    nb = -(-Lk // cache.k.shape[1])
-    k = cache.k[batch.block_tables[:, :nb]].flatten(1, 2)[:, :Lk]  # [B, Lk, Hkv, Dk]
-    v = cache.v[batch.block_tables[:, :nb]].flatten(1, 2)[:, :Lk]
-    return k.transpose(1, 2), v.transpose(1, 2)
+def cached_kv(cache: LayerKV, batch: ForwardBatch, heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's cached k [B, H, Lk, Dk] and v [B, H, Lk, Dv], gathered from its blocks in one copy each (Lk =
+    the step's max_seq_len, exactly the longest sequence's keys as HF would hold them; positions past a sequence's
+    own length hold stale values the mask hides). ``heads``: H = the query heads, each kv head repeated for its
+    group as HF's repeat_kv does (the gather and the repeat in one copy); None: H = the cache's kv heads."""
+    nb_all, bs, Hkv = cache.k.shape[:3]
+    H = heads or Hkv
+    key = ("slots", H)
+    if key not in batch._int32:  # per step: flat cache row of every (sequence, head, position), reused by all layers
+        Lk = batch.max_seq_len
+        pos = torch.arange(Lk, device=batch.block_tables.device)
+        slots = batch.block_tables[:, pos // bs] * bs + pos % bs  # [B, Lk]
+        head = torch.arange(H, device=slots.device) // (H // Hkv)  # [H] kv head of each query head
+        batch._int32[key] = (slots[:, None, :] * Hkv + head[None, :, None]).reshape(-1)  # [B*H*Lk] rows of (slot, head)
+    rows = batch._int32[key]
+    B, Lk = batch.block_tables.shape[0], batch.max_seq_len
+    k = cache.k.view(nb_all * bs * Hkv, -1).index_select(0, rows).view(B, H, Lk, -1)
+    v = cache.v.view(nb_all * bs * Hkv, -1).index_select(0, rows).view(B, H, Lk, -1)
+    return k, v
 
 
 def attend_cached(
@@ -202,7 +212,7 @@ def attend_cached(
         q_pad[batch.token_seq, batch.token_qidx] = q
         q_pad = q_pad.transpose(1, 2)  # [B, Hq, Tq, Dk]
     if Hkv != Hq:  # grouped-query attention: each kv head serves Hq/Hkv query heads (as HF's repeat_kv)
-        keys = keys.repeat_interleave(Hq // Hkv, dim=1)
+        keys = keys.repeat_interleave(Hq // Hkv, dim=1)  # (attend gathers them repeated already)
         values = values.repeat_interleave(Hq // Hkv, dim=1)
     mask = batch.mask(sliding_window)  # [B, 1, Tq, Lk]
 
@@ -244,9 +254,11 @@ def attend(
             max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len, scale=scale,
             sliding_window=sliding_window, sinks=sinks,
         )
+    Hq = q.shape[1]
     if batch.parts is not None:
-        return torch.cat(
-            [attend_cached(q[a:b], *cached_kv(cache, sub), sub, scale, sliding_window, sinks) for a, b, sub in batch.parts]
-        )
-    keys, values = cached_kv(cache, batch)
+        return torch.cat([
+            attend_cached(q[a:b], *cached_kv(cache, sub, Hq), sub, scale, sliding_window, sinks)
+            for a, b, sub in batch.parts
+        ])
+    keys, values = cached_kv(cache, batch, Hq)
     return attend_cached(q, keys, values, batch, scale, sliding_window, sinks)

@@ -12,6 +12,17 @@ not block.
 Overlapped decode (CUDA by default): a decode step is left in flight, and the next ``step`` launches the following
 decode step from its sampled tokens on the device *before* reading its results, so the GPU runs the next forward
 while the host hands out this one's tokens and routing rows.
+
+Control operations (RL rollout lifecycle: weight updates, cache flush, pause / continue, release / resume of GPU
+memory) go through the same inbox as requests (``call``) and run on the engine thread *between* steps, after the
+step in flight (an overlapped decode step included) has been completed: no weight or cache changes under a
+running forward. Each returns a ``concurrent.futures.Future``. A weight update either lets the requests submitted
+before it finish first (requests submitted after it wait until it is done) or aborts them
+(``abort_all_requests``); while generation is paused it runs at once (requests kept in place continue on the new
+weights after ``continue_generation``, as SGLang's in_place pause). Every weight change bumps the weights epoch,
+which the scheduler puts in the prefix-cache key of every sequence it admits: blocks (and routing rows) computed
+under other weights never match a later request, whether or not the cache is flushed. The operations are
+``engine.lifecycle``'s (lifecycle.py), the weight loading weights.py's.
 """
 from __future__ import annotations
 
@@ -20,6 +31,8 @@ import hashlib
 import itertools
 import logging
 import threading
+from concurrent.futures import Future
+from typing import Callable
 
 import numpy as np
 import torch
@@ -34,6 +47,8 @@ from .runner import LaunchedStep, ModelRunner, kv_cache_budget
 from .sampling import SamplingParams, make_state
 from .scheduler import Scheduler
 from .sequence import Request, RequestOutput, Sequence
+from . import weights as W
+from .lifecycle import Control, RolloutLifecycle
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +137,13 @@ class Engine:
             "on" if self.fused else "off",
             "paged kernels" if self.runner.use_kernels else "reference (gather + SDPA)",
         )
-        self._inbox: collections.deque = collections.deque()  # ("add", seq) | ("abort", id), from any thread
+        self._inbox: collections.deque = collections.deque()  # ("add", seq) | ("abort", id) | ("control", c)
+        self._controls: collections.deque[Control] = collections.deque()  # taken from the inbox, not yet run
+        self._held: collections.deque[Sequence] = collections.deque()  # submitted after a pending control
+        self.paused = False  # pause_generation: no steps until continue_generation
+        self.released: set[str] = set()  # release_memory_occupation tags in effect (no steps while any is)
+        self.weight_version = ""  # set by the caller (the checkpoint's folder name), then by weight updates
+        self.lifecycle = RolloutLifecycle(self)  # the control operations (weight updates, pause, release, ...)
         self._known_ids: set[str] = set()
         self._cv = threading.Condition()
         self._stop = False
@@ -164,6 +185,7 @@ class Engine:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.lifecycle.update_groups.close()
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -208,7 +230,7 @@ class Engine:
                 raise EngineStoppedError("the engine is not running")
             if req.request_id in self._known_ids:
                 raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
-            if len(self.scheduler.waiting) + len(self._inbox) >= self.ecfg.max_waiting:
+            if len(self.scheduler.waiting) + len(self._held) + len(self._inbox) >= self.ecfg.max_waiting:
                 raise EngineOverloadedError(
                     f"the engine's waiting queue is full ({self.ecfg.max_waiting} requests); retry later"
                 )
@@ -243,7 +265,7 @@ class Engine:
         with self._cv:
             return {
                 "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting) + len(self._inbox),
+                "waiting": len(self.scheduler.waiting) + len(self._held) + len(self._inbox),
                 "num_blocks": b.num_blocks,
                 "free_blocks": b.num_free,
                 "cached_blocks": b.num_cached,
@@ -260,7 +282,8 @@ class Engine:
         try:
             while True:
                 with self._cv:
-                    while not self._stop and not self._inbox and not self.scheduler.has_work() and not self._inflight:
+                    while not (self._stop or self._inbox or self._controls or self._inflight or
+                               (self.can_run and self.scheduler.has_work())):
                         self._cv.wait()
                     if self._stop:
                         break
@@ -274,16 +297,26 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         with self._cv:
-            seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+            seqs = list(self.scheduler.running) + list(self.scheduler.waiting) + list(self._held)
             seqs += [item for kind, item in self._inbox if kind == "add"]
+            controls = list(self._controls) + [item for kind, item in self._inbox if kind == "control"]
             self._inbox.clear()
+            self._controls.clear()
+            self._held.clear()
             self._inflight = None
         for seq in seqs:
             self.scheduler.finish(seq, "error", self._emit, error=message)
+        for c in controls:
+            if c.future.set_running_or_notify_cancel():
+                c.future.set_exception(EngineStoppedError(message))
 
     def step(self) -> bool:
         """Run one step; returns False when there was nothing to do."""
         self._drain_inbox()
+        if self._controls:
+            self._run_controls()
+        if not self.can_run:
+            return False
         prev, self._inflight = self._inflight, None
         if prev is not None:
             following = self._launch_following(prev)
@@ -326,14 +359,19 @@ class Engine:
             items = list(self._inbox)
             self._inbox.clear()
         for kind, item in items:
-            if kind == "add":
-                self.scheduler.add(item)
-                continue
-            seq = self.scheduler.find(item)
-            if seq is not None:
-                self.scheduler.finish(seq, "abort", self._emit)
+            if kind == "control":
+                self._controls.append(item)
+            elif kind == "add":
+                (self._held.append if self._controls else self.scheduler.add)(item)
+            else:
+                seq = self.scheduler.find(item) or next((s for s in self._held if s.request_id == item), None)
+                if seq in self._held:
+                    self._held.remove(seq)
+                if seq is not None:
+                    self.scheduler.finish(seq, "abort", self._emit)
 
     def _emit(self, seq: Sequence, out: RequestOutput) -> None:
+        out.weight_version = self.weight_version  # the weights that produced this output
         if out.finished:
             with self._cv:
                 self._known_ids.discard(seq.request_id)
@@ -346,3 +384,47 @@ class Engine:
             log.exception("output callback of %s failed; aborting it", seq.request_id)
             if not out.finished:
                 self.abort(seq.request_id)
+
+    # ---------------------------------------------------------------- control operations (RL rollout lifecycle)
+
+    @property
+    def can_run(self) -> bool:
+        """Whether steps may run: not paused, and no memory released."""
+        return not self.paused and not self.released
+
+    def call(self, fn: Callable[[], dict], *, drain: bool = False, abort: bool = False) -> Future:
+        """Run ``fn`` on the engine thread between steps (see the module docstring); its dict is the result."""
+        future: Future = Future()
+        with self._cv:
+            if self.dead is not None or self._stop:
+                future.set_exception(EngineStoppedError("the engine is not running"))
+                return future
+            self._inbox.append(("control", Control(fn, future, drain, abort)))
+            self._cv.notify_all()
+        return future
+
+    def _run_controls(self) -> None:
+        """Run the pending controls in order; a draining one waits (steps go on) while requests submitted
+        before it are unfinished and steps can run. Then the requests held behind them join the queue."""
+        if self._inflight is not None:  # nothing changes under a step in flight
+            self._complete(self._inflight)
+            self._inflight = None
+        while self._controls:
+            c = self._controls[0]
+            if c.abort:
+                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self.scheduler.finish(seq, "abort", self._emit)
+                c.abort = False
+            if c.drain and self.can_run and self.scheduler.has_work():
+                return
+            self._controls.popleft()
+            if not c.future.set_running_or_notify_cancel():
+                continue
+            try:
+                c.future.set_result(c.fn())
+            except Exception as exc:  # reported to the caller; the engine goes on
+                if not isinstance(exc, W.WeightUpdateError):
+                    log.exception("control operation failed")
+                c.future.set_exception(exc)
+        while self._held:
+            self.scheduler.add(self._held.popleft())

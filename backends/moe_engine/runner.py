@@ -118,7 +118,39 @@ def profile_peak_activation(
     return max(int(peak), 0)
 
 
-class ModelRunner:
+class ReleasableMemory:
+    """``ModelRunner``'s KV cache and decode graphs freed and allocated again (RL: release / resume memory while a
+    trainer uses the GPU)."""
+
+    def drop_graphs(self) -> None:
+        """Drop the decode graphs (they replay the weights' and the KV cache's current addresses)."""
+        if self.graphs is not None:
+            self._graph_limits = (self.graphs.max_batch, self.graphs.kv_lens[-1])
+        self.graphs = None
+
+    def reset_graphs(self) -> None:
+        """Drop every captured decode graph; they are captured again lazily. Needed after the weights or the KV
+        cache moved (release / resume); an in-place weight update keeps the addresses, and the graphs."""
+        self.drop_graphs()
+        limits = getattr(self, "_graph_limits", None)  # None: graphs are off for this engine
+        if limits is not None and self.kv is not None:
+            self.graphs = DecodeGraphs(self.model, self.kv, max_batch=limits[0], max_model_len=limits[1],
+                                       capture_buf=self.capture_buf)
+            self.graphs.use_kernels = self.use_kernels
+
+    def release_kv(self) -> int:
+        """Free the KV cache (and the graphs that hold its addresses); returns the bytes freed."""
+        self.drop_graphs()
+        self._kv_blocks, nbytes = self.kv.num_blocks, self.kv.nbytes
+        self.kv = None
+        return nbytes
+
+    def allocate_kv(self) -> None:
+        """The KV cache again, as it was sized at start (zeros); graphs follow with ``reset_graphs``."""
+        self.kv = KVCache(self.model.kv_layout(), self._kv_blocks, self.block_size, self.dtype, self.device)
+
+
+class ModelRunner(ReleasableMemory):
     def __init__(
         self,
         model: torch.nn.Module,

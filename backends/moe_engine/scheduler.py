@@ -29,6 +29,14 @@ from .sequence import OutputCallback, Request, RequestOutput, Sequence, Status
 __all__ = ["OutputCallback", "Request", "RequestOutput", "Scheduler", "Sequence", "Status", "StepPlan", "StepResult"]
 
 
+@dataclass(frozen=True)
+class WeightsKey:
+    """A prefix-cache key under weights epoch ``epoch`` (epoch 0, the weights loaded at start, keeps plain keys)."""
+
+    epoch: int
+    key: object = None  # the sequence's own key
+
+
 @dataclass
 class StepPlan:
     """What one step forwards: (sequence, new tokens) pairs, each one's context before the step, and which of
@@ -84,11 +92,27 @@ class Scheduler:
         self.num_preemptions = 0
         self._computing: dict[int, Sequence] = {}  # prompt-block hash -> the running sequence computing it
         self._preempted_this_round = False  # no admissions in a step that had to preempt
+        # Weights epoch (the engine bumps it at every weight update), part of the prefix-cache key of every sequence
+        # added (``WeightsKey``): blocks and routing rows computed under other weights never match.
+        self.cache_epoch = 0
 
     # ------------------------------------------------------------------ queues
 
     def add(self, seq: Sequence) -> None:
+        self._key(seq)
         self.waiting.append(seq)
+
+    def rekey_waiting(self) -> None:
+        """After a weight update: waiting sequences that hold no blocks compute under the new weights, so they
+        take the new epoch's key (running ones keep theirs: their blocks were computed under the old weights)."""
+        for seq in self.waiting:
+            if not seq.table.blocks:
+                self._key(seq)
+
+    def _key(self, seq: Sequence) -> None:
+        key = seq.table.cache_key
+        base = key.key if isinstance(key, WeightsKey) else key  # the sequence's own key (e.g. a routing replay)
+        seq.table.cache_key = WeightsKey(self.cache_epoch, base) if self.cache_epoch else base
 
     def find(self, request_id: str) -> Sequence | None:
         for seq in self.running:
@@ -145,6 +169,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         self._preempted_this_round = True
+
+    def retract_all(self) -> int:
+        """Preempt every running sequence (newest first, so they wait in admission order); returns how many."""
+        n = len(self.running)
+        while self.running:
+            self.preempt(self.running[-1])
+        self.num_preemptions -= n  # not memory pressure: neither counted nor holding admissions back
+        self._preempted_this_round = False
+        return n
 
     def _admit(self, planned: list[tuple[Sequence, int]], budget: int) -> None:
         """Start waiting sequences, first come first served, while blocks, slots and the token budget last. A

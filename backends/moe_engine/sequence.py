@@ -26,6 +26,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: list[float] | None = None  # chosen tokens' logprobs, one per new token
+    weight_version: str | None = None  # the weights that produced it (set by the engine)
     top_logprob_ids: np.ndarray | None = None  # [new tokens, N] int64
     top_logprobs: np.ndarray | None = None  # [new tokens, N] float32
     error: str | None = None

@@ -1,0 +1,222 @@
+"""RL rollout lifecycle operations of the engine (SGLang's names): weight updates, cache flush, pause / continue,
+release / resume of GPU memory, for a trainer that generates, trains, pushes new weights and generates again.
+
+``engine.lifecycle`` (a ``RolloutLifecycle``): each operation checks its arguments in the caller's thread, then hands
+the engine a function to run between steps (``Engine.call``, which says when) and returns a
+``concurrent.futures.Future`` of a result dict with a ``message``. Failures are exceptions on the future
+(``WeightUpdateError`` / ``InvalidRequestError``: refused, nothing changed). The work itself is weights.py's (loading,
+broadcasts, moving weights), the runner's (KV cache, CUDA graphs), the block manager's (prefix cache) and the
+scheduler's (retracting sequences, the weights epoch in prefix-cache keys).
+
+Memory release: ``kv_cache`` frees the KV cache (running requests are retracted and recomputed after resume);
+``weights`` moves the parameters to host memory (CUDA; on CPU nothing is freed, but the engine still waits for the
+resume); ``cuda_graph`` is accepted (SGLang's tag): the decode graphs are always dropped with either, and captured
+again lazily after resume. In-place weight updates keep every address, so graphs captured before stay valid.
+Idempotent: releasing what is released, resuming what is not, pausing a paused engine are no-ops that succeed.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import weights as W
+from .errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's pause_generation modes
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's release/resume_memory_occupation tags
+_PAUSED = {"abort": "aborted", "retract": "retracted", "in_place": "kept in place"}
+
+
+def _failed(exc: Exception) -> Future:
+    future: Future = Future()
+    future.set_exception(exc)
+    return future
+
+
+@dataclass
+class Control:
+    """A control operation in the engine's inbox: ``fn`` runs on the engine thread between steps."""
+
+    fn: Callable[[], dict]
+    future: Future
+    drain: bool = False  # first let the requests submitted before it finish (later ones wait)
+    abort: bool = False  # first abort the requests submitted before it
+
+
+class RolloutLifecycle:
+    """``engine.lifecycle``: the operations of one engine (its call, model, scheduler, blocks, runner and state:
+    paused, released, weight_version), and the engine's weight-update process groups."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.update_groups = W.UpdateGroups(engine.device)
+
+    def get_weight_version(self) -> Future:
+        future: Future = Future()
+        future.set_result({"message": f"weight version {self.engine.weight_version!r}"})
+        return future
+
+    def _weights_changed(self, version: str | None, flush_cache: bool) -> None:
+        """After a weight update: a new epoch in every new prefix-cache key, the old entries optionally dropped."""
+        self.engine.scheduler.cache_epoch += 1
+        self.engine.scheduler.rekey_waiting()
+        if flush_cache:
+            self.engine.blocks.flush()
+        if version is not None:
+            self.engine.weight_version = version
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True,
+                                 abort_all_requests: bool = False) -> Future:
+        """Load checkpoint ``model_path`` (same model) into the live parameters; weight_version defaults to its
+        folder name. Checked at once, in the caller's thread (a refused checkpoint waits for nothing)."""
+        try:
+            root = W.check_checkpoint(self.engine.model, model_path)
+        except W.WeightUpdateError as exc:
+            return _failed(exc)
+
+        def run() -> dict:
+            t0 = time.monotonic()
+            nbytes = W.load_checkpoint(self.engine.model, root)
+            self._weights_changed(weight_version or root.name, flush_cache)
+            seconds = time.monotonic() - t0
+            log.info("weights updated from %s in %.2f s (%.2f GB); version %s", root, seconds, nbytes / 1e9,
+                     self.engine.weight_version)
+            return {"message": f"loaded {root} ({nbytes / 1e9:.3f} GB in {seconds:.2f} s)", "num_bytes": nbytes}
+
+        return self.engine.call(run, drain=not abort_all_requests, abort=abort_all_requests)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> Future:
+        """Join the trainer's process group (blocks until the trainer joins: runs on its own thread, not the
+        engine's)."""
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.update_groups.init(master_address, master_port, rank_offset, world_size,
+                                                          group_name, backend))
+            except Exception as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name="moe-update-group", daemon=True).start()
+        return future
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", weight_version: str | None = None,
+                                        flush_cache: bool = True, abort_all_requests: bool = False) -> Future:
+        """Receive the announced tensors from the trainer's broadcast into the live parameters. A refused
+        announcement is still received (and dropped) so that the trainer's broadcasts complete."""
+        try:
+            group, device = self.update_groups.get(group_name)
+        except W.WeightUpdateError as exc:
+            return _failed(exc)
+        try:
+            plan = W.check_tensors(self.engine.model, names, dtypes, shapes)
+        except W.WeightUpdateError as exc:
+            dropped = W.dropped_plan(names, dtypes, shapes)
+            if dropped is None:  # not even sizes to receive: the trainer's announcement itself is malformed
+                return _failed(exc)
+            refusal = exc
+            return self.engine.call(lambda: self._refuse_broadcast(group, device, dropped, refusal))
+
+        def run() -> dict:
+            t0 = time.monotonic()
+            nbytes = W.receive_broadcast(self.engine.model, group, device, plan)
+            self._weights_changed(weight_version, flush_cache)
+            return {"message": f"received {len(plan)} tensors ({nbytes / 1e9:.3f} GB in "
+                               f"{time.monotonic() - t0:.2f} s)", "num_bytes": nbytes}
+
+        return self.engine.call(run, drain=not abort_all_requests, abort=abort_all_requests)
+
+    def _refuse_broadcast(self, group, device, plan: list, exc: Exception) -> dict:
+        W.receive_broadcast(self.engine.model, group, device, plan)
+        raise exc
+
+    def flush_cache(self) -> Future:
+        return self.engine.call(lambda: {"message": f"flushed {self.engine.blocks.flush()} cached prefix blocks"})
+
+    def pause_generation(self, mode: str = "abort") -> Future:
+        """Stop running steps. ``abort``: requests submitted before end with "abort"; ``retract``: running ones
+        give their KV blocks back and are recomputed after continue; ``in_place``: everything stays as is."""
+        if mode not in PAUSE_MODES:
+            return _failed(InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}", param="mode"))
+
+        def run() -> dict:
+            n = len(self.engine.scheduler.running) + len(self.engine.scheduler.waiting)
+            if mode == "abort":
+                for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
+                    self.engine.scheduler.finish(seq, "abort", self.engine._emit)
+            elif mode == "retract":
+                n = self.engine.scheduler.retract_all()
+            self.engine.paused = True
+            return {"message": f"generation paused ({mode}: {n} requests {_PAUSED[mode]})"}
+
+        return self.engine.call(run)
+
+    def continue_generation(self) -> Future:
+        def run() -> dict:
+            was, self.engine.paused = self.engine.paused, False
+            return {"message": "generation continued" if was else "generation was not paused"}
+
+        return self.engine.call(run)
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> Future:
+        """Free the KV cache (running requests are retracted, recomputed after resume) and/or the weights' GPU
+        memory (kept in host memory; on CPU there is nothing to free). No steps run until every tag is resumed."""
+        tags = self._memory_tags(tags)
+        if isinstance(tags, Exception):
+            return _failed(tags)
+
+        def run() -> dict:
+            done = []
+            if "kv_cache" in tags and "kv_cache" not in self.engine.released:
+                self.engine.scheduler.retract_all()
+                self.engine.blocks.flush()
+                done.append(f"KV cache ({self.engine.runner.release_kv() / 2**30:.2f} GiB)")
+            if "weights" in tags and "weights" not in self.engine.released and self.engine.device.type == "cuda":
+                self.engine.runner.drop_graphs()  # they read the weights at their current addresses
+                done.append(f"weights ({W.move_weights(self.engine.model, torch.device('cpu')) / 2**30:.2f} GiB)")
+            self.engine.released |= tags - {"cuda_graph"}
+            if self.engine.device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the freed memory back to the driver (the trainer's process)
+            return {"message": f"released {', '.join(done) or 'nothing (already released, or on CPU)'}"}
+
+        return self.engine.call(run)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> Future:
+        tags = self._memory_tags(tags)
+        if isinstance(tags, Exception):
+            return _failed(tags)
+
+        def run() -> dict:
+            done = []
+            if "weights" in tags and "weights" in self.engine.released:
+                W.move_weights(self.engine.model, self.engine.device)
+                self.engine.released.discard("weights")
+                done.append("weights")
+            if "kv_cache" in tags and "kv_cache" in self.engine.released:
+                self.engine.runner.allocate_kv()
+                self.engine.released.discard("kv_cache")
+                done.append("KV cache")
+            if done:
+                self.engine.runner.reset_graphs()  # weights or KV at new addresses: graphs are captured again lazily
+            return {"message": f"resumed {', '.join(done) or 'nothing (not released)'}"}
+
+        return self.engine.call(run)
+
+    @staticmethod
+    def _memory_tags(tags: list[str] | None) -> set[str] | Exception:
+        chosen = set(MEMORY_TAGS if tags is None else tags)
+        unknown = sorted(chosen - set(MEMORY_TAGS))
+        if unknown:
+            return InvalidRequestError(f"unknown memory tags {unknown}; known: {', '.join(MEMORY_TAGS)}",
+                                       param="tags")
+        return chosen

@@ -1,0 +1,378 @@
+"""A running engine's weights: update them in place (from disk, from a torch.distributed broadcast) and move them off
+the GPU and back (RL: the trainer borrows the GPU between rollouts).
+
+Contracts:
+- An update writes into the *existing* parameter tensors (``copy_``, or a broadcast received straight into them).
+  No parameter moves, so the CUDA graphs captured before stay valid, and the device never holds a second copy of
+  the model: from disk, one parameter at a time is staged in host memory (read through the memory map).
+- Everything is checked before anything is written: every tensor's name, shape and dtype against the live model.
+  The first mismatch raises ``WeightUpdateError`` naming the tensor, and the old weights stay in use.
+- From disk, tensors are found exactly as at start-up (checkpoint.py's mapping, reused: per-expert and fused expert
+  layouts, the Hub's Mixtral names, MXFP4, tied embeddings, float dtypes converted), so an engine updated to
+  checkpoint B computes what an engine started on B computes. B's config.json, when present, must describe the
+  same model (its dtype aside).
+- From a broadcast, the trainer names tensors as a checkpoint does; ``checkpoint_targets`` maps every such name to
+  the parameter, or the rows of a fused expert parameter, it fills. A trainer may send the model in buckets (one
+  call each). Names of tensors the model does not use (a tied ``lm_head.weight``, DeepSeek-V3's multi-token
+  prediction layers) are received and dropped, as at start-up.
+- The caller (engine.py) runs an update between steps, on the engine thread, and then makes the prefix cache
+  forget what the old weights computed.
+
+Process groups for broadcasts (``init_update_process_group``): the trainer is rank 0 and the engine rank
+``rank_offset``, joined through a TCP store at ``tcp://master_address:master_port`` with the store keys prefixed by
+the group name, as SGLang's ``init_custom_process_group`` does; the engine's process needs no default group. A
+trainer calls the same function with rank 0 (NCCL between GPUs, gloo on CPU), then ``dist.broadcast(t, src=0,
+group=group)`` for each tensor, in the order of the names it posts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from .checkpoint import (
+    _DEFAULT_PER_EXPERT_NAMES,
+    _PER_EXPERT_NAMES,
+    CheckpointError,
+    _fmt,
+    _ignored_key,
+    _load_direct,
+    _load_experts,
+    _Tensors,
+)
+from .config import MoEConfig, load_config
+from .errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+# safetensors dtypes a float parameter may be read from (converted as at start-up); MXFP4 blocks / scales are U8.
+_FLOAT_FILE_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+_FLOAT_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16, "half": torch.float16, "float64": torch.float64}
+_META = torch.device("meta")
+
+
+class WeightUpdateError(InvalidRequestError):
+    """A weight update was refused (nothing was written): the message names the first mismatching tensor."""
+
+
+# --------------------------------------------------------------------------------------------- from disk
+
+
+class _Headers(_Tensors):
+    """A checkpoint's index and tensor headers, nothing more: ``get`` / ``get_row`` check a tensor's shape and dtype
+    and return an empty meta tensor, so checkpoint.py's loaders run over a whole checkpoint without reading it."""
+
+    def _check(self, key: str, shape, dtypes: frozenset[str]) -> None:
+        found = self.shape(key)
+        if list(found) != list(shape):
+            raise CheckpointError(
+                f"tensor {key!r} in {self.key_file[key]} has shape {_fmt(found)}, the model's is {_fmt(shape)}"
+            )
+        dtype = self._open(self.key_file[key]).get_slice(key).get_dtype()
+        if dtype not in dtypes:
+            raise CheckpointError(
+                f"tensor {key!r} in {self.key_file[key]} has dtype {dtype}, expected one of {', '.join(sorted(dtypes))}"
+            )
+        self.used.add(key)
+
+    def get(self, key: str, shape) -> torch.Tensor:
+        self._check(key, shape, _FLOAT_FILE_DTYPES)
+        return torch.empty(shape, device=_META)
+
+    def get_row(self, key: str, shape, i: int) -> torch.Tensor:  # MXFP4 blocks / scales only
+        self._check(key, shape, frozenset({"U8"}))
+        return torch.empty([1, *shape[1:]], dtype=torch.uint8, device=_META)
+
+
+def _read(t: _Tensors, cfg: MoEConfig, name: str, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Parameter ``name`` (shaped and typed like ``like``) read from the checkpoint as load_model reads it."""
+    load = _load_experts if ".mlp.experts." in name else _load_direct
+    return load(t, cfg, name, tuple(like.shape), like.dtype, device)
+
+
+def _same_model_fields(cfg: MoEConfig) -> dict:
+    """The config as a flat dict, minus what may differ between checkpoints of one model (dtype, MXFP4 or not)."""
+    cfg = dataclasses.replace(cfg, torch_dtype="", experts=dataclasses.replace(cfg.experts, quant="none"))
+    flat: dict = {}
+
+    def walk(prefix: str, value) -> None:
+        if dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                walk(f"{prefix}{f.name}.", getattr(value, f.name))
+        else:
+            flat[prefix.rstrip(".")] = value
+
+    walk("", cfg)
+    return flat
+
+
+def check_checkpoint(model: torch.nn.Module, path: str) -> Path:
+    """Check that checkpoint ``path`` holds every parameter of the live model, with its shape and a float dtype
+    (headers only, nothing is read). Returns the checkpoint directory; raises WeightUpdateError."""
+    root = Path(path)
+    if not root.is_dir():
+        raise WeightUpdateError(f"model_path {path!r} is not a directory", param="model_path")
+    cfg: MoEConfig = model.config
+    try:
+        if (root / "config.json").is_file():
+            live, new = _same_model_fields(cfg), _same_model_fields(load_config(root))
+            diff = next((k for k in live if live[k] != new.get(k)), None)
+            if diff is not None:
+                raise CheckpointError(
+                    f"{root / 'config.json'} describes another model: {diff} = {new.get(diff)!r}, the served "
+                    f"model's is {live[diff]!r}"
+                )
+        with ExitStack() as stack:
+            headers = _Headers(root, stack)
+            for name, p in model.named_parameters():
+                _read(headers, cfg, name, p, _META)
+    except WeightUpdateError:
+        raise
+    except Exception as exc:  # CheckpointError, a missing shard, an unreadable header, an unsupported config
+        raise WeightUpdateError(f"checkpoint {root} cannot replace the served weights: {exc}",
+                                param="model_path") from exc
+    return root
+
+
+@torch.no_grad()
+def load_checkpoint(model: torch.nn.Module, root: Path) -> int:
+    """Copy every parameter of checkpoint ``root`` (checked by ``check_checkpoint``) into the live parameters, one
+    at a time through host memory. Returns the bytes written."""
+    cfg, written = model.config, 0
+    with ExitStack() as stack:
+        tensors = _Tensors(root, stack)
+        for name, p in model.named_parameters():
+            value = _read(tensors, cfg, name, p, torch.device("cpu"))
+            p.copy_(value)
+            written += p.nbytes
+    return written
+
+
+# --------------------------------------------------------------------------------------------- from a broadcast
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a checkpoint tensor goes: a whole parameter, or the rows [lo, hi) of expert e of a fused one."""
+
+    param: str
+    shape: tuple[int, ...]  # the checkpoint tensor's shape
+    rows: tuple[int, int, int] | None = None  # (e, lo, hi)
+
+    def view(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        p = params[self.param]
+        if self.rows is None:
+            return p
+        e, lo, hi = self.rows
+        return p[e, lo:hi]  # leading-dimension slices of a contiguous parameter: contiguous
+
+
+def checkpoint_targets(model: torch.nn.Module) -> dict[str, Target]:
+    """Checkpoint tensor name -> Target, for every name load_model accepts: in-memory (HF v5) names, the Hub's
+    per-expert names (``...experts.{e}.{gate,up,down}_proj.weight``, Mixtral's ``block_sparse_moe...w1/w3/w2``)."""
+    cfg: MoEConfig = model.config
+    blocks, gate_n, up_n, down_n = _PER_EXPERT_NAMES.get(cfg.architecture, _DEFAULT_PER_EXPERT_NAMES)
+    I = cfg.experts.intermediate_size
+    out: dict[str, Target] = {}
+    for name, p in model.named_parameters():
+        shape = tuple(p.shape)
+        out[name] = Target(name, shape)
+        if ".mlp.experts." in name:
+            if cfg.experts.block == "gpt_oss":
+                continue  # GPT-OSS experts are stored fused (MXFP4 only on disk)
+            prefix, _, leaf = name.partition(".mlp.experts.")
+            parts = [(gate_n, 0, I), (up_n, I, 2 * I)] if leaf == "gate_up_proj" else [(down_n, 0, shape[1])]
+            for block in blocks:
+                for e in range(shape[0]):
+                    for part, lo, hi in parts:
+                        key = f"{prefix}.{block}.experts.{e}.{part}.weight"
+                        out[key] = Target(name, (hi - lo, shape[2]), (e, lo, hi))
+        elif ".mlp." in name:
+            for block in blocks:
+                if block != "mlp":
+                    out[name.replace(".mlp.", f".{block}.")] = out[name]
+    return out
+
+
+def _unused_name(cfg: MoEConfig, name: str) -> bool:
+    """Tensors a checkpoint may hold that the model does not use (dropped at start-up too)."""
+    return (cfg.tie_word_embeddings and name == "lm_head.weight") or _ignored_key(name, cfg)
+
+
+def parse_dtype(name: str, dtype: str) -> torch.dtype:
+    key = str(dtype).removeprefix("torch.")
+    if key not in _FLOAT_DTYPES:
+        raise WeightUpdateError(f"tensor {name!r}: dtype {dtype!r} is not a float dtype "
+                                f"({', '.join(sorted(_FLOAT_DTYPES))})", param="dtypes")
+    return _FLOAT_DTYPES[key]
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """One tensor of a broadcast, in the trainer's order: where it goes (None: received and dropped)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    target: Target | None
+
+
+def check_tensors(model: torch.nn.Module, names: list[str], dtypes: list[str],
+                  shapes: list[list[int]]) -> list[Incoming]:
+    """Check a trainer's announced tensors against the live model; raises WeightUpdateError at the first mismatch."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise WeightUpdateError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, "
+                                f"{len(shapes)})", param="names")
+    cfg: MoEConfig = model.config
+    targets = checkpoint_targets(model)
+    plan = []
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        tdtype, shape = parse_dtype(name, dtype), tuple(int(s) for s in shape)
+        target = targets.get(name)
+        if target is None and not _unused_name(cfg, name):
+            raise WeightUpdateError(
+                f"tensor {name!r} is not a parameter of the served {cfg.architecture} model (names are checkpoint "
+                f"names, e.g. {next(iter(targets))!r})", param="names"
+            )
+        if target is not None and shape != target.shape:
+            raise WeightUpdateError(f"tensor {name!r} has shape {_fmt(shape)}, the model's is {_fmt(target.shape)}",
+                                    param="shapes")
+        plan.append(Incoming(name, tdtype, shape, target))
+    return plan
+
+
+def dropped_plan(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[Incoming] | None:
+    """The announced tensors, each to be received and dropped (a refused update); None if not even their dtypes
+    and shapes can be read."""
+    try:
+        return [Incoming(n, parse_dtype(n, d), tuple(int(x) for x in s), None) for n, d, s in
+                zip(names, dtypes, shapes, strict=True)]
+    except (WeightUpdateError, TypeError, ValueError):
+        return None
+
+
+@torch.no_grad()
+def receive_broadcast(model: torch.nn.Module, group, device: torch.device, plan: list[Incoming]) -> int:
+    """Receive each tensor of ``plan`` from rank 0 of ``group`` (in order) into its target: straight into the
+    parameter when dtype and device match, else through one tensor-sized buffer. Targets None are dropped (also
+    how a refused update still lets the trainer's broadcasts complete). Returns the bytes received."""
+    import torch.distributed as dist
+
+    params = dict(model.named_parameters())
+    received = 0
+    for inc in plan:
+        dst = inc.target.view(params) if inc.target is not None else None
+        direct = dst is not None and dst.dtype == inc.dtype and dst.device == device and dst.is_contiguous()
+        buf = dst if direct else torch.empty(inc.shape, dtype=inc.dtype, device=device)
+        dist.broadcast(buf, src=0, group=group)
+        if dst is not None and not direct:
+            dst.copy_(buf)
+        received += buf.nbytes
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # done means received (and the timing says so)
+    return received
+
+
+def init_update_process_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
+                              group_name: str, timeout_s: float = 600.0):
+    """A process group of ``world_size`` ranks (trainer = rank 0) outside any default group: TCP store rendezvous
+    at master_address:master_port, keys prefixed by ``group_name``. Blocks until every rank joined (gloo) or
+    the store is reached (NCCL connects at the first broadcast). Used by both sides."""
+    import inspect
+
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{int(master_port)}"
+    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    # The options argument was renamed pg_options -> backend_options in torch 2.6.
+    params = inspect.signature(c10d._new_process_group_helper).parameters
+    options = {"backend_options" if "backend_options" in params else "pg_options": None}
+    pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+                                           group_name=group_name, timeout=timeout, **options)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # group rank = global rank
+    return pg
+
+
+class UpdateGroups:
+    """The engine's weight-update process groups by name (a name given again replaces its group)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._groups: dict[str, tuple[object, str]] = {}
+        self._lock = threading.Lock()
+
+    def init(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+             group_name: str = "weight_update_group", backend: str = "nccl") -> dict:
+        if backend not in ("nccl", "gloo"):
+            raise WeightUpdateError(f"backend {backend!r}: use nccl (GPU) or gloo (CPU)", param="backend")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise WeightUpdateError("backend 'nccl' needs the engine on a GPU; this engine runs on "
+                                    f"{self.device.type}: use 'gloo'", param="backend")
+        if not 0 < rank_offset < world_size:
+            raise WeightUpdateError(f"rank_offset {rank_offset} must be in [1, world_size={world_size}) (the "
+                                    "trainer is rank 0)", param="rank_offset")
+        self.destroy(group_name)
+        t0 = time.monotonic()
+        try:
+            pg = init_update_process_group(backend, master_address, master_port, rank_offset, world_size, group_name)
+        except Exception as exc:  # rendezvous timeout, refused connection, ...
+            raise WeightUpdateError(f"joining weight update group {group_name!r} at {master_address}:{master_port} "
+                                    f"failed: {exc}") from exc
+        with self._lock:
+            self._groups[group_name] = (pg, backend)
+        log.info("joined weight update group %r (%s, rank %d of %d) in %.1f s", group_name, backend, rank_offset,
+                 world_size, time.monotonic() - t0)
+        return {"message": f"joined weight update group {group_name!r} as rank {rank_offset} of {world_size}"}
+
+    def get(self, group_name: str) -> tuple[object, torch.device]:
+        """(group, device its tensors live on)."""
+        with self._lock:
+            entry = self._groups.get(group_name)
+        if entry is None:
+            raise WeightUpdateError(f"no weight update group {group_name!r}: call init_weights_update_group first",
+                                    param="group_name")
+        pg, backend = entry
+        return pg, (self.device if backend == "nccl" else torch.device("cpu"))
+
+    def close(self) -> None:
+        for name in list(self._groups):
+            self.destroy(name)
+
+    def destroy(self, group_name: str) -> bool:
+        with self._lock:
+            entry = self._groups.pop(group_name, None)
+        if entry is None:
+            return False
+        try:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(entry[0])
+        except Exception:  # the trainer may be gone already; the group is dropped either way
+            log.warning("destroying weight update group %r failed", group_name, exc_info=True)
+        return True
+
+
+# --------------------------------------------------------------------------------------------- release / resume
+
+
+def move_weights(model: torch.nn.Module, device: torch.device) -> int:
+    """Move every parameter's storage to ``device`` (tied parameters once); returns the bytes moved. Parameters get
+    new addresses: CUDA graphs captured before are invalid afterwards."""
+    moved = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.device != device:
+                p.data = p.data.to(device)
+                moved += p.nbytes
+    return moved

@@ -1,0 +1,128 @@
+"""The RL rollout lifecycle over HTTP, with SGLang's endpoint names and bodies (so that slime, verl and other
+trainers written for SGLang drive this server unchanged):
+
+    POST /update_weights_from_disk          {model_path, weight_version?, flush_cache?, abort_all_requests?}
+    POST /init_weights_update_group         {master_address, master_port, rank_offset, world_size, group_name?,
+                                             backend?}
+    POST /update_weights_from_distributed   {names, dtypes, shapes, group_name?, weight_version?, flush_cache?, ...}
+    GET|POST /flush_cache
+    POST /pause_generation                  {mode?: "abort" | "retract" | "in_place"}
+    POST /continue_generation
+    GET|POST /release_memory_occupation     {tags?: ["weights", "kv_cache", "cuda_graph"]}
+    GET|POST /resume_memory_occupation      {tags?}
+    GET /get_weight_version (and /weight_version)   -> {"weight_version": str}
+
+Each one is a control request to the Triton model (never a side channel: backends/moe/model.py runs it through
+the engine's control channel, between steps) and answers ``{"success", "message", "weight_version"}``; a refused
+operation (a checkpoint of another shape, an unknown tensor name: nothing changed) is a 400 whose body carries
+both that shape and the OpenAI ``error`` object; the engine not running is a 503. The API key applies as on /v1.
+Repeating a call is harmless (each is idempotent). Bodies: :mod:`.protocol_rl`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Body, Depends, Request
+from fastapi.responses import JSONResponse
+
+from .errors import BadRequestError, InternalServerError
+from .http_utils import check_api_key
+from .protocol_rl import (
+    ContinueGenerationRequest,
+    FlushCacheRequest,
+    InitWeightsUpdateGroupRequest,
+    MemoryOccupationRequest,
+    PauseGenerationRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+)
+from .serving import ServingContext, backend_error_to_openai
+from .triton_client import BackendError
+
+logger = logging.getLogger(__name__)
+
+
+async def _control(ctx: ServingContext, op: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The backend's control_result for ``op``; Triton / engine errors become OpenAI errors (503, 500)."""
+    control = getattr(ctx.client, "control", None)
+    if control is None:
+        raise InternalServerError("this backend client has no control requests")
+    try:
+        return await control(op, args)
+    except BackendError as e:
+        raise backend_error_to_openai(e, ctx.cfg.retry_after_s) from e
+
+
+async def current_weight_version(ctx: ServingContext) -> str | None:
+    """The engine's weight version (for /v1/models); None when the backend cannot tell."""
+    if getattr(ctx.client, "control", None) is None:  # a backend client without control requests (tests' fakes)
+        return None
+    try:
+        return (await _control(ctx, "get_weight_version", {})).get("weight_version")
+    except Exception as e:  # noqa: BLE001 - the model card must not fail on it
+        logger.warning("weight version unavailable: %s", e)
+        return None
+
+
+def _answer(result: dict[str, Any], **extra: Any) -> JSONResponse:
+    body = {"success": bool(result.get("success")), "message": str(result.get("message", "")),
+            "weight_version": result.get("weight_version"), **extra}
+    if body["success"]:
+        return JSONResponse(body)
+    cls = InternalServerError if result.get("internal") else BadRequestError
+    err = cls(body["message"], param=result.get("param"))
+    return JSONResponse({**body, **err.to_dict()}, status_code=err.status_code)
+
+
+def rl_router(ctx: ServingContext) -> APIRouter:
+    """The lifecycle endpoints, behind the API key (same check as /v1)."""
+
+    async def api_key(request: Request) -> None:
+        check_api_key(ctx.cfg.api_key, request.headers.get("authorization"))
+
+    router = APIRouter(dependencies=[Depends(api_key)])
+
+    async def run(op: str, req: Any, **extra: Any) -> JSONResponse:
+        return _answer(await _control(ctx, op, req.control_args()), **extra)
+
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest) -> JSONResponse:
+        # num_paused_requests: SGLang's field; requests here are finished first or aborted, never paused.
+        return await run("update_weights_from_disk", req, num_paused_requests=0)
+
+    @router.post("/init_weights_update_group")
+    async def init_weights_update_group(req: InitWeightsUpdateGroupRequest) -> JSONResponse:
+        return await run("init_weights_update_group", req)
+
+    @router.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest) -> JSONResponse:
+        return await run("update_weights_from_distributed", req)
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(req: FlushCacheRequest | None = Body(None)) -> JSONResponse:
+        return await run("flush_cache", req or FlushCacheRequest())
+
+    @router.post("/pause_generation")
+    async def pause_generation(req: PauseGenerationRequest | None = Body(None)) -> JSONResponse:
+        return await run("pause_generation", req or PauseGenerationRequest())
+
+    @router.post("/continue_generation")
+    async def continue_generation(req: ContinueGenerationRequest | None = Body(None)) -> JSONResponse:
+        return await run("continue_generation", req or ContinueGenerationRequest())
+
+    @router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(req: MemoryOccupationRequest | None = Body(None)) -> JSONResponse:
+        return await run("release_memory_occupation", req or MemoryOccupationRequest())
+
+    @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(req: MemoryOccupationRequest | None = Body(None)) -> JSONResponse:
+        return await run("resume_memory_occupation", req or MemoryOccupationRequest())
+
+    @router.get("/get_weight_version")
+    @router.get("/weight_version")
+    async def get_weight_version() -> JSONResponse:
+        return JSONResponse({"weight_version": (await _control(ctx, "get_weight_version", {})).get("weight_version")})
+
+    return router
