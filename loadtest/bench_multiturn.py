@@ -99,9 +99,13 @@ def pct(xs, q) -> float | None:
 
 def b64_npy_bytes(rows: int, layers: int, top_k: int, dtype) -> int:
     """Length of the base64 of the ``.npy`` file the API sends for a [rows, layers, top_k] array."""
-    from openai_frontend.routing_codec import npy_header
+    import io
 
-    raw = len(npy_header((rows, layers, top_k), dtype)) + rows * layers * top_k * np.dtype(dtype).itemsize
+    buf = io.BytesIO()  # np.save's header, which the server's encoder writes too (byte-identical output)
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+              "shape": (rows, layers, top_k)})
+    raw = len(buf.getvalue()) + rows * layers * top_k * np.dtype(dtype).itemsize
     return 4 * math.ceil(raw / 3)
 
 
@@ -167,9 +171,9 @@ class EngineBackend:
         self.cfg = cfg
         self.engine = Engine(model, cfg, ecfg)
         self.engine.start()
-        from openai_frontend.routing_codec import expert_id_dtype
-
-        self.wire_dtype = expert_id_dtype(cfg.num_experts)
+        # the wire dtype the server would use (uint8 up to 256 experts); no frontend import: the GPU image
+        # has no pybase64
+        self.wire_dtype = np.dtype(cfg.routed_experts_dtype)
         self._ids = 0
 
     def cache_counters(self) -> tuple[float, float]:
