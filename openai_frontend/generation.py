@@ -3,8 +3,10 @@
 This is where tokens become text (incremental detokenizer), stop strings are
 matched (the Triton request is cancelled at once, and the choice's token ids,
 logprobs and routed rows are cut to the token that completed the match, so
-they stay consistent with the returned text) and routed-experts chunks are
-accumulated and encoded once, at the end.
+they stay consistent with the returned text) and routed-experts chunks (and
+routed-weights chunks, the same rows) are accumulated and encoded once, at the
+end.  Prompt logprobs arrive once, with the first token, and ride on the delta
+of that response.
 
 Streaming and non-streaming requests run the same code, so their texts and
 token ids are identical.  :class:`ChoiceGroup` runs the n choices of one HTTP
@@ -33,6 +35,15 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]  # the engine's top-N alternatives, best first
 
 
+class PromptScores(NamedTuple):
+    """The engine's prompt logprobs: entry i is about prompt token i + 1 (given the tokens before it)."""
+
+    logprobs: np.ndarray  # float32 [num_prompt - 1]
+    top_ids: np.ndarray | None  # int64 [num_prompt - 1, N] (None when N = 0)
+    top_logprobs: np.ndarray | None  # float32 [num_prompt - 1, N]
+    ranks: np.ndarray | None = None  # int64 [num_prompt - 1]: the prompt token's rank (1 = the most likely)
+
+
 @dataclass
 class ChoiceSpec:
     """One choice: the backend request as sent, and what the frontend alone does with its tokens.
@@ -58,6 +69,8 @@ class ChoiceDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     routed_experts: bytes | None = None  # base64 .npy (ASCII bytes); only on the last delta
+    routed_weights: bytes | None = None  # base64 .npy float32, the same rows; only on the last delta
+    prompt_logprobs: PromptScores | None = None  # once, on the delta of the response with the first token
     first: bool = False
     weight_version: str | None = None  # the weights that produced the choice; only on the last delta
 
@@ -77,6 +90,8 @@ class ChoiceResult:
     finish_reason: str
     stop_reason: int | str | None
     routed_experts: bytes | None  # base64 .npy (ASCII bytes)
+    routed_weights: bytes | None = None  # base64 .npy float32
+    prompt_logprobs: PromptScores | None = None
     weight_version: str | None = None  # the weights of the backend's last response
 
 
@@ -125,6 +140,8 @@ class ChoiceRunner:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.routed_experts: bytes | None = None
+        self.routed_weights: bytes | None = None
+        self.prompt_logprobs: PromptScores | None = None
         self.weight_version: str | None = None
 
     def result(self) -> ChoiceResult:
@@ -137,6 +154,8 @@ class ChoiceRunner:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             routed_experts=self.routed_experts,
+            routed_weights=self.routed_weights,
+            prompt_logprobs=self.prompt_logprobs,
             weight_version=self.weight_version,
         )
 
@@ -151,6 +170,12 @@ class ChoiceRunner:
             if request.return_routed_experts
             else None
         )
+        acc_w = (
+            RoutedExpertsAccumulator(self.model.num_hidden_layers, self.model.num_experts_per_tok, np.float32)
+            if request.return_routed_weights
+            else None
+        )
+        prompt_scores: PromptScores | None = None  # received, not yet on a delta
         stop_token_ids = frozenset(request.stop_token_ids or ())
         stops = spec.stop
         max_stop = max((len(s) for s in stops), default=0)
@@ -169,6 +194,12 @@ class ChoiceRunner:
             async for out in gen:
                 if acc is not None:
                     acc.add(out.routed_experts)
+                if acc_w is not None:
+                    acc_w.add(out.routed_weights)
+                if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+                    self.prompt_logprobs = prompt_scores = PromptScores(
+                        out.prompt_logprobs, out.prompt_top_logprob_ids, out.prompt_top_logprobs,
+                        out.prompt_logprob_ranks)
                 self.weight_version = out.weight_version or self.weight_version
                 n_new = int(out.output_ids.shape[0])
                 now = time.monotonic()
@@ -214,12 +245,14 @@ class ChoiceRunner:
                     text=text[emitted:upto] if spec.detokenize else "",
                     token_ids=new_ids,
                     logprobs=new_lps,
+                    prompt_logprobs=prompt_scores,
                     first=first,
                 )
                 if spec.detokenize:
                     self.text_parts.append(delta.text)
                 emitted = upto
                 first = False
+                prompt_scores = None
                 yield delta
             else:
                 # Stream ended without finish_reason (TritonClient.generate raises in that case).
@@ -228,13 +261,18 @@ class ChoiceRunner:
         # The last delta: remaining text, finish reason, routing of the kept tokens.
         self.finish_reason = finish
         self.stop_reason = stop_reason
+        keep_rows = len(request.input_ids) + len(self.token_ids) - 1 - (request.routed_experts_prompt_start or 0)
         if acc is not None:
-            keep_rows = len(request.input_ids) + len(self.token_ids) - 1 - (request.routed_experts_prompt_start or 0)
             if acc.nbytes >= _ENCODE_IN_THREAD_BYTES:
                 # Long sequences: copy/encode/count off the event loop (numpy and pybase64 release the GIL).
                 self.routed_experts = await asyncio.to_thread(self._encode_routed, acc, keep_rows)
             else:
                 self.routed_experts = self._encode_routed(acc, keep_rows)
+        if acc_w is not None:  # the same rows as routed_experts, cut the same way
+            if acc_w.nbytes >= _ENCODE_IN_THREAD_BYTES:
+                self.routed_weights = (await asyncio.to_thread(acc_w.encode, keep_rows))[0]
+            else:
+                self.routed_weights = acc_w.encode(keep_rows)[0]
         delta = ChoiceDelta(
             index=spec.index,
             text=text[emitted:] if spec.detokenize else "",
@@ -243,6 +281,8 @@ class ChoiceRunner:
             finish_reason=finish,
             stop_reason=stop_reason,
             routed_experts=self.routed_experts,
+            routed_weights=self.routed_weights,
+            prompt_logprobs=prompt_scores,
             first=first,
             weight_version=self.weight_version,
         )

@@ -1,21 +1,55 @@
-"""Request and response models: OpenAI's API plus vLLM's extensions.
+"""Request models: OpenAI's API plus vLLM's extensions (responses: :mod:`.protocol_responses`, re-exported here).
 
 Unknown request fields are ignored (as vLLM does), so clients that send
 vLLM-only knobs keep working.  Known fields whose semantics this server does
 not implement are accepted only at their neutral value; anything else is a
 400 that names the field, never a silent no-op.
 
-Requests and responses stay in this one file (about 450 lines, as vLLM keeps
-its ``protocol.py``) so the whole wire format reads in one place.
+The wire format reads in two files: requests here, responses in
+:mod:`.protocol_responses` (one file had grown past 500 lines).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer, model_validator
+import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictInt,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from .protocol_responses import (  # noqa: F401 - re-exported: the wire format's responses
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    CompletionLogProbs,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    GenerateResponse,
+    GenerateResponseChoice,
+    GenerateStreamResponse,
+    PromptLogprob,
+    PromptLogprobs,
+    UsageInfo,
+)
+from .routing_codec import decode_int_array
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -88,6 +122,21 @@ def _check_top_k(v: int | None) -> int | None:
     raise ValueError("top_k must be -1 or 0 (disabled) or a positive integer")
 
 
+def _decode_routing(v: Any) -> np.ndarray | None:
+    return None if v is None else decode_int_array(v, ndim=3)
+
+
+# A routing array sent by the client: base64 ``.npy`` in, the decoded integer array (any integer dtype) out.
+# Shape and ids are checked against the model and the prompt by serving (serving.check_replay).
+RoutingArray = Annotated[
+    Any,
+    PlainValidator(_decode_routing),
+    WithJsonSchema({"type": ["string", "null"], "contentEncoding": "base64",
+                    "description": ".npy bytes of an integer array [rows, num_hidden_layers, top_k], base64, "
+                                   "as the server returns routed_experts"}),
+]
+
+
 class StreamOptions(_Base):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
@@ -117,6 +166,10 @@ class GenerationRequestFields(_ValidUnicode):
     return_routed_experts: bool | None = None
     routed_experts_prompt_start: int | None = Field(None, ge=0)
     return_token_ids: bool | None = False
+    # Issue 19: forced routing (row i = the experts of prompt position i), the combine weights, prompt scoring.
+    replay_routed_experts: RoutingArray = None
+    return_routed_weights: bool | None = False
+    prompt_logprobs: int | None = Field(None, ge=0)
 
     # Knobs the engine does not implement: neutral values only.
     presence_penalty: float | None = 0.0
@@ -127,7 +180,6 @@ class GenerationRequestFields(_ValidUnicode):
     use_beam_search: bool | None = False
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -140,7 +192,6 @@ class GenerationRequestFields(_ValidUnicode):
     _v_repetition = _unsupported("repetition_penalty", 1.0)
     _v_min_p = _unsupported("min_p", 0.0)
     _v_beam = _unsupported("use_beam_search", False)
-    _v_prompt_logprobs = _unsupported("prompt_logprobs", None)
     _v_guided_json = _unsupported("guided_json", None)
     _v_guided_regex = _unsupported("guided_regex", None)
     _v_guided_choice = _unsupported("guided_choice", None)
@@ -315,8 +366,10 @@ class GenerateRequest(_ValidUnicode):
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     features: Any = None
-    # Extension: per-request routing switch at top level too.
+    # Extension: per-request routing options at top level too (used when sampling_params has none).
     return_routed_experts: bool | None = None
+    return_routed_weights: bool | None = None
+    replay_routed_experts: RoutingArray = None
 
     _v_features = _unsupported("features", None)
     _v_kv = _unsupported("kv_transfer_params", None)
@@ -332,161 +385,3 @@ class GenerateRequest(_ValidUnicode):
         if v != 0:
             raise ValueError("priority scheduling is not supported (priority must be 0)")
         return v
-
-
-# --------------------------------------------------------------------------
-# Responses
-
-
-class UsageInfo(_Base):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
-
-
-class CompletionLogProbs(_Base):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionResponseChoice(_Base):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    routed_experts: str | None = None
-    weight_version: str | None = None  # the weights that produced the choice (on its last chunk when streaming)
-
-
-class CompletionResponse(_Base):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class CompletionResponseStreamChoice(CompletionResponseChoice):
-    """A streamed choice carries the same fields (deltas; routed_experts on the choice's last chunk)."""
-
-
-class CompletionStreamResponse(_Base):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ChatCompletionLogProb(_Base):
-    token: str
-    logprob: float = -9999.0
-    bytes: list[int] | None = None
-
-
-class ChatCompletionLogProbsContent(ChatCompletionLogProb):
-    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
-
-
-class ChatCompletionLogProbs(_Base):
-    content: list[ChatCompletionLogProbsContent] | None = None
-
-
-class ChatResponseMessage(_Base):
-    role: str = "assistant"
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class ChatCompletionResponseChoice(_Base):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    routed_experts: str | None = None
-    weight_version: str | None = None  # the weights that produced the choice
-
-
-class ChatCompletionResponse(_Base):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-    prompt_token_ids: list[int] | None = None
-    system_fingerprint: str | None = None
-
-
-class DeltaMessage(_Base):
-    """A streamed chat delta; unset fields are left out (``{}`` on the last chunk)."""
-
-    role: str | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatCompletionResponseStreamChoice(_Base):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    routed_experts: str | None = None
-    weight_version: str | None = None  # on the choice's last chunk
-
-
-class ChatCompletionStreamResponse(_Base):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class GenerateResponseChoice(_Base):
-    index: int
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = "stop"
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    routed_experts: str | None = None
-    weight_version: str | None = None  # the weights that produced the choice (on its last chunk when streaming)
-
-
-class GenerateResponse(_Base):
-    request_id: str
-    model: str
-    created: int
-    choices: list[GenerateResponseChoice]
-    usage: UsageInfo
-    prompt_logprobs: None = None
-    kv_transfer_params: None = None
-
-
-class GenerateStreamResponse(_Base):
-    request_id: str
-    choices: list[GenerateResponseChoice]
-    usage: UsageInfo | None = None

@@ -2,7 +2,13 @@
 
 Decode on the client: ``np.load(io.BytesIO(base64.b64decode(s)))`` gives
 ``(rows, num_hidden_layers, top_k)``, uint8 when the model has at most 256
-experts, else uint16.
+experts, else uint16.  ``routed_weights`` use the same format and the same
+accumulator, in float32.
+
+The other direction, a client's array in a request (``replay_routed_experts``),
+goes through :func:`decode_int_array`: it trusts nothing in the bytes (base64
+checked strictly, no pickled objects, the header's shape must match the data's
+length before anything is allocated).
 
 The engine sends UINT16 chunks (one per Triton response).  The accumulator
 keeps references to them and, at the end, copies each chunk once, casting,
@@ -16,7 +22,9 @@ them (base64 needs no escaping).
 
 from __future__ import annotations
 
+import binascii
 import io
+import math
 import secrets
 
 import numpy as np
@@ -67,8 +75,56 @@ def decode_routed_experts(encoded: str) -> np.ndarray:
     return np.load(io.BytesIO(pybase64.b64decode(encoded)), allow_pickle=False)
 
 
+class ArrayDecodeError(ValueError):
+    """A request's base64 ``.npy`` field is not what it must be; the message says what is wrong."""
+
+
+def decode_int_array(encoded: object, ndim: int) -> np.ndarray:
+    """base64 of ``.npy`` bytes holding an ``ndim``-D array of any integer dtype -> that array (read-only view).
+
+    Raises :class:`ArrayDecodeError` for: not a string, not base64, not ``.npy``,
+    a dtype that is not a plain integer (float, bool, object/pickled, structured),
+    another number of dimensions, or data whose length disagrees with the header.
+    The header is read before any allocation, so a header claiming a huge shape
+    costs nothing (``np.load`` would allocate it first).
+    """
+    if not isinstance(encoded, str):
+        raise ArrayDecodeError("must be a string: base64 of .npy bytes")
+    try:
+        raw = pybase64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise ArrayDecodeError("is not valid base64") from None
+    fp = io.BytesIO(raw)
+    try:
+        version = np.lib.format.read_magic(fp)
+        if version == (1, 0):
+            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(fp)
+        elif version == (2, 0):
+            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(fp)
+        else:
+            raise ArrayDecodeError(f"is a .npy file of version {version[0]}.{version[1]}, which is not supported "
+                                   "(np.save writes 1.0)")
+    except ArrayDecodeError:
+        raise
+    except (ValueError, SyntaxError, TypeError, EOFError) as e:  # numpy's messages for a bad magic/header
+        raise ArrayDecodeError(f"is not a .npy file ({e})") from None
+    if dtype.hasobject or dtype.kind not in "iu" or dtype.fields is not None:
+        raise ArrayDecodeError(f"must hold an integer array (any signed or unsigned integer dtype), got dtype {dtype}")
+    if len(shape) != ndim:
+        raise ArrayDecodeError(f"must be a {ndim}-D array, got {len(shape)}-D with shape {tuple(shape)}")
+    count = math.prod(shape)
+    data = memoryview(raw)[fp.tell() :]
+    if len(data) != count * dtype.itemsize:
+        raise ArrayDecodeError(f"holds {len(data)} bytes of data where its header (shape {tuple(shape)}, dtype "
+                               f"{dtype}) says {count * dtype.itemsize}")
+    return np.frombuffer(data, dtype=dtype, count=count).reshape(shape, order="F" if fortran_order else "C")
+
+
 class RoutedExpertsAccumulator:
-    """Collects per-response routing chunks of one choice and encodes them once."""
+    """Collects per-response routing chunks of one choice and encodes them once.
+
+    Also used for ``routed_weights`` (float32 chunks, ``dtype=np.float32``).
+    """
 
     __slots__ = ("num_layers", "top_k", "dtype", "_chunks", "rows")
 
@@ -84,7 +140,7 @@ class RoutedExpertsAccumulator:
             return
         if chunk.ndim != 3 or chunk.shape[1:] != (self.num_layers, self.top_k):
             raise ValueError(
-                f"routed_experts chunk has shape {chunk.shape}, "
+                f"routing chunk has shape {chunk.shape}, "
                 f"expected (rows, {self.num_layers}, {self.top_k})"
             )
         self._chunks.append(chunk)

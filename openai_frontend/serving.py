@@ -7,7 +7,8 @@ and calls :meth:`ServingContext.generate` once, which, in this order:
    logprobs bound, the choice count (n x prompts, checked here only) and that
    the model is loaded (503 until it is);
 2. tokenizes the prompts (:mod:`.prompts`) and checks them against the model
-   (vocabulary, context length, ``routed_experts_prompt_start``);
+   (vocabulary, context length, ``routed_experts_prompt_start``, the shape and
+   ids of ``replay_routed_experts``: :mod:`.replay`);
 3. builds one :class:`~.triton_client.BackendRequest` per prompt (its choices
    differ only in their seed), reserves the choices (503 when the server is
    full) and starts them (:mod:`.generation`, which calls the backend through
@@ -45,6 +46,7 @@ from .http_utils import run_with_cancellation
 from .metrics import Metrics
 from .prompts import PromptInput, PromptSource
 from .protocol import INT64_MAX, INT64_MIN, GenerationRequestFields, StreamOptions, UsageInfo
+from .replay import check_replay
 from .tokenizer import Tokenizer
 from .triton_client import BackendClient, BackendError, BackendRequest, ModelInfo
 
@@ -74,10 +76,13 @@ class GenerationPlan:
     stream_options: StreamOptions | None
     logprobs: int | None  # top-N per token; None = no logprobs
     detokenize: bool = True  # False: token ids only
+    prompt_logprobs: int | None = None  # top-N per prompt position the engine computes; None = none
     # The request fields that errors name (they differ per endpoint).
     n_param: str = "n"
     logprobs_param: str = "logprobs"
     max_tokens_param: str = "max_tokens"
+    prompt_logprobs_param: str = "prompt_logprobs"
+    replay_param: str = "replay_routed_experts"
 
 
 class TokenUsage:
@@ -209,6 +214,15 @@ class ServingContext:
         if plan.logprobs is not None and plan.logprobs > self.cfg.max_logprobs:
             raise BadRequestError(f"{plan.logprobs_param} must be at most {self.cfg.max_logprobs}.",
                                   param=plan.logprobs_param)
+        if plan.prompt_logprobs is not None and plan.prompt_logprobs > self.cfg.max_logprobs:
+            raise BadRequestError(f"{plan.prompt_logprobs_param} must be at most {self.cfg.max_logprobs}.",
+                                  param=plan.prompt_logprobs_param)
+        if plan.options.return_routed_weights and not self.cfg.enable_routed_experts:
+            raise BadRequestError("return_routed_weights needs routed-experts capture, which this server has off "
+                                  "(--disable-routed-experts).", param="return_routed_weights")
+        if plan.options.replay_routed_experts is not None and plan.prompts.count > 1:
+            raise BadRequestError(f"{plan.replay_param} forces the routing of one prompt; this request has "
+                                  f"{plan.prompts.count}.", param=plan.replay_param)
         # More choices than the server could ever run at once: 400 (not 503, retrying would not help).
         n, num_prompts, limit = plan.n, plan.prompts.count, self.cfg.max_pending_requests
         if n * num_prompts > limit:
@@ -255,7 +269,8 @@ class ServingContext:
         """Check each prompt against the model; one backend request per prompt, one spec per choice."""
         opts = plan.options
         want_routed = self.cfg.enable_routed_experts and opts.return_routed_experts is not False
-        prompt_start = (opts.routed_experts_prompt_start or 0) if want_routed else 0
+        want_weights = bool(opts.return_routed_weights)  # checked against the server switch in _check_request
+        prompt_start = (opts.routed_experts_prompt_start or 0) if want_routed or want_weights else 0
         stop = opts.stop_list()
         specs: list[ChoiceSpec] = []
         for p_idx, prompt in enumerate(prompts):
@@ -267,6 +282,9 @@ class ServingContext:
                     f"tokens ({len(prompt.ids)}).",
                     param="routed_experts_prompt_start",
                 )
+            replay = None
+            if opts.replay_routed_experts is not None:
+                replay = check_replay(opts.replay_routed_experts, len(prompt.ids), model, plan.replay_param)
             request = BackendRequest(
                 input_ids=prompt.ids,
                 stream=plan.stream or bool(stop),  # stop strings: see tokens early, cancel early
@@ -280,6 +298,9 @@ class ServingContext:
                 logprobs=plan.logprobs,
                 return_routed_experts=want_routed,
                 routed_experts_prompt_start=prompt_start or None,
+                replay_routed_experts=replay,
+                return_routed_weights=True if want_weights else None,
+                prompt_logprobs=plan.prompt_logprobs,
             )
             for i in range(plan.n):
                 specs.append(

@@ -33,6 +33,9 @@ from .serving import Finished, GenerationPlan, ServingContext
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
     if req.top_logprobs and not req.logprobs:
         raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    if req.prompt_logprobs is not None:
+        raise BadRequestError("prompt_logprobs is supported on /v1/completions and /inference/v1/generate, not on "
+                              "chat completions.", param="prompt_logprobs")
     if req.max_completion_tokens is not None:
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -73,6 +76,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 token_ids=r.token_ids if token_ids_on else None,
                 prompt_token_ids=prompt_ids if token_ids_on else None,
                 routed_experts=payloads.ref(r.routed_experts),
+                routed_weights=payloads.ref(r.routed_weights),
                 weight_version=r.weight_version,
             )
             for r in outcome.results
@@ -110,6 +114,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 if d.last:
                     fields["stop_reason"] = d.stop_reason
                     fields["routed_experts"] = payloads.ref(d.routed_experts)
+                    fields["routed_weights"] = payloads.ref(d.routed_weights)
                     fields["weight_version"] = d.weight_version
                 yield chunk(ChatCompletionResponseStreamChoice(
                     index=d.index,

@@ -1,4 +1,12 @@
-"""POST /v1/completions: the body -> a plan; the outcome -> OpenAI's completion objects."""
+"""POST /v1/completions: the body -> a plan; the outcome -> OpenAI's completion objects.
+
+Prompt scoring: ``prompt_logprobs`` (vLLM's field and format, on each choice)
+and ``echo`` with ``logprobs`` (OpenAI's legacy format: the prompt's tokens
+first, the first with null logprobs) both come from the engine's prompt
+logprobs, computed in the prefill; as in vLLM, echo + logprobs N asks for
+prompt logprobs N too.  Streaming: the echoed prompt (text and logprobs) and
+``prompt_logprobs`` go out on the chunk that carries the choice's first token.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +15,7 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from starlette.responses import Response
 
-from .errors import BadRequestError
-from .logprobs_format import completion_logprobs
+from .logprobs_format import completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs
 from .prompts import CompletionPrompts, PromptInput
 from .protocol import (
     CompletionRequest,
@@ -25,9 +32,9 @@ from .serving import Finished, GenerationPlan, ServingContext
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
-    if req.echo and req.logprobs is not None:
-        raise BadRequestError("echo together with logprobs needs prompt logprobs, which are not supported.",
-                              param="echo")
+    echo_lp = req.echo and req.logprobs is not None
+    shown_prompt_n = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs if echo_lp else None
+    engine_prompt_n = max(req.prompt_logprobs or 0, req.logprobs or 0) if shown_prompt_n is not None else None
     plan = GenerationPlan(
         request_id=random_id("cmpl"),
         model=req.model,
@@ -38,6 +45,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         stream=req.stream,
         stream_options=req.stream_options,
         logprobs=req.logprobs,
+        prompt_logprobs=engine_prompt_n,
+        prompt_logprobs_param="prompt_logprobs" if req.prompt_logprobs is not None else "logprobs",
     )
     created = now()
     model_name = ctx.cfg.served_model_name
@@ -54,6 +63,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             return p.text
         return ctx.tokenizer.decode(p.ids, skip_special_tokens=req.skip_special_tokens)
 
+    def scores(p: PromptInput, s):  # noqa: ANN001, ANN202 - PromptScores | None
+        return prompt_logprobs(p.ids, s, ctx.tokenizer, shown_prompt_n) if shown_prompt_n is not None else None
+
     if isinstance(outcome, Finished):
         choices = []
         for r in outcome.results:
@@ -62,6 +74,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             logprobs = None
             if r.logprobs is not None:
                 logprobs, _ = completion_logprobs(r.logprobs, ctx.tokenizer, top_n, len(prefix), as_ids=as_ids)
+                if echo_lp:
+                    logprobs = join_logprobs(echo_logprobs(prompt.ids, r.prompt_logprobs, ctx.tokenizer, top_n,
+                                                           as_ids=as_ids), logprobs)
             choices.append(
                 CompletionResponseChoice(
                     index=r.index,
@@ -70,8 +85,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                     finish_reason=r.finish_reason,
                     stop_reason=r.stop_reason,
                     token_ids=r.token_ids if token_ids_on else None,
+                    prompt_logprobs=scores(prompt, r.prompt_logprobs),
                     prompt_token_ids=prompt.ids if token_ids_on else None,
                     routed_experts=payloads.ref(r.routed_experts),
+                    routed_weights=payloads.ref(r.routed_weights),
                     weight_version=r.weight_version,
                 )
             )
@@ -84,20 +101,28 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     offsets: dict[int, int] = {}  # text offset of each choice's next logprob token
+    echoed: set[int] = set()  # choices whose prompt went out
 
     async def events() -> AsyncGenerator[bytes, None]:
         async for d in outcome:
             prompt = prompts[d.index // n]
             text = d.text
-            if d.first and req.echo:
+            echo_now = (req.echo and d.index not in echoed
+                        and (engine_prompt_n is None or d.prompt_logprobs is not None or d.last))
+            if echo_now:  # with prompt logprobs, on the delta that carries them (the first token's)
+                echoed.add(d.index)
                 text = echo_text(prompt) + text
-            if not (text or d.last or d.logprobs or (token_ids_on and d.token_ids) or (d.first and token_ids_on)):
+            if not (text or d.last or d.logprobs or d.prompt_logprobs is not None
+                    or (token_ids_on and d.token_ids) or (d.first and token_ids_on)):
                 continue
             logprobs = None
             if d.logprobs is not None:
-                start = offsets.get(d.index, len(text) - len(d.text))
+                start = offsets.get(d.index, 0) + len(text) - len(d.text)  # past the echoed prompt, if here
                 logprobs, offsets[d.index] = completion_logprobs(d.logprobs, ctx.tokenizer, top_n, start,
                                                                  as_ids=as_ids)
+                if echo_now and echo_lp:
+                    logprobs = join_logprobs(echo_logprobs(prompt.ids, d.prompt_logprobs, ctx.tokenizer, top_n,
+                                                           as_ids=as_ids), logprobs)
             chunk = CompletionStreamResponse(
                 id=plan.request_id,
                 created=created,
@@ -110,8 +135,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                         finish_reason=d.finish_reason,
                         stop_reason=d.stop_reason,
                         token_ids=d.token_ids if token_ids_on else None,
+                        prompt_logprobs=scores(prompt, d.prompt_logprobs) if d.prompt_logprobs is not None else None,
                         prompt_token_ids=prompt.ids if token_ids_on and d.first else None,
                         routed_experts=payloads.ref(d.routed_experts),
+                        routed_weights=payloads.ref(d.routed_weights),
                         weight_version=d.weight_version,
                     )
                 ],

@@ -1,4 +1,9 @@
-"""POST /inference/v1/generate: tokens in, tokens out (vLLM's disaggregated-serving API)."""
+"""POST /inference/v1/generate: tokens in, tokens out (vLLM's disaggregated-serving API).
+
+``sampling_params.prompt_logprobs`` fills the response's top-level
+``prompt_logprobs`` (as vLLM; one prompt, so one list for every choice); when
+streaming, it rides once on the first chunk that has it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from starlette.responses import Response
 
-from .logprobs_format import chat_logprobs
+from .logprobs_format import chat_logprobs, prompt_logprobs
 from .prompts import TokenIdsPrompt
 from .protocol import (
     GenerateRequest,
@@ -26,6 +31,11 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
     sp = req.sampling_params
     if sp.return_routed_experts is None and req.return_routed_experts is not None:
         sp.return_routed_experts = req.return_routed_experts  # the top-level switch, when sampling_params has none
+    if not sp.return_routed_weights and req.return_routed_weights:
+        sp.return_routed_weights = True
+    replay_param = "sampling_params.replay_routed_experts"
+    if sp.replay_routed_experts is None and req.replay_routed_experts is not None:
+        sp.replay_routed_experts, replay_param = req.replay_routed_experts, "replay_routed_experts"
     plan = GenerationPlan(
         request_id=req.request_id or random_id("gen"),
         model=req.model,
@@ -37,9 +47,12 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
         stream_options=req.stream_options,
         logprobs=sp.logprobs,
         detokenize=False,  # token ids only; text is decoded internally only to match stop strings
+        prompt_logprobs=sp.prompt_logprobs,
         n_param="sampling_params.n",
         logprobs_param="sampling_params.logprobs",
         max_tokens_param="sampling_params.max_tokens",
+        prompt_logprobs_param="sampling_params.prompt_logprobs",
+        replay_param=replay_param,
     )
     model_name = ctx.cfg.served_model_name
     token_ids_on = bool(sp.return_token_ids)
@@ -50,6 +63,10 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
 
     def logprobs(lps):  # noqa: ANN001, ANN202
         return chat_logprobs(lps, ctx.tokenizer, top_n, as_ids=True) if lps is not None else None
+
+    def scores(s):  # noqa: ANN001, ANN202 - PromptScores | None
+        tokenizer = ctx.tokenizer if sp.detokenize else None
+        return prompt_logprobs(prompt_ids, s, tokenizer, sp.prompt_logprobs) if sp.prompt_logprobs is not None else None
 
     if isinstance(outcome, Finished):
         return json_response(
@@ -65,11 +82,13 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
                         token_ids=r.token_ids,
                         prompt_token_ids=prompt_ids if token_ids_on else None,
                         routed_experts=payloads.ref(r.routed_experts),
+                        routed_weights=payloads.ref(r.routed_weights),
                         weight_version=r.weight_version,
                     )
                     for r in outcome.results
                 ],
                 usage=outcome.usage,
+                prompt_logprobs=scores(outcome.results[0].prompt_logprobs) if outcome.results else None,
             ),
             payloads,
         )
@@ -77,7 +96,10 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
+    prompt_sent = False
+
     async def events() -> AsyncGenerator[bytes, None]:
+        nonlocal prompt_sent
         async for d in outcome:
             if not d.token_ids and not d.last and not (token_ids_on and d.first):
                 continue
@@ -91,10 +113,13 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
                         token_ids=d.token_ids,
                         prompt_token_ids=prompt_ids if token_ids_on and d.first else None,
                         routed_experts=payloads.ref(d.routed_experts),
+                        routed_weights=payloads.ref(d.routed_weights),
                         weight_version=d.weight_version,
                     )
                 ],
             )
+            if d.prompt_logprobs is not None and not prompt_sent:
+                chunk.prompt_logprobs, prompt_sent = scores(d.prompt_logprobs), True
             if continuous:
                 chunk.usage = outcome.usage.choice(d.index)
             yield payloads.sse(chunk)

@@ -113,6 +113,9 @@ class BackendRequest:
     logprobs: int | None = None
     return_routed_experts: bool | None = None
     routed_experts_prompt_start: int | None = None
+    replay_routed_experts: np.ndarray | None = None  # int32 [R, num_hidden_layers, top_k], checked by serving
+    return_routed_weights: bool | None = None
+    prompt_logprobs: int | None = None  # top-N of each prompt position (0: the prompt tokens' logprobs only)
 
     def to_inputs(self) -> list[grpcclient.InferInput]:
         inputs = [_tensor("input_ids", np.asarray(self.input_ids, dtype=np.int64).reshape(-1))]
@@ -127,6 +130,8 @@ class BackendRequest:
             ("logprobs", self.logprobs, np.int32),
             ("return_routed_experts", self.return_routed_experts, np.bool_),
             ("routed_experts_prompt_start", self.routed_experts_prompt_start, np.int32),
+            ("return_routed_weights", self.return_routed_weights, np.bool_),
+            ("prompt_logprobs", self.prompt_logprobs, np.int32),
             ("stream", self.stream, np.bool_),
         )
         for name, value, dtype in scalars:
@@ -134,6 +139,8 @@ class BackendRequest:
                 inputs.append(_tensor(name, np.array([value], dtype=dtype)))
         if self.stop_token_ids:
             inputs.append(_tensor("stop_token_ids", np.asarray(self.stop_token_ids, dtype=np.int64)))
+        if self.replay_routed_experts is not None:
+            inputs.append(_tensor("replay_routed_experts", np.ascontiguousarray(self.replay_routed_experts, np.int32)))
         return inputs
 
 
@@ -154,6 +161,11 @@ _OUTPUTS = (
     "logprobs",
     "top_logprob_ids",
     "top_logprobs",
+    "routed_weights",
+    "prompt_logprobs",
+    "prompt_logprob_ranks",
+    "prompt_top_logprob_ids",
+    "prompt_top_logprobs",
     "weight_version",
 )
 
@@ -170,6 +182,12 @@ class BackendOutput:
     logprobs: np.ndarray | None = None  # [n]
     top_logprob_ids: np.ndarray | None = None  # [n, N]
     top_logprobs: np.ndarray | None = None  # [n, N]
+    routed_weights: np.ndarray | None = None  # float32 [rows, layers, top_k], the rows of routed_experts
+    # Sent once (on the response with the first new token): position i = logprob of prompt token i + 1.
+    prompt_logprobs: np.ndarray | None = None  # float32 [num_prompt - 1]
+    prompt_logprob_ranks: np.ndarray | None = None  # int64 [num_prompt - 1], 1 = the most likely token
+    prompt_top_logprob_ids: np.ndarray | None = None  # int64 [num_prompt - 1, N] (N > 0)
+    prompt_top_logprobs: np.ndarray | None = None  # float32 [num_prompt - 1, N]
     weight_version: str | None = None  # the weights that produced this response's tokens
 
     @classmethod
@@ -203,6 +221,21 @@ class BackendOutput:
             if ids is not None and vals is not None and n:
                 out.top_logprob_ids = ids.reshape(n, -1)
                 out.top_logprobs = vals.reshape(n, -1)
+        rw = result.as_numpy("routed_weights")
+        if rw is not None and rw.size:
+            out.routed_weights = rw
+        plp = result.as_numpy("prompt_logprobs")
+        if plp is not None:
+            out.prompt_logprobs = plp.reshape(-1)
+            n = out.prompt_logprobs.shape[0]
+            ranks = result.as_numpy("prompt_logprob_ranks")
+            if ranks is not None:
+                out.prompt_logprob_ranks = ranks.reshape(-1)
+            ids = result.as_numpy("prompt_top_logprob_ids")
+            vals = result.as_numpy("prompt_top_logprobs")
+            if ids is not None and vals is not None and n:
+                out.prompt_top_logprob_ids = ids.reshape(n, -1)
+                out.prompt_top_logprobs = vals.reshape(n, -1)
         return out
 
 

@@ -4,8 +4,10 @@
 - The engine thread calls back with per-step outputs; they go on a queue that a
   separate response thread drains, so the engine never waits on Triton IPC.
 - Streaming requests get one response per step; non-streaming requests get one
-  response with everything. Every request ends with exactly one response that
-  carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` (an error response included).
+  response with everything (routed experts and weights concatenated; prompt
+  logprobs, which the engine sends once, on the response that carries them).
+  Every request ends with exactly one response that carries
+  ``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` (an error response included).
 - A request Triton marks cancelled is aborted in the engine and ended with a
   CANCELLED error.
 - Every response carries ``weight_version``: the weights that produced its tokens.
@@ -60,6 +62,7 @@ class _Pending:
     engine_id: str
     stream: bool
     routing: bool
+    weights: bool  # return_routed_weights
     L: int
     K: int
     # Non-streaming requests accumulate here until the final output.
@@ -68,6 +71,8 @@ class _Pending:
     logprobs: list = field(default_factory=list)
     top_ids: list = field(default_factory=list)
     top_vals: list = field(default_factory=list)
+    weight_rows: list = field(default_factory=list)
+    prompt_lp: RequestOutput | None = None  # the output that carried the prompt logprobs
     cancelled: bool = False
     first_sent: bool = False  # streaming: whether a response went out already
 
@@ -110,6 +115,18 @@ def _optional_scalar(request, name, cast):
     if arr.size != 1:
         raise InvalidRequestError(f"{name}: expected one value, got {arr.size}", param=name)
     return cast(arr[0])
+
+
+def _rows(chunks: list, p: _Pending, dtype) -> np.ndarray:
+    """Per-step row chunks ([rows, L, K] each, or None) -> one contiguous array of ``dtype``."""
+    chunks = [c for c in chunks if c is not None and len(c)]
+    arr = np.concatenate(chunks) if len(chunks) > 1 else chunks[0] if chunks else np.empty((0, p.L, p.K))
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def _prompt_lp(outs: list[RequestOutput]) -> RequestOutput | None:
+    """The output among ``outs`` that carries the prompt logprobs (the engine sets them once)."""
+    return next((o for o in outs if o.prompt_logprobs is not None), None)
 
 
 class TritonPythonModel:
@@ -213,12 +230,15 @@ class TritonPythonModel:
             logprobs=None if logprobs is None or logprobs < 0 else logprobs,
         )
         want_routing = opt("return_routed_experts", bool, True) and self.routing_enabled
+        want_weights = opt("return_routed_weights", bool, False) and self.routing_enabled
+        replay_t = pb_utils.get_input_tensor_by_name(request, "replay_routed_experts")
         engine_id = f"{self.engine.new_request_id()}:{request.request_id()}"
         pending = _Pending(
             sender=sender,
             engine_id=engine_id,
             stream=opt("stream", bool, False),
             routing=want_routing,
+            weights=want_weights,
             L=self.cfg.num_hidden_layers,
             K=self.cfg.num_experts_per_tok,
         )
@@ -226,8 +246,12 @@ class TritonPythonModel:
             request_id=engine_id,
             prompt_token_ids=prompt,
             sampling=sampling,
-            return_routed_experts=want_routing,
+            # The engine hands out weights with the ids: it captures both when either is asked for.
+            return_routed_experts=want_routing or want_weights,
             routed_experts_prompt_start=opt("routed_experts_prompt_start", int, 0),
+            replay_routed_experts=replay_t.as_numpy() if replay_t is not None else None,  # the engine checks it
+            return_routed_weights=want_weights,
+            prompt_logprobs=_optional_scalar(request, "prompt_logprobs", int),
             on_output=self._outputs.put,
         )
         with self._lock:
@@ -400,22 +424,29 @@ class TritonPythonModel:
         if p.stream:
             if not p.first_sent and len(outs) > 1:  # the first step always goes out alone (time to first token)
                 first = outs.pop(0)
-                p.sender.send(self._response(p, first, first.new_token_ids, [first.routed_experts], [first]))
+                p.sender.send(self._response(p, first, first.new_token_ids, [first.routed_experts], [first],
+                                             [first.routed_weights], _prompt_lp([first])))
             p.first_sent = True
             tokens = [t for o in outs for t in o.new_token_ids]
             rows = [o.routed_experts for o in outs]
-            p.sender.send(self._response(p, out, tokens, rows, outs), flags=flags)
+            weight_rows = [o.routed_weights for o in outs]
+            p.sender.send(self._response(p, out, tokens, rows, outs, weight_rows, _prompt_lp(outs)), flags=flags)
             return
         for o in outs:
             p.tokens.extend(o.new_token_ids)
             if o.routed_experts is not None:
                 p.rows.append(o.routed_experts)
+            if o.routed_weights is not None:
+                p.weight_rows.append(o.routed_weights)
             if o.logprobs is not None:
                 p.logprobs.append(o)
+            if o.prompt_logprobs is not None:
+                p.prompt_lp = o
         if out.finished:
-            p.sender.send(self._response(p, out, p.tokens, p.rows, p.logprobs), flags=flags)
+            p.sender.send(self._response(p, out, p.tokens, p.rows, p.logprobs, p.weight_rows, p.prompt_lp),
+                          flags=flags)
 
-    def _response(self, p: _Pending, out: RequestOutput, tokens, rows, lp_outputs):
+    def _response(self, p: _Pending, out: RequestOutput, tokens, rows, lp_outputs, weight_rows, prompt_lp):
         T = pb_utils.Tensor
         tensors = [
             T("output_ids", np.asarray(tokens, dtype=np.int64)),
@@ -425,9 +456,16 @@ class TritonPythonModel:
             T("weight_version", np.array([(out.weight_version or "").encode()], dtype=np.object_)),
         ]
         if p.routing:
-            rows = [r for r in rows if r is not None and len(r)]
-            arr = np.concatenate(rows) if len(rows) > 1 else rows[0] if rows else np.empty((0, p.L, p.K))
-            tensors.append(T("routed_experts", np.ascontiguousarray(arr, dtype=np.uint16)))
+            tensors.append(T("routed_experts", _rows(rows, p, np.uint16)))
+        if p.weights:  # the same rows as routed_experts
+            tensors.append(T("routed_weights", _rows(weight_rows, p, np.float32)))
+        if prompt_lp is not None:
+            tensors.append(T("prompt_logprobs", np.asarray(prompt_lp.prompt_logprobs, dtype=np.float32).reshape(-1)))
+            if prompt_lp.prompt_logprob_ranks is not None:
+                tensors.append(T("prompt_logprob_ranks", np.asarray(prompt_lp.prompt_logprob_ranks, np.int64)))
+            if prompt_lp.prompt_top_logprob_ids is not None:
+                tensors.append(T("prompt_top_logprob_ids", np.asarray(prompt_lp.prompt_top_logprob_ids, np.int64)))
+                tensors.append(T("prompt_top_logprobs", np.asarray(prompt_lp.prompt_top_logprobs, np.float32)))
         lp_outputs = [o for o in lp_outputs if o.logprobs is not None]
         if lp_outputs:
             tensors.append(
