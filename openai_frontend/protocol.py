@@ -170,6 +170,8 @@ class GenerationRequestFields(_ValidUnicode):
     replay_routed_experts: RoutingArray = None
     return_routed_weights: bool | None = False
     prompt_logprobs: int | None = Field(None, ge=0)
+    # vLLM's prefix-cache isolation: requests share cached KV blocks (and routing rows) only with the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     # Knobs the engine does not implement: neutral values only.
     presence_penalty: float | None = 0.0
@@ -362,7 +364,7 @@ class GenerateRequest(_ValidUnicode):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     features: Any = None

@@ -301,6 +301,7 @@ class ServingContext:
                 replay_routed_experts=replay,
                 return_routed_weights=True if want_weights else None,
                 prompt_logprobs=plan.prompt_logprobs,
+                cache_salt=opts.cache_salt,
             )
             for i in range(plan.n):
                 specs.append(

@@ -33,6 +33,8 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
         sp.return_routed_experts = req.return_routed_experts  # the top-level switch, when sampling_params has none
     if not sp.return_routed_weights and req.return_routed_weights:
         sp.return_routed_weights = True
+    if sp.cache_salt is None and req.cache_salt is not None:
+        sp.cache_salt = req.cache_salt  # vLLM's place for it is the top level
     replay_param = "sampling_params.replay_routed_experts"
     if sp.replay_routed_experts is None and req.replay_routed_experts is not None:
         sp.replay_routed_experts, replay_param = req.replay_routed_experts, "replay_routed_experts"

@@ -116,6 +116,7 @@ class BackendRequest:
     replay_routed_experts: np.ndarray | None = None  # int32 [R, num_hidden_layers, top_k], checked by serving
     return_routed_weights: bool | None = None
     prompt_logprobs: int | None = None  # top-N of each prompt position (0: the prompt tokens' logprobs only)
+    cache_salt: str | None = None  # prefix-cache isolation: cached blocks are shared only within one salt
 
     def to_inputs(self) -> list[grpcclient.InferInput]:
         inputs = [_tensor("input_ids", np.asarray(self.input_ids, dtype=np.int64).reshape(-1))]
@@ -141,6 +142,8 @@ class BackendRequest:
             inputs.append(_tensor("stop_token_ids", np.asarray(self.stop_token_ids, dtype=np.int64)))
         if self.replay_routed_experts is not None:
             inputs.append(_tensor("replay_routed_experts", np.ascontiguousarray(self.replay_routed_experts, np.int32)))
+        if self.cache_salt:
+            inputs.append(_tensor("cache_salt", np.array([self.cache_salt.encode()], dtype=np.object_)))
         return inputs
 
 

@@ -107,6 +107,11 @@ def _param(params: dict, key: str, default: str = "") -> str:
     return value if value != "" else default
 
 
+def _text(value) -> str:
+    """A BYTES input's element as text."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
 def _optional_scalar(request, name, cast):
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
@@ -252,6 +257,7 @@ class TritonPythonModel:
             replay_routed_experts=replay_t.as_numpy() if replay_t is not None else None,  # the engine checks it
             return_routed_weights=want_weights,
             prompt_logprobs=_optional_scalar(request, "prompt_logprobs", int),
+            cache_salt=_optional_scalar(request, "cache_salt", _text),
             on_output=self._outputs.put,
         )
         with self._lock:
@@ -453,6 +459,7 @@ class TritonPythonModel:
             T("finish_reason", np.array([(out.finish_reason or "").encode()], dtype=np.object_)),
             T("num_prompt_tokens", np.array([out.num_prompt_tokens], dtype=np.int32)),
             T("num_output_tokens", np.array([out.num_output_tokens], dtype=np.int32)),
+            T("num_cached_tokens", np.array([out.num_cached_tokens], dtype=np.int32)),
             T("weight_version", np.array([(out.weight_version or "").encode()], dtype=np.object_)),
         ]
         if p.routing:

@@ -241,11 +241,15 @@ class Engine:
                 tokens=list(req.prompt_token_ids),
                 num_prompt=len(req.prompt_token_ids),
             )
+            key = []
+            if req.cache_salt:  # only requests of the same salt share cached blocks
+                key.append(("salt", req.cache_salt))
             if req.replay_routed_experts is not None:
                 # Blocks computed under forced routing are shared only with the same replay, never with requests
                 # routed by the router's own choice (and never the other way round).
                 req.replay_routed_experts = np.ascontiguousarray(req.replay_routed_experts, dtype=np.int64)
-                seq.table.cache_key = ("replay", hashlib.sha1(req.replay_routed_experts.tobytes()).hexdigest())
+                key.append(("replay", hashlib.sha1(req.replay_routed_experts.tobytes()).hexdigest()))
+            seq.table.cache_key = tuple(key) or None
             self._inbox.append(("add", seq))
             self._cv.notify_all()
 

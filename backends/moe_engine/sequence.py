@@ -57,6 +57,8 @@ class Request:
     replay_routed_experts: np.ndarray | None = None
     return_routed_weights: bool = False  # the combine weights beside the routed experts
     prompt_logprobs: int | None = None  # None: off; N >= 0: every prompt token's logprob (after the first), top N
+    # Prefix-cache isolation (vLLM's cache_salt): requests share cached blocks only with requests of the same salt.
+    cache_salt: str | None = None
 
     @property
     def needs_full_prompt(self) -> bool:

@@ -438,3 +438,34 @@ def test_requests_preempted_while_sharing_cached_blocks_return_what_an_unpreempt
     want = run_all(ref)
     for g, w in zip(got, want):
         assert_same(g, w)
+
+
+def test_cache_salt_shares_cached_prefixes_only_within_one_salt(moe_server, ref):
+    """vLLM's cache_salt: a tenant's prompts never hit blocks another salt (or no salt) computed."""
+    prompt = token_prompt(4242, 130)
+    counters = Counters(moe_server)
+
+    def generate(salt):
+        body = {"token_ids": prompt, "sampling_params": {"max_tokens": 3, "temperature": 0}}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = httpx.post(f"{moe_server.base_url.removesuffix('/v1')}/inference/v1/generate", json=body,
+                       headers={"Authorization": f"Bearer {moe_server.api_key}"}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    first = generate("tenant-a")
+    assert counters.delta(len(prompt))["hits"] == 0
+    assert generate("tenant-b")["token_ids"] == first["token_ids"]
+    assert counters.delta(len(prompt))["hits"] == 0  # another salt: computed again
+    assert generate(None)["token_ids"] == first["token_ids"]
+    assert counters.delta(len(prompt))["hits"] == 0
+    same = generate("tenant-a")
+    assert counters.delta(len(prompt))["hits"] == full_blocks_hit(len(prompt), len(prompt)) > 0
+    assert same["routed_experts"] == first["routed_experts"]
+
+
+def test_empty_cache_salt_is_refused(moe_server):
+    r = httpx.post(f"{moe_server.base_url}/completions", json={"model": "tiny-mixtral", "prompt": "hi",
+                   "max_tokens": 1, "cache_salt": ""}, headers={"Authorization": f"Bearer {moe_server.api_key}"})
+    assert r.status_code == 400 and "cache_salt" in r.text

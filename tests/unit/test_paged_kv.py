@@ -203,3 +203,34 @@ def test_block_manager_shares_reference_counted_blocks_and_evicts_least_recently
     assert bm.allocate(c, 8 * 4) and bm.num_cached == 0 and bm.num_free == 0
     assert not bm.allocate(c, 9 * 4)  # nothing left: refused, nothing taken
     assert len(c.blocks) == 8
+
+
+def test_cache_salt_isolates_cached_prefixes(tiny):
+    engine = make_engine(tiny, max_model_len=256)
+    p = prompt_of(100, 17)
+
+    def run(salt):
+        c = submit_salted(engine, p, salt)
+        run_all(engine, [c])
+        return c
+
+    first = run("alice")
+    hits = engine.stats()["prefix_cache_hits"]
+    assert run("bob").tokens == first.tokens and engine.stats()["prefix_cache_hits"] == hits  # other salt: cold
+    assert run(None).tokens == first.tokens and engine.stats()["prefix_cache_hits"] == hits  # no salt: cold too
+    again = run("alice")
+    assert engine.stats()["prefix_cache_hits"] - hits == 96  # same salt: every full prompt block
+    np.testing.assert_array_equal(again.routing, first.routing)
+
+
+def submit_salted(engine, prompt, salt):
+    from moe_engine.engine import Request
+    from moe_engine.sampling import SamplingParams
+
+    from .test_engine import Collector
+
+    c = Collector()
+    engine.add_request(Request(request_id=engine.new_request_id(), prompt_token_ids=list(prompt),
+                               sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                               cache_salt=salt, on_output=c))
+    return c
