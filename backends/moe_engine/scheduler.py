@@ -281,16 +281,7 @@ class Scheduler:
             self._keep_rows(seq, step_rows, c)
             if seq.claims:
                 self._release_claims(seq, registered_only=True)
-            out = RequestOutput(
-                request_id=seq.request_id,
-                new_token_ids=[],
-                routed_experts=None,
-                finished=False,
-                finish_reason=None,
-                num_prompt_tokens=seq.num_prompt,
-                num_output_tokens=seq.num_output,
-                num_cached_tokens=seq.num_cached,
-            )
+            out = seq.output()
             self._rows_to_send(seq, out, step_rows, step_weights, c, n)
             if step.prompt_logprobs is not None and i in step.prompt_logprobs:
                 seq.prompt_lp.append(step.prompt_logprobs[i])
@@ -396,15 +387,6 @@ class Scheduler:
         self._release_claims(seq)
         seq.status = Status.FINISHED
         seq.pending_rows = []
-        out = last or RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=[],
-            routed_experts=None,
-            finished=True,
-            finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt,
-            num_output_tokens=seq.num_output,
-            num_cached_tokens=seq.num_cached,
-        )
+        out = last or seq.output()
         out.finished, out.finish_reason, out.error = True, reason, error
         emit(seq, out)

@@ -101,6 +101,19 @@ class Sequence:
     def request_id(self) -> str:
         return self.req.request_id
 
+    def output(self) -> RequestOutput:
+        """An empty output of this request as it stands (the scheduler fills in what a step produced)."""
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=[],
+            routed_experts=None,
+            finished=False,
+            finish_reason=None,
+            num_prompt_tokens=self.num_prompt,
+            num_output_tokens=self.num_output,
+            num_cached_tokens=self.num_cached,
+        )
+
     @property
     def num_remaining(self) -> int:
         """Tokens to forward before the next sample (1 when decoding)."""
