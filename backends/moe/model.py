@@ -102,9 +102,18 @@ class TritonPythonModel:
         log.info("loading %s (dtype=%s, device=%s)", checkpoint, dtype, device)
         t0 = time.monotonic()
         self.cfg = load_config(checkpoint)
-        model = load_model(checkpoint, dtype=dtype, device=device)
+        if ecfg.tensor_parallel_size > 1:  # this instance is rank 0; it starts the other ranks (ranks.py)
+            from moe_engine.ranks import build_parallel_engine
+
+            # KIND_GPU instances (data parallelism) get their first GPU from Triton; rank r uses first + r
+            first_gpu = int(args.get("model_instance_device_id") or 0) if args.get("model_instance_kind") == "GPU" else 0
+            self.engine = build_parallel_engine(checkpoint, dtype, device, self.cfg, ecfg, first_gpu=first_gpu)
+        else:
+            if device == "cuda" and args.get("model_instance_kind") == "GPU":
+                device = f"cuda:{args.get('model_instance_device_id') or 0}"
+            model = load_model(checkpoint, dtype=dtype, device=device)
+            self.engine = Engine(model, self.cfg, ecfg)
         log.info("loaded %s in %.1f s", self.cfg.architecture, time.monotonic() - t0)
-        self.engine = Engine(model, self.cfg, ecfg)
         self.routing_enabled = ecfg.enable_routed_experts
 
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
@@ -247,7 +256,9 @@ class TritonPythonModel:
 
     @classmethod
     def _make_metrics(cls, args):
-        labels = {"model": args["model_name"], "version": args["model_version"]}
+        # one series per model instance (data parallelism: several instances, each its own engine)
+        labels = {"model": args["model_name"], "version": args["model_version"],
+                  "instance": args.get("model_instance_name", "")}
         metrics = {"_families": [], "_last": {}}  # families must outlive their metrics: kept here
         for name, kind, description, keys in cls._METRICS:
             family = pb_utils.MetricFamily(

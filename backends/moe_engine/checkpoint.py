@@ -349,6 +349,8 @@ def load_model(
         unused = sorted(set(tensors.key_file) - tensors.used - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
         ignored = [k for k in unused if _ignored_key(k, cfg)]
         unused = [k for k in unused if not _ignored_key(k, cfg)]
+        if shard is not None:  # expert parallelism: the other ranks' experts are theirs to read
+            unused = [k for k in unused if not re.search(r"\.experts\.\d+\.", k)]
         if ignored:
             log.info("ignored %d tensors of layers >= num_hidden_layers (multi-token prediction), as HF", len(ignored))
     if bar is not None:

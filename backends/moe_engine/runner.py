@@ -352,11 +352,12 @@ class ModelRunner:
                       vals_h[a : a + m] if vals_h is not None else None)
         return out
 
-    def close(self) -> None:
-        """Stop what the runner drives (the other ranks of a tensor-parallel group); idempotent."""
+    def close(self, graceful: bool = True) -> None:
+        """Stop what the runner drives (the other ranks of a tensor-parallel group; ``graceful``: no step is in
+        flight, they may be told to stop); idempotent."""
         if self.on_close is not None:
             on_close, self.on_close = self.on_close, None
-            on_close()
+            on_close(graceful)
 
     def _transfer(self, tokens: torch.Tensor | None, rows: int, weight_rows: int) -> Transfer:
         """Queue the step's device->host transfer: sampled tokens [N] and the first ``rows`` routing rows
