@@ -309,8 +309,9 @@ class TritonPythonModel:
         if out.finished and (p.cancelled or out.finish_reason == "error"):
             if p.cancelled:
                 err = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
-            else:
-                err = pb_utils.TritonError(f"internal error: {out.error or 'engine error'}", pb_utils.TritonError.INTERNAL)
+            else:  # the engine stopped under it (died, e.g. a tensor-parallel rank exited; or shuts down): a 503
+                err = pb_utils.TritonError(f"unavailable: the engine is not running ({out.error or 'engine error'})",
+                                           pb_utils.TritonError.UNAVAILABLE)
             p.sender.send(pb_utils.InferenceResponse(error=err), flags=flags)
             return
         if p.stream:

@@ -296,6 +296,7 @@ class Engine:
                 self.step()
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine loop died")
+            exc = self._failure or exc  # a dead rank breaks the collectives too: name the cause
             self.dead = exc
             self._fail_all(f"engine failure: {exc!r}")
         finally:

@@ -207,7 +207,9 @@ class RankPool:
             cmd = [_python(), "-m", "moe_engine.ranks", "--rank", str(rank), "--world-size", str(self.world_size),
                    "--store-port", str(store.port), "--parent", str(os.getpid()),
                    "--num-threads", str(self.num_threads), "--args", json.dumps(self.args)]
-            self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+            # A session of their own: signals to rank 0's process group (Ctrl-C, Triton stopping) reach rank 0,
+            # which stops them in order; they also exit when rank 0 disappears (``_exit_with_parent``).
+            self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
         log.info("started ranks 1..%d (pids %s)", self.world_size - 1, self.pids)
         try:
             self._wait_joined(store)
