@@ -5,6 +5,7 @@
   watchdog restarts the backend, which serves again with a new rank; SIGTERM leaves no process behind.
 - DP = 2: two Triton model instances, each its own engine; concurrent requests reach both (each instance's
   engine gauges on /metrics show steps).
+- sizes the model cannot be split into are refused before anything starts.
 """
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import concurrent.futures
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import httpx
 import openai
@@ -99,3 +103,14 @@ def test_data_parallel_replicas_share_concurrent_requests(tmp_path):
         assert len(steps) == 2 and all(v > 0 for v in steps.values()), steps
     finally:
         assert server.stop() == 0, server.log_tail()
+
+
+def test_sizes_the_model_cannot_take_are_one_line_errors():
+    moe_serve = str(Path(sys.executable).parent / "moe-serve")
+    for args, words in ((["--tensor-parallel-size", "3"], "num_attention_heads (4)"),
+                        (["--tensor-parallel-size", "16", "--enable-expert-parallel"], "not divisible"),
+                        (["--data-parallel-size", "0"], "data-parallel size must be >= 1")):
+        r = subprocess.run([moe_serve, *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, r.stderr
+        errors = [line for line in r.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and words in errors[0] and "Traceback" not in r.stderr, r.stderr
