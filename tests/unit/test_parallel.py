@@ -97,15 +97,25 @@ def alive_children() -> list[psutil.Process]:
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
+# The expert-parallel run also overlaps decode steps (the GPU default): the next step's token ids never leave rank
+# 0's device and reach rank 1 by the device group's broadcast.
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep-overlapped"])
 def test_two_ranks_give_what_one_gives(expert_parallel, tiny_checkpoint, single_rank):
     cfg = load_config(tiny_checkpoint)
     ecfg = EngineConfig(max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2,
-                        enable_expert_parallel=expert_parallel)
+                        enable_expert_parallel=expert_parallel, overlap_decode=expert_parallel)
     engine = build_parallel_engine(tiny_checkpoint, "float32", "cpu", cfg, ecfg)
+    publish, device_ids = engine.runner.publish, []
+
+    def counting(step, input_ids):
+        device_ids.append(step.ids is None)
+        publish(step, input_ids)
+
+    engine.runner.publish = counting
     try:
         split = submit_mix(engine, cfg)
         assert engine.blocks.hit_tokens >= 32  # the second request read the first one's blocks
+        assert any(device_ids) == expert_parallel  # overlapped steps took their ids from rank 0's device
     finally:
         engine.shutdown()
     for one, two in zip(single_rank, split):
