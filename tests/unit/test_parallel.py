@@ -5,9 +5,9 @@ process is rank 0 and starts rank 1, as a Triton model instance does) gives what
   (logical ids, every row), logprobs of the sampled and the prompt tokens and combine weights within 1e-5
   (atol and rtol, the project's float32 tolerance; the all-reduce adds partial sums in another order, so bits
   differ); steps mix chunked prefills, decodes, prefix-cache hits and a routing replay;
-- every architecture (checkpoints written by transformers): the sharded model's logits and routed experts equal
-  the unsharded model's, with KV heads replicated (fewer KV heads than ranks) and a vocabulary that does not
-  divide evenly;
+- every architecture (checkpoints written by transformers: experts per expert, 3-D, or MXFP4): the sharded
+  model's logits and routed experts equal the unsharded model's, with KV heads replicated (fewer KV heads than
+  ranks) and a vocabulary that does not divide evenly;
 - a rank killed mid-request: the request ends with an error, the engine is dead, nothing hangs, no process is
   left; shutdown stops the other ranks (exit code 0).
 """
@@ -33,7 +33,7 @@ from moe_engine.model import reference_forward
 from moe_engine.ranks import build_parallel_engine
 from moe_engine.sampling import SamplingParams
 
-from .hf_checkpoints import ARCHS, make_hf_model, save_hf_checkpoint
+from .hf_checkpoints import ARCHS, make_hf_model, save_gpt_oss_mxfp4, save_hf_checkpoint
 from .parallel_harness import two_ranks
 from .test_replay import Result
 
@@ -186,22 +186,28 @@ def test_parallel_sizes_are_checked_before_loading(tiny_checkpoint):
 
 # ----------------------------------------------------------------------------- every architecture, model level
 
-CASES = [(arch, {}) for arch in ARCHS] + [
-    ("mixtral", dict(num_key_value_heads=1)),  # one KV head, replicated on both ranks
-    ("qwen3_moe", dict(vocab_size=255)),  # vocabulary parts of 128 + 127 (zero-padded)
+# (architecture, config overrides, how the checkpoint stores the experts): per expert as on the Hub by default
+CASES = [(arch, {}, "hub") for arch in ARCHS] + [
+    ("mixtral", dict(num_key_value_heads=1), "hub"),  # one KV head, replicated on both ranks
+    ("qwen3_moe", dict(vocab_size=255), "fused"),  # vocabulary parts of 128 + 127 (zero-padded); 3-D experts
+    ("gpt_oss", {}, "mxfp4"),  # experts as the Hub stores gpt-oss: MXFP4 blocks and scales
 ]
 
 
 @pytest.fixture(scope="module")
 def arch_checkpoints(tmp_path_factory):
     out = []
-    for arch, overrides in CASES:
-        path = tmp_path_factory.mktemp(f"tp-{arch}")
-        out.append(save_hf_checkpoint(make_hf_model(arch, seed=0, dtype=torch.float32, **overrides), path))
+    for arch, overrides, layout in CASES:
+        path = tmp_path_factory.mktemp(f"tp-{arch}-{layout}")
+        model = make_hf_model(arch, seed=0, dtype=torch.float32, **overrides)
+        if layout == "mxfp4":
+            out.append(save_gpt_oss_mxfp4(model, path))
+        else:
+            out.append(save_hf_checkpoint(model, path, fused=layout == "fused"))
     return out
 
 
-def test_every_architecture_splits_exactly_enough(arch_checkpoints):
+def test_every_architecture_split_over_two_ranks_matches_one_rank(arch_checkpoints):
     ids = prompt(24, 9)
     ids = [i % 250 + 3 for i in ids]
     cases = [dict(checkpoint=str(path), expert_parallel=ep, ids=ids)
