@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import logging
 import os
@@ -45,8 +46,11 @@ log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = float(os.environ.get("MOE_PARALLEL_JOIN_TIMEOUT_S", 300))  # ranks starting (imports, not loads)
 STOP_WAIT_S = 5.0  # a rank's time to exit after the stop message, then after SIGTERM
 
-# Header: message kind, then the step's sizes and flags (int64 each).
+# A message: one broadcast of _FIRST int64 (a header of _HEADER: kind, payload size, the step's sizes and flags;
+# then the payload's start), and a second one for the rest of a payload that does not fit (a decode step of up
+# to ~30 sequences with 64-block tables fits in one).
 _HEADER = 12
+_FIRST = 2048
 _STEP, _SETUP, _STOP = 1, 2, 3
 _F_DEVICE_IDS, _F_ROUTING, _F_WEIGHTS, _F_FORCED, _F_GRAPH = 1, 2, 4, 8, 16
 
@@ -63,19 +67,23 @@ class StepChannel:
         self.lock = threading.Lock()  # one sender at a time (the engine thread; the pool's stop)
 
     def _send(self, kind: int, fields: list[int], payload: np.ndarray) -> None:
-        header = torch.zeros(_HEADER, dtype=torch.long)
-        header[0], header[1] = kind, payload.size
-        header[2 : 2 + len(fields)] = torch.tensor(fields, dtype=torch.long)
-        self.group.broadcast_host(header)
-        if payload.size:
-            self.group.broadcast_host(torch.from_numpy(np.ascontiguousarray(payload, dtype=np.int64)))
+        first = np.zeros(_FIRST, dtype=np.int64)
+        first[0], first[1] = kind, payload.size
+        first[2 : 2 + len(fields)] = fields
+        n = min(payload.size, _FIRST - _HEADER)
+        first[_HEADER : _HEADER + n] = payload[:n]
+        self.group.broadcast_host(torch.from_numpy(first))
+        if payload.size > n:
+            self.group.broadcast_host(torch.from_numpy(np.ascontiguousarray(payload[n:], dtype=np.int64)))
 
     def _recv(self) -> tuple[int, list[int], np.ndarray]:
-        header = self.group.broadcast_host(torch.zeros(_HEADER, dtype=torch.long)).tolist()
-        payload = np.zeros(0, dtype=np.int64)
-        if header[1]:
-            payload = self.group.broadcast_host(torch.zeros(header[1], dtype=torch.long)).numpy()
-        return header[0], header[2:], payload
+        first = self.group.broadcast_host(torch.zeros(_FIRST, dtype=torch.long)).numpy()
+        size = int(first[1])
+        payload = first[_HEADER : _HEADER + min(size, _FIRST - _HEADER)]
+        if size > payload.size:
+            rest = self.group.broadcast_host(torch.zeros(size - payload.size, dtype=torch.long)).numpy()
+            payload = np.concatenate([payload, rest])
+        return int(first[0]), first[2:_HEADER].tolist(), payload
 
     # -- rank 0
 
@@ -84,13 +92,16 @@ class StepChannel:
         flags = ((_F_DEVICE_IDS if step.ids is None else 0) | (_F_ROUTING if step.want_routing else 0)
                  | (_F_WEIGHTS if step.want_weights else 0) | (_F_FORCED if step.forced is not None else 0)
                  | (_F_GRAPH if step.graph else 0))
+        lens = [len(t) for t in step.tables]
         parts = [
-            step.ids or [], step.context, step.query_lens, [len(t) for t in step.tables],
-            [b for t in step.tables for b in t], step.samplers, step.score_rows,
+            np.array(step.ids or [], dtype=np.int64), np.array(step.context, dtype=np.int64),
+            np.array(step.query_lens, dtype=np.int64), np.array(lens, dtype=np.int64),
+            np.fromiter(itertools.chain.from_iterable(step.tables), dtype=np.int64, count=sum(lens)),
+            np.array(step.samplers, dtype=np.int64), np.array(step.score_rows, dtype=np.int64),
         ]
         if step.forced is not None:
-            parts += [step.forced[0].astype(np.int64), step.forced[1].reshape(-1)]
-        payload = np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
+            parts += [step.forced[0].astype(np.int64), step.forced[1].reshape(-1).astype(np.int64)]
+        payload = np.concatenate(parts)
         with self.lock:
             self._send(_STEP, [flags, B, T, len(step.samplers), len(step.score_rows)], payload)
             if step.ids is None:
