@@ -73,8 +73,8 @@ def main() -> None:
     a = p.parse_args()
     models = {a.config: (json.load(open(a.config)), tuple(a.tp or (1, 2, 4, 8)))} if a.config else MODELS
     G = 2**30
-    print("| model | --tensor-parallel-size | weights / rank (GiB, bf16) | KV / token / rank (KiB) | KV left / rank (GiB) "
-          "| tokens in KV |")
+    print("| model | --tensor-parallel-size | weights / rank (GiB, bf16) | KV / token / rank (KiB) "
+          "| KV left / rank (GiB) | tokens in KV |")
     print("|---|---|---|---|---|---|")
     for name, (raw, sizes) in models.items():
         for tp in a.tp or sizes:

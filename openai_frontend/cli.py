@@ -204,8 +204,8 @@ def instance_groups(data_parallel: int, tensor_parallel: int, device: str) -> li
         raise ValueError(f"the data-parallel size must be >= 1, got {data_parallel}")
     gpus = _num_gpus() if device != "cpu" else 0
     if (device == "cuda" or gpus) and data_parallel * tensor_parallel > gpus:
-        raise ValueError(f"{data_parallel} replicas x {tensor_parallel} GPUs each need {data_parallel * tensor_parallel} "
-                         f"GPUs, {gpus} visible")
+        raise ValueError(f"{data_parallel} replicas x {tensor_parallel} GPUs each need "
+                         f"{data_parallel * tensor_parallel} GPUs, {gpus} visible")
     if data_parallel == 1:
         return None
     if device == "cpu" or gpus == 0:

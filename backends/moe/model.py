@@ -106,7 +106,8 @@ class TritonPythonModel:
             from moe_engine.ranks import build_parallel_engine
 
             # KIND_GPU instances (data parallelism) get their first GPU from Triton; rank r uses first + r
-            first_gpu = int(args.get("model_instance_device_id") or 0) if args.get("model_instance_kind") == "GPU" else 0
+            gpu_instance = args.get("model_instance_kind") == "GPU"
+            first_gpu = int(args.get("model_instance_device_id") or 0) if gpu_instance else 0
             self.engine = build_parallel_engine(checkpoint, dtype, device, self.cfg, ecfg, first_gpu=first_gpu)
         else:
             if device == "cuda" and args.get("model_instance_kind") == "GPU":

@@ -172,7 +172,9 @@ def _missing(root: Path, key: str, shape, alternative: str = "") -> CheckpointEr
     return CheckpointError(f"checkpoint {root} is missing tensor {key!r} (expected shape {_fmt(shape)}){alternative}")
 
 
-def _load_direct(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device, sel: Selection | None = None) -> torch.Tensor:
+def _load_direct(
+    t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device, sel: Selection | None = None
+) -> torch.Tensor:
     candidates = [name]
     blocks = _PER_EXPERT_NAMES.get(cfg.architecture, _DEFAULT_PER_EXPERT_NAMES)[0]
     if ".mlp." in name:  # e.g. Mixtral's router: block_sparse_moe.gate (Hub) or mlp.gate (v5)
@@ -187,7 +189,9 @@ def _load_direct(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device, s
     raise _missing(t.root, name, sel.full_shape if sel is not None else shape)
 
 
-def _load_experts(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device, sel: Selection | None = None) -> torch.Tensor:
+def _load_experts(
+    t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device, sel: Selection | None = None
+) -> torch.Tensor:
     """``model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2I, H] or ``...down_proj`` [E, H, I], from the fused
     tensor or assembled expert by expert (gate rows then up rows) into one preallocated buffer; GPT-OSS
     experts fused (as transformers writes them) or MXFP4. With ``sel``, only this rank's part."""
@@ -253,7 +257,8 @@ def _load_experts_part(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, dev
                     continue
                 key = f"{layer_prefix}.{block}.experts.{e}.{part}.weight"
                 if key not in t:
-                    raise _missing(t.root, name, full, f" or its per-expert form {key!r} (expected shape {_fmt(part_shape)})")
+                    raise _missing(t.root, name, full,
+                                   f" or its per-expert form {key!r} (expected shape {_fmt(part_shape)})")
                 piece = Selection(tuple(part_shape), (((a - lo, b - lo),), ((cols.start, cols.stop),)))
                 d = dst[1].start + a - rows.start
                 t.read_selected(key, piece, out[dst[0].start + j, d : d + b - a, dst[2]])

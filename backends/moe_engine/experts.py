@@ -317,7 +317,9 @@ def forward_grouped(expert, num_experts: int, x: Tensor, ids: Tensor, weights: T
     return sum_in_expert_order(y, ids, tok, slot)
 
 
-def forward_local(expert, first: int, num_local: int, x: Tensor, ids: Tensor, weights: Tensor, grouped_mm=None) -> Tensor:
+def forward_local(
+    expert, first: int, num_local: int, x: Tensor, ids: Tensor, weights: Tensor, grouped_mm=None
+) -> Tensor:
     """Expert parallelism: this rank's share of the experts' output [T, H], from the pairs routed to experts
     [first, first + num_local) only (pairs grouped in HF's order, weighted, summed in ascending expert order with
     zeros for the other ranks' pairs, so adding the ranks' shares gives every pair once). ``expert(e, rows)`` takes

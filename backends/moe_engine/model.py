@@ -15,6 +15,9 @@ runs route the same experts for all but near-tied tokens.
 Module and parameter names equal HF's in-memory (v5, fused experts) names, so
 checkpoint keys map one to one (checkpoint.py).
 
+Tensor parallelism: sharding.py shrinks the modules to one rank's heads / widths / experts / vocabulary rows
+before the weights load; each decoder layer then all-reduces its attention and MLP outputs (partial sums).
+
 Architecture differences come from the config's specs, never from the name, and each
 module is built from its spec alone: the router (``cfg.router``, routing.py), the
 attention (``cfg.attention``: grouped-query, or with ``attention.mla`` DeepSeek's
@@ -325,7 +328,6 @@ class MoEForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.tp = None  # this rank's ParallelGroup when sharded (sharding.py)
         for p in self.parameters():
             p.requires_grad_(False)
 

@@ -233,5 +233,4 @@ def shard_model(model: nn.Module, group, expert_parallel: bool) -> dict[str, Sel
                 _shard_mlp(s, shared)
         layer.tp = group
     _shard_vocab(s, model, group)
-    model.tp = group
     return s.selections
