@@ -257,9 +257,10 @@ class TritonPythonModel:
 
     @classmethod
     def _make_metrics(cls, args):
-        # one series per model instance (data parallelism: several instances, each its own engine)
-        labels = {"model": args["model_name"], "version": args["model_version"],
-                  "instance": args.get("model_instance_name", "")}
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        groups = json.loads(args["model_config"]).get("instance_group", [])
+        if sum(int(g.get("count", 1)) for g in groups) > 1:  # data parallelism: one series per instance (engine)
+            labels["instance"] = args.get("model_instance_name", "")
         metrics = {"_families": [], "_last": {}}  # families must outlive their metrics: kept here
         for name, kind, description, keys in cls._METRICS:
             family = pb_utils.MetricFamily(
