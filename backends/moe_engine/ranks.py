@@ -44,7 +44,8 @@ from .kv_cache import blocks_for_budget
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = float(os.environ.get("MOE_PARALLEL_JOIN_TIMEOUT_S", 300))  # ranks starting (imports, not loads)
-STOP_WAIT_S = 5.0  # a rank's time to exit after the stop message, then after SIGTERM
+STOP_WAIT_S = 10.0  # a rank's time to exit after the stop message (then SIGTERM, 5 s, SIGKILL)
+TERM_WAIT_S = 5.0
 
 # A message: one broadcast of _FIRST int64 (a header of _HEADER: kind, payload size, the step's sizes and flags;
 # then the payload's start), and a second one for the rest of a payload that does not fit (a decode step of up
@@ -274,7 +275,7 @@ class RankPool:
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_WAIT_S
+        deadline = time.monotonic() + TERM_WAIT_S
         for p in self.procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
@@ -393,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # rank 0 sees the broken group; this says why
         log.error("rank %d stops: %r", a.rank, exc)
         return 1
-    return 0
+    logging.shutdown()
+    os._exit(0)  # told to stop, group left: nothing to flush, and torch's interpreter teardown can take seconds
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ def test_two_ranks_give_what_one_gives(expert_parallel, tiny_checkpoint, single_
     np.testing.assert_allclose(split[2].routed_weights, single_rank[2].routed_weights, **TOL)
     np.testing.assert_array_equal(split[2].routing[:6], submit_replay_rows(cfg))
     procs = engine.parallel.procs
-    assert [p.returncode for p in procs] == [0]  # told to stop, they left cleanly
+    assert [p.returncode for p in procs] == [0], "told to stop, rank 1 did not leave cleanly"
     assert not alive_ranks()
 
 
