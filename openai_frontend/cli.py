@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from moe_engine.config import UnsupportedModelError, load_config
-from moe_engine.engine_config import EngineConfig
+from moe_engine.engine_config import EngineConfig, check_parallel
 
 from .triton_server import (
     DEFAULT_MODEL_REPOSITORY,
@@ -136,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="CUDA: op-by-op forward instead of the fused Triton kernels (same results; debugging)",
     )
+    add("--tensor-parallel-size", type=int, default=1,
+        help="split the model over this many GPUs (processes on CPU): attention heads, MLPs, vocabulary and "
+             "experts; one engine, started by the Triton model instance")
+    add("--enable-expert-parallel", action="store_true", default=False,
+        help="with --tensor-parallel-size N, each rank holds num_experts/N whole experts (instead of a slice of "
+             "every expert)")
+    add("--data-parallel-size", type=int, default=1,
+        help="independent engine replicas (Triton model instances, each with its own tensor-parallel group and "
+             "GPUs); Triton spreads requests over them")
     add("--request-timeout", type=float, default=3600.0,
         help="seconds a generation request may run; past it the request is cancelled and answered 504 (0: none)")
     add("--max-request-bytes", type=int, default=16 * 2**20, help="largest request body; larger ones get 413 (0: none)")
@@ -176,6 +185,32 @@ def resolve_checkpoint(model: str | None) -> Path:
     if not path.is_dir():
         raise SystemExit(f"moe-serve: error: --model {model}: no such directory")
     return path.resolve()
+
+
+def _num_gpus() -> int:
+    """NVIDIA GPUs the driver lists (no CUDA import in the frontend), narrowed by CUDA_VISIBLE_DEVICES."""
+    root = Path("/proc/driver/nvidia/gpus")
+    n = len(list(root.iterdir())) if root.is_dir() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        n = min(n, len([d for d in visible.split(",") if d.strip()]))
+    return n
+
+
+def instance_groups(data_parallel: int, tensor_parallel: int, device: str) -> list[dict] | None:
+    """Triton instance groups for --data-parallel-size replicas (None: config.pbtxt's single instance): on CPU
+    N instances of KIND_CPU; on GPUs instance i on GPU i*tp (KIND_GPU), its other ranks on the GPUs after it."""
+    if data_parallel < 1:
+        raise ValueError(f"the data-parallel size must be >= 1, got {data_parallel}")
+    gpus = _num_gpus() if device != "cpu" else 0
+    if (device == "cuda" or gpus) and data_parallel * tensor_parallel > gpus:
+        raise ValueError(f"{data_parallel} replicas x {tensor_parallel} GPUs each need "
+                         f"{data_parallel * tensor_parallel} GPUs, {gpus} visible")
+    if data_parallel == 1:
+        return None
+    if device == "cpu" or gpus == 0:
+        return [{"count": data_parallel, "kind": "KIND_CPU"}]
+    return [{"count": 1, "kind": "KIND_GPU", "gpus": [i * tensor_parallel]} for i in range(data_parallel)]
 
 
 def usage_error(message: str) -> SystemExit:
@@ -256,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         print("moe-serve: error: --gpu-memory-utilization must be in (0, 1]", file=sys.stderr)
         return 2
 
+    try:
+        check_parallel(cfg, args.tensor_parallel_size, args.enable_expert_parallel)
+        groups = instance_groups(args.data_parallel_size, args.tensor_parallel_size, args.device)
+    except ValueError as exc:
+        print(f"moe-serve: error: --tensor-parallel-size / --data-parallel-size: {exc}", file=sys.stderr)
+        return 2
+
     metadata = dict(
         cfg.metadata(),
         max_model_len=args.max_model_len,
@@ -276,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         enable_routed_experts=not args.disable_routed_experts,
         enforce_eager=args.enforce_eager,
         fused_kernels=False if args.disable_fused_kernels else None,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     parameters = {
         "checkpoint": str(checkpoint),
@@ -288,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     repo = Path(args.model_repository)
     try:
         config = model_config_with_parameters(repo / TRITON_MODEL / "config.pbtxt", parameters)
+        if groups is not None:
+            config["instance_group"] = groups
         triton = TritonServer(
             model_config=config,
             model_name=TRITON_MODEL,

@@ -96,15 +96,16 @@ def read_engine_gauges(metrics_url: str, timeout_s: float = 2.0) -> EngineGauges
     except OSError:
         return None
     g = EngineGauges()
+    # One series per model instance (--data-parallel-size): requests and steps add up, alive is the least.
     for name, labels, value in _GAUGE_LINE.findall(text):
         if name == "moe_engine_requests":
             state = re.search(r'state="(\w+)"', labels)
             if state and state.group(1) in ("running", "waiting"):
-                setattr(g, state.group(1), float(value))
+                setattr(g, state.group(1), (getattr(g, state.group(1)) or 0) + float(value))
         elif name == "moe_engine_steps":
-            g.steps = float(value)
+            g.steps = (g.steps or 0) + float(value)
         elif name == "moe_engine_alive":
-            g.alive = float(value)
+            g.alive = float(value) if g.alive is None else min(g.alive, float(value))
     return g
 
 

@@ -165,9 +165,19 @@ class TritonPythonModel:
         log.info("loading %s (dtype=%s, device=%s)", checkpoint, dtype, device)
         t0 = time.monotonic()
         self.cfg = load_config(checkpoint)
-        model = load_model(checkpoint, dtype=dtype, device=device)
+        if ecfg.tensor_parallel_size > 1:  # this instance is rank 0; it starts the other ranks (ranks.py)
+            from moe_engine.ranks import build_parallel_engine
+
+            # KIND_GPU instances (data parallelism) get their first GPU from Triton; rank r uses first + r
+            gpu_instance = args.get("model_instance_kind") == "GPU"
+            first_gpu = int(args.get("model_instance_device_id") or 0) if gpu_instance else 0
+            self.engine = build_parallel_engine(checkpoint, dtype, device, self.cfg, ecfg, first_gpu=first_gpu)
+        else:
+            if device == "cuda" and args.get("model_instance_kind") == "GPU":
+                device = f"cuda:{args.get('model_instance_device_id') or 0}"
+            model = load_model(checkpoint, dtype=dtype, device=device)
+            self.engine = Engine(model, self.cfg, ecfg)
         log.info("loaded %s in %.1f s", self.cfg.architecture, time.monotonic() - t0)
-        self.engine = Engine(model, self.cfg, ecfg)
         self.engine.weight_version = os.path.basename(os.path.normpath(checkpoint))
         self.routing_enabled = ecfg.enable_routed_experts
 
@@ -373,6 +383,9 @@ class TritonPythonModel:
     @classmethod
     def _make_metrics(cls, args):
         labels = {"model": args["model_name"], "version": args["model_version"]}
+        groups = json.loads(args["model_config"]).get("instance_group", [])
+        if sum(int(g.get("count", 1)) for g in groups) > 1:  # data parallelism: one series per instance (engine)
+            labels["instance"] = args.get("model_instance_name", "")
         metrics = {"_families": [], "_last": {}}  # families must outlive their metrics: kept here
         for name, kind, description, keys in cls._METRICS:
             family = pb_utils.MetricFamily(
@@ -423,8 +436,9 @@ class TritonPythonModel:
         if out.finished and (p.cancelled or out.finish_reason == "error"):
             if p.cancelled:
                 err = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
-            else:
-                err = pb_utils.TritonError(f"internal error: {out.error or 'engine error'}", pb_utils.TritonError.INTERNAL)
+            else:  # the engine stopped under it (died, e.g. a tensor-parallel rank exited; or shuts down): a 503
+                err = pb_utils.TritonError(f"unavailable: the engine is not running ({out.error or 'engine error'})",
+                                           pb_utils.TritonError.UNAVAILABLE)
             p.sender.send(pb_utils.InferenceResponse(error=err), flags=flags)
             return
         if p.stream:

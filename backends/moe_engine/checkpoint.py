@@ -15,10 +15,14 @@
 
 The model is built on the ``meta`` device and each parameter is read from the memory-mapped
 file (``safe_open``) and assigned, so there is never a second full copy of the weights in RAM.
+Tensor / expert parallelism: ``shard`` (sharding.py) shrinks the meta model to one rank's part and says where
+each part lies in the checkpoint's tensors (``Selection``); only those slices are read from the memory map
+(per-expert layouts: only this rank's experts, and of each only its rows or columns).
 A missing or mis-shaped tensor raises ``CheckpointError`` naming the key and the expected shape.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -34,6 +38,7 @@ from torch import nn
 
 from .config import DTYPE_ALIASES, MoEConfig, load_config
 from .model import MoEForCausalLM
+from .sharding import Selection
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +125,21 @@ class _Tensors:
         self.used.add(key)
         return self._open(self.key_file[key]).get_slice(key)[i : i + 1]
 
+    def read_selected(self, key: str, sel: Selection, out: torch.Tensor) -> None:
+        """This rank's part of one tensor (``sel``) into ``out`` (zeros where nothing is read), slice by slice
+        from the memory map, after checking the whole tensor's shape."""
+        found = self.shape(key)
+        if list(found) != list(sel.full_shape):
+            raise CheckpointError(
+                f"tensor {key!r} in {self.key_file[key]} has shape {_fmt(found)}, expected {_fmt(sel.full_shape)}"
+            )
+        self.used.add(key)
+        if sel.zeros:
+            return
+        part = self._open(self.key_file[key]).get_slice(key)
+        for src, dst in _pieces(sel):
+            out[dst].copy_(part[src])
+
 
 def _place(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Copy a tensor read from the file into a fresh torch allocation of the target dtype/device.
@@ -131,25 +151,52 @@ def _place(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch
     return out.copy_(src)
 
 
+def _pieces(sel: Selection):
+    """(source slices, destination slices) of every block a selection reads (one per combination of ranges)."""
+    per_dim = []
+    for ranges in sel.ranges:
+        dst, opts = 0, []
+        for a, b in ranges:
+            opts.append((slice(a, b), slice(dst, dst + b - a)))
+            dst += b - a
+        per_dim.append(opts)
+    for combo in itertools.product(*per_dim):
+        yield tuple(c[0] for c in combo), tuple(c[1] for c in combo)
+
+
+def _zeros(shape, dtype, device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def _missing(root: Path, key: str, shape, alternative: str = "") -> CheckpointError:
     return CheckpointError(f"checkpoint {root} is missing tensor {key!r} (expected shape {_fmt(shape)}){alternative}")
 
 
-def _load_direct(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device) -> torch.Tensor:
+def _load_direct(
+    t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device, sel: Selection | None = None
+) -> torch.Tensor:
     candidates = [name]
     blocks = _PER_EXPERT_NAMES.get(cfg.architecture, _DEFAULT_PER_EXPERT_NAMES)[0]
     if ".mlp." in name:  # e.g. Mixtral's router: block_sparse_moe.gate (Hub) or mlp.gate (v5)
         candidates += [name.replace(".mlp.", f".{b}.") for b in blocks if b != "mlp"]
     for key in candidates:
         if key in t:
-            return _place(t.get(key, shape), dtype, device)
-    raise _missing(t.root, name, shape)
+            if sel is None:
+                return _place(t.get(key, shape), dtype, device)
+            out = _zeros(shape, dtype, device)
+            t.read_selected(key, sel, out)
+            return out
+    raise _missing(t.root, name, sel.full_shape if sel is not None else shape)
 
 
-def _load_experts(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device) -> torch.Tensor:
+def _load_experts(
+    t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device, sel: Selection | None = None
+) -> torch.Tensor:
     """``model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2I, H] or ``...down_proj`` [E, H, I], from the fused
     tensor or assembled expert by expert (gate rows then up rows) into one preallocated buffer; GPT-OSS
-    experts fused (as transformers writes them) or MXFP4."""
+    experts fused (as transformers writes them) or MXFP4. With ``sel``, only this rank's part."""
+    if sel is not None:
+        return _load_experts_part(t, cfg, name, shape, dtype, device, sel)
     if name in t:
         return _place(t.get(name, shape), dtype, device)
     if cfg.experts.block == "gpt_oss":
@@ -172,6 +219,49 @@ def _load_experts(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device) 
                 raise _missing(t.root, name, shape, f" or its per-expert form {key!r} (expected shape {_fmt(part_shape)})")
             src = t.get(key, part_shape)
             (out[e] if row is None else out[e, row : row + I]).copy_(src)
+    return out
+
+
+def _load_experts_part(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, device, sel: Selection) -> torch.Tensor:
+    """This rank's part of an experts tensor: a slice of the fused tensor, or this rank's experts read one at a
+    time (per-expert keys: only the rows / columns of the selection; MXFP4: dequantised, then sliced)."""
+    out = _zeros(shape, dtype, device)
+    if name in t:
+        t.read_selected(name, sel, out)
+        return out
+    full = sel.full_shape
+    if cfg.experts.block == "gpt_oss":
+        if f"{name}_blocks" not in t:
+            raise _missing(t.root, name, full)
+        E, C, R = full
+        for src, dst in _pieces(sel):
+            for j, e in enumerate(range(src[0].start, src[0].stop)):
+                blocks = t.get_row(f"{name}_blocks", [E, R, C // 32, 16], e).to(device)
+                scales = t.get_row(f"{name}_scales", [E, R, C // 32], e).to(device)
+                out[dst[0].start + j][dst[1:]].copy_(dequantize_mxfp4(blocks, scales, dtype)[0][src[1:]])
+        return out
+    layer_prefix = name.split(".mlp.experts.")[0]
+    blocks, gate_n, up_n, down_n = _PER_EXPERT_NAMES.get(cfg.architecture, _DEFAULT_PER_EXPERT_NAMES)
+    I, H = cfg.experts.intermediate_size, cfg.hidden_size
+    is_gate_up = name.endswith("gate_up_proj")
+    parts = [(gate_n, 0), (up_n, I)] if is_gate_up else [(down_n, 0)]
+    part_shape = [I, H] if is_gate_up else [H, I]
+    block = next((b for b in blocks if f"{layer_prefix}.{b}.experts.0.{parts[0][0]}.weight" in t), blocks[0])
+    for src, dst in _pieces(sel):
+        rows, cols = src[1], src[2]
+        for j, e in enumerate(range(src[0].start, src[0].stop)):
+            for part, lo in parts:  # gate_up: the gate rows [0, I), then the up rows [I, 2I)
+                hi = lo + part_shape[0]
+                a, b = max(rows.start, lo), min(rows.stop, hi)
+                if a >= b:
+                    continue
+                key = f"{layer_prefix}.{block}.experts.{e}.{part}.weight"
+                if key not in t:
+                    raise _missing(t.root, name, full,
+                                   f" or its per-expert form {key!r} (expected shape {_fmt(part_shape)})")
+                piece = Selection(tuple(part_shape), (((a - lo, b - lo),), ((cols.start, cols.stop),)))
+                d = dst[1].start + a - rows.start
+                t.read_selected(key, piece, out[dst[0].start + j, d : d + b - a, dst[2]])
     return out
 
 
@@ -221,8 +311,11 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     progress: bool = True,
+    shard=None,
 ) -> MoEForCausalLM:
-    """Build ``MoEForCausalLM`` from a HF checkpoint directory (config.json + safetensors)."""
+    """Build ``MoEForCausalLM`` from a HF checkpoint directory (config.json + safetensors). ``shard``: a callable
+    that shards the meta model for one rank and returns its selections (sharding.shard_model); then only this
+    rank's parts are read."""
     root = Path(path)
     cfg = load_config(root)
     tdtype = resolve_dtype(dtype, cfg)
@@ -230,6 +323,7 @@ def load_model(
     start = time.monotonic()
     with torch.device("meta"):
         model = MoEForCausalLM(cfg)
+    selections = shard(model) if shard is not None else {}
     params = list(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens.weight
     total = sum(p.numel() * torch.empty((), dtype=model.param_dtype(n, tdtype)).element_size() for n, p in params)
 
@@ -248,10 +342,11 @@ def load_model(
         for name, meta in params:
             shape = tuple(meta.shape)
             pdtype = model.param_dtype(name, tdtype)
+            sel = selections.get(name)
             if ".mlp.experts." in name:
-                value = _load_experts(tensors, cfg, name, shape, pdtype, device)
+                value = _load_experts(tensors, cfg, name, shape, pdtype, device, sel)
             else:
-                value = _load_direct(tensors, cfg, name, shape, pdtype, device)
+                value = _load_direct(tensors, cfg, name, shape, pdtype, device, sel)
             module_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(module_name), attr, nn.Parameter(value, requires_grad=False))
             if bar is not None:
@@ -259,6 +354,8 @@ def load_model(
         unused = sorted(set(tensors.key_file) - tensors.used - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
         ignored = [k for k in unused if _ignored_key(k, cfg)]
         unused = [k for k in unused if not _ignored_key(k, cfg)]
+        if shard is not None:  # expert parallelism: the other ranks' experts are theirs to read
+            unused = [k for k in unused if not re.search(r"\.experts\.\d+\.", k)]
         if ignored:
             log.info("ignored %d tensors of layers >= num_hidden_layers (multi-token prediction), as HF", len(ignored))
     if bar is not None:

@@ -84,7 +84,10 @@ def validate_replay(replay: np.ndarray, num_prompt: int, cfg: MoEConfig) -> None
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, cfg: MoEConfig, engine_cfg: EngineConfig | None = None):
+    def __init__(self, model: torch.nn.Module, cfg: MoEConfig, engine_cfg: EngineConfig | None = None,
+                 parallel=None):
+        """``parallel``: with tensor parallelism, the RankPool (ranks.py) of the other ranks; ``model`` is then
+        rank 0's shard."""
         self.model = model
         self.cfg = cfg
         self.ecfg = ec = engine_cfg or EngineConfig()
@@ -103,9 +106,21 @@ class Engine:
 
         specs = model.kv_layout()
         bs = ec.block_size
+        overlap = cuda if ec.overlap_decode is None else ec.overlap_decode
+        use_kernels = (self.fused and cuda and model.config.attention.mla is None
+                       and paged_attention_available(self.device))
+        if parallel is not None:  # the other ranks build the same runner (ranks.build_runner) from these
+            parallel.send_setup(dict(
+                fused=self.fused, block_size=bs, step_tokens=self.step_tokens, max_num_seqs=self.max_num_seqs,
+                max_model_len=self.max_model_len, gpu_memory_utilization=ec.gpu_memory_utilization,
+                kv_cache_memory_bytes=ec.kv_cache_memory_bytes, graphs_off=graphs_off, overlap=overlap,
+                use_attention_kernels=use_kernels,
+            ), (cfg.num_hidden_layers, cfg.num_experts_per_tok))
         budget = kv_cache_budget(model, specs, bs, self.step_tokens, self.max_num_seqs, self.max_model_len,
                                  ec.gpu_memory_utilization, ec.kv_cache_memory_bytes)
         num_blocks = blocks_for_budget(specs, bs, self.dtype, budget)
+        if parallel is not None:  # the same block ids on every rank
+            num_blocks = parallel.group.min_int(num_blocks)
         if (num_blocks - 1) * bs < self.max_model_len:
             raise ValueError(
                 f"the KV cache ({budget / 2**30:.2f} GiB, {num_blocks - 1} blocks of {bs} tokens) cannot hold one "
@@ -119,10 +134,8 @@ class Engine:
                                    routing_dtype=np.uint8 if cfg.num_experts <= 256 else np.uint16)
         self.runner = ModelRunner(
             model, num_blocks, bs, self.step_tokens, self.max_num_seqs, self.max_model_len,
-            capture_routing=ec.enable_routed_experts, graphs_off=graphs_off,
-            overlap=cuda if ec.overlap_decode is None else ec.overlap_decode,
-            use_attention_kernels=self.fused and cuda and model.config.attention.mla is None
-            and paged_attention_available(self.device),
+            capture_routing=ec.enable_routed_experts, graphs_off=graphs_off, overlap=overlap,
+            use_attention_kernels=use_kernels,
         )
         self.scheduler = Scheduler(self.blocks, self.max_num_seqs, self.step_tokens, self.max_model_len,
                                    frozenset(cfg.eos_token_ids), keep_rows)
@@ -151,7 +164,11 @@ class Engine:
         self._ids = itertools.count()
         self._inflight: LaunchedStep | None = None  # a decode step launched, results not yet handed out
         self.dead: BaseException | None = None
+        self._failure: BaseException | None = None  # set by ``fail`` from another thread
         self.num_steps = 0
+        self.parallel = parallel
+        if parallel is not None:
+            parallel.attach(self.runner, on_death=self.fail)
 
     def _graphs_off_reason(self, model: torch.nn.Module) -> str | None:
         """Why decode steps run eagerly, or None when they replay CUDA graphs."""
@@ -186,6 +203,16 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self.lifecycle.update_groups.close()
+        # the other ranks of a tensor-parallel group; told to stop only when no step can be in flight
+        self.runner.close(graceful=self._thread is None or not self._thread.is_alive())
+
+    def fail(self, exc: BaseException) -> None:
+        """From another thread (a tensor-parallel rank died): the engine is dead at once (no new requests);
+        the engine thread ends every request with an error and stops."""
+        with self._cv:
+            self.dead = self.dead or exc
+            self._failure = exc
+            self._cv.notify_all()
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -287,17 +314,21 @@ class Engine:
             while True:
                 with self._cv:
                     while not (self._stop or self._inbox or self._controls or self._inflight or
-                               (self.can_run and self.scheduler.has_work())):
+                               self._failure is not None or (self.can_run and self.scheduler.has_work())):
                         self._cv.wait()
+                    if self._failure is not None:
+                        raise self._failure
                     if self._stop:
                         break
                 self.step()
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine loop died")
+            exc = self._failure or exc  # a dead rank breaks the collectives too: name the cause
             self.dead = exc
             self._fail_all(f"engine failure: {exc!r}")
         finally:
             self._fail_all("the engine shut down")
+            self.runner.close()  # stops the other ranks of a tensor-parallel group
 
     def _fail_all(self, message: str) -> None:
         with self._cv:

@@ -34,6 +34,12 @@ class EngineConfig:
     # for bit, a third of the kernel launches. None: on CUDA when Triton is installed (CUDA builds of torch).
     # The switch is the model's: engines sharing a model share it.
     fused_kernels: bool | None = None
+    # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks, one process (one
+    # GPU) each; this process is rank 0 and starts the others (ranks.py, sharding.py).
+    tensor_parallel_size: int = 1
+    # With tensor parallelism, each rank holds num_experts / N whole experts (vLLM's --enable-expert-parallel)
+    # instead of a slice of every expert.
+    enable_expert_parallel: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -46,3 +52,31 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine settings: {', '.join(unknown)}")
         return cls(**raw)
+
+
+def check_parallel(cfg, tensor_parallel_size: int, expert_parallel: bool) -> None:
+    """Raise ValueError naming the size that a tensor-parallel split of ``cfg`` (a MoEConfig) cannot divide
+    (the same rules as sharding.py, checked before anything loads)."""
+    N = tensor_parallel_size
+    if N < 1:
+        raise ValueError(f"the tensor-parallel size must be >= 1, got {N}")
+    if N == 1:
+        return
+    att = cfg.attention
+    if att.num_heads % N:
+        raise ValueError(f"num_attention_heads ({att.num_heads}) is not divisible by the tensor-parallel size {N}")
+    checks = []
+    if att.mla is None and att.num_kv_heads >= N:
+        checks.append(("num_key_value_heads", att.num_kv_heads))
+    elif att.mla is None and N % att.num_kv_heads:
+        raise ValueError(f"the tensor-parallel size {N} must be a multiple of num_key_value_heads "
+                         f"({att.num_kv_heads}) when it exceeds it")
+    if cfg.dense_layers:
+        checks.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.experts.shared_intermediate_size:
+        checks.append(("the shared experts' intermediate size", cfg.experts.shared_intermediate_size))
+    checks.append(("the number of experts", cfg.num_experts) if expert_parallel
+                  else ("moe_intermediate_size", cfg.experts.intermediate_size))
+    for what, n in checks:
+        if n % N:
+            raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {N}")

@@ -24,6 +24,11 @@ expert order):
 - ``gather`` (small CUDA decode batches without fused kernels): each token's expert weights gathered, one einsum;
 - ``grouped`` (the reference): pairs sorted by expert, one matmul per expert (one host sync for the counts).
 
+Expert parallelism (sharding.py): a rank holds experts [first_expert, first_expert + num_experts) whole and runs
+only the (token, slot) pairs routed to them (``forward_local``); the others contribute zeros to its partial sum,
+which the decoder layer's all-reduce adds to the other ranks'. The router still picks among all experts, on every
+rank alike, and the ids captured are those logical ids.
+
 Each class declares what it supports (``supports_fused``, ``graph_unsafe_reason``) instead of callers checking
 its type.
 """
@@ -207,9 +212,10 @@ class Experts(nn.Module):
         self.triton_gemm_max_pairs = 0
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
+        self.first_expert: int | None = None  # expert parallelism: this rank's first expert (sharding.py)
 
     def graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        if self.fused and self.triton_gemm_max_pairs == sys.maxsize:
+        if self.fused and self.triton_gemm_max_pairs == sys.maxsize and self.first_expert is None:
             return None  # never torch's grouped GEMM
         if not grouped_mm_capturable(device, dtype):
             return f"torch's grouped GEMM syncs with the host for {dtype} on this GPU (use bfloat16)"
@@ -227,11 +233,15 @@ class Experts(nn.Module):
         T, K = ids.shape
         # Fused, the grouped path is faster than gathering weights even for one token (H200, C=1 decode step:
         # 0.41 vs 0.46 ms), and its route kernel does the capture copy.
-        if self.fused and T and (T * K <= self.triton_gemm_max_pairs or grouped_mm_works(x.device, x.dtype)):
+        if self.fused and T and self.first_expert is None and (
+                T * K <= self.triton_gemm_max_pairs or grouped_mm_works(x.device, x.dtype)):
             return self._forward_fused(x, ids, weights, capture)
         _capture(capture, ids)
         if T == 0:
             return torch.zeros_like(x)
+        if self.first_expert is not None:  # expert parallelism: torch's grouped GEMM (the fused path is not EP-aware)
+            mm = self._grouped_mm_local if grouped_mm_works(x.device, x.dtype) else None
+            return forward_local(self._expert, self.first_expert, self.num_experts, x, ids, weights, mm)
         slot_bytes = self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes
         if x.is_cuda and T * K <= GATHER_MAX_SLOTS and T * K * slot_bytes <= GATHER_MAX_BYTES:
             return self._forward_gather(x, ids, weights)
@@ -256,6 +266,12 @@ class Experts(nn.Module):
         gate, up = _GMM(x[tok], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
         return sum_in_expert_order((y * weights[tok, slot, None]).to(x.dtype), ids, tok, slot)
+
+    def _grouped_mm_local(self, x: Tensor, offs: Tensor) -> Tensor:
+        """Grouped rows x [n, H] (this rank's experts' rows first, ending at offs[-1]) -> [n, H]; rows past offs[-1]
+        are not computed (their values are undefined)."""
+        gate, up = _GMM(x, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        return _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
 
     def _forward_fused(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None) -> Tensor:
         """``_forward_grouped_mm`` with the bookkeeping in two kernels: ``route`` (the expert-grouped order,
@@ -301,6 +317,35 @@ def forward_grouped(expert, num_experts: int, x: Tensor, ids: Tensor, weights: T
     return sum_in_expert_order(y, ids, tok, slot)
 
 
+def forward_local(
+    expert, first: int, num_local: int, x: Tensor, ids: Tensor, weights: Tensor, grouped_mm=None
+) -> Tensor:
+    """Expert parallelism: this rank's share of the experts' output [T, H], from the pairs routed to experts
+    [first, first + num_local) only (pairs grouped in HF's order, weighted, summed in ascending expert order with
+    zeros for the other ranks' pairs, so adding the ranks' shares gives every pair once). ``expert(e, rows)`` takes
+    a local expert index; ``grouped_mm(rows, offs)``, when given, runs all local experts in one grouped GEMM
+    without a host sync."""
+    local = ids - first
+    mine = (local >= 0) & (local < num_local)  # [T, K]
+    local = torch.where(mine, local, num_local)  # other ranks' pairs: one bin after the last local expert
+    tok, slot = group_by_expert(local)  # this rank's pairs first, in HF's order
+    w = weights[tok, slot, None]
+    if grouped_mm is not None:
+        counts = torch.zeros(num_local + 1, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, local.reshape(-1), torch.ones_like(tok))
+        y = grouped_mm(x[tok], torch.cumsum(counts[:num_local], 0).to(torch.int32))
+        y = torch.where(mine[tok, slot, None], y * w, 0).to(x.dtype)  # where: the uncomputed rows may be NaN
+    else:
+        counts = torch.bincount(local.reshape(-1), minlength=num_local + 1).tolist()  # this layer's host sync
+        rows = torch.split(x[tok], counts)
+        n = sum(counts[:num_local])
+        outs = [expert(e, r) for e, r in enumerate(rows[:num_local]) if r.shape[0]]
+        y = torch.zeros(tok.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        if outs:
+            y[:n] = (torch.cat(outs) * w[:n]).to(x.dtype)
+    return sum_in_expert_order(y, ids, tok, slot)
+
+
 def forward_gathered(y: Tensor, ids: Tensor, weights: Tensor, dtype: torch.dtype) -> Tensor:
     """Per-token expert outputs y [T, K, H] (slot order) -> weighted, summed in ascending expert order."""
     y = (y * weights[..., None]).to(dtype)
@@ -325,6 +370,7 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, I, H), requires_grad=False)
         self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
+        self.first_expert: int | None = None  # expert parallelism: this rank's first expert (sharding.py)
 
     def graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         return "GPT-OSS experts group tokens by expert on the host"
@@ -339,6 +385,8 @@ class GptOssExperts(nn.Module):
         T, K = ids.shape
         if T == 0:
             return torch.zeros_like(x)
+        if self.first_expert is not None:
+            return forward_local(self._expert, self.first_expert, self.num_experts, x, ids, weights)
         slot_bytes = self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes
         if x.is_cuda and T * K <= GATHER_MAX_SLOTS and T * K * slot_bytes <= GATHER_MAX_BYTES:
             return forward_gathered(self._gathered(x, ids), ids, weights, x.dtype)

@@ -15,6 +15,9 @@ runs route the same experts for all but near-tied tokens.
 Module and parameter names equal HF's in-memory (v5, fused experts) names, so
 checkpoint keys map one to one (checkpoint.py).
 
+Tensor parallelism: sharding.py shrinks the modules to one rank's heads / widths / experts / vocabulary rows
+before the weights load; each decoder layer then all-reduces its attention and MLP outputs (partial sums).
+
 Architecture differences come from the config's specs, never from the name, and each
 module is built from its spec alone: the router (``cfg.router``, routing.py), the
 attention (``cfg.attention``: grouped-query, or with ``attention.mla`` DeepSeek's
@@ -100,17 +103,21 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if spec.sinks else None
         self.eps = norm_eps
         self.fused = False  # kernels.py (set by MoEForCausalLM.use_fused_kernels)
+        # Tensor parallelism (sharding.py): this rank's heads; a full-width q/k norm gathers every head first.
+        self.tp = None
+        self.tp_slices: tuple | None = None  # ((q start, q stop), (k start, k stop)) columns of this rank
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: LayerKV) -> Tensor:
         T = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
-        if self.fused and self.rope_style == "half" and self.clip_qkv is None and cos.shape[-1] == self.head_dim:
+        if self.fused and self.rope_style == "half" and self.clip_qkv is None and cos.shape[-1] == self.head_dim \
+                and self.tp_slices is None:
             q, k = self._fused_norm_rope(q, k, cos, sin)  # [T, Hq, D], [T, Hkv, D]
             v = v.view(T, self.num_kv_heads, self.head_dim)
             out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks, fused=True)
             return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
         if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._full_norm(q, k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(min=-self.clip_qkv, max=self.clip_qkv) for t in (q, k, v))
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -121,6 +128,16 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin, self.rope_style), apply_rotary(k, cos, sin, self.rope_style)
         out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
+
+    def _full_norm(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """The full-width q/k norms (OLMoE); under tensor parallelism over every rank's heads, gathered."""
+        if self.tp_slices is None:
+            return self.q_norm(q), self.k_norm(k)
+        (q0, q1), (k0, k1) = self.tp_slices
+        W, T = self.tp.world_size, q.shape[0]
+        full_q = self.tp.all_gather(q).view(W, T, -1).permute(1, 0, 2).reshape(T, -1)  # [T, Hq_all*D]
+        full_k = self.tp.all_gather(k).view(W, T, -1).permute(1, 0, 2).reshape(T, -1)
+        return self.q_norm(full_q)[:, q0:q1].contiguous(), self.k_norm(full_k)[:, k0:k1].contiguous()
 
     def _fused_norm_rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """The q/k norms (if any) and the rotary of both in three launches (squares, torch's means, the rest)."""
@@ -271,6 +288,10 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
+        self.tp = None  # tensor parallelism (sharding.py): attention and MLP outputs are this rank's partial sums
+
+    def _reduce(self, partial: Tensor) -> Tensor:
+        return partial if self.tp is None else self.tp.all_reduce(partial.contiguous())
 
     def forward(
         self,
@@ -285,8 +306,9 @@ class DecoderLayer(nn.Module):
         # x + delta and x + attention are each added right before the norm that reads them (same values as
         # HF's adds at the end of a layer; the fused norm does the add in its first kernel).
         x, normed = self.input_layernorm.add_forward(x, delta)
-        h, normed = self.post_attention_layernorm.add_forward(x, self.self_attn(normed, cos, sin, batch, cache))
-        return h, (self.mlp(normed, routing) if self.is_moe else self.mlp(normed))
+        attn = self._reduce(self.self_attn(normed, cos, sin, batch, cache))
+        h, normed = self.post_attention_layernorm.add_forward(x, attn)
+        return h, self._reduce(self.mlp(normed, routing) if self.is_moe else self.mlp(normed))
 
 
 class MoEModel(nn.Module):
@@ -326,7 +348,8 @@ class MoEForCausalLM(nn.Module):
         cfg, attn = self.config, self.config.attention
         if attn.mla is not None:  # compressed latent ("k") + shared rotated rope key ("v"), one "head"
             return [KVSpec(1, attn.mla.kv_lora_rank, attn.mla.qk_rope_head_dim) for _ in range(cfg.num_hidden_layers)]
-        return [KVSpec(attn.num_kv_heads, attn.head_dim, attn.head_dim) for _ in range(cfg.num_hidden_layers)]
+        # this rank's key/value heads (all of them unless sharded)
+        return [KVSpec(layer.self_attn.num_kv_heads, attn.head_dim, attn.head_dim) for layer in self.model.layers]
 
     def use_fused_kernels(self, enabled: bool) -> bool:
         """Switch the fused Triton kernels (kernels.py, bit for bit the op-by-op results; on a GPU also the expert

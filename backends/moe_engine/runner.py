@@ -13,7 +13,7 @@ keeping rows), the model gets no buffer and does no capture work.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,8 +27,8 @@ from .scheduler import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
-CPU_KV_BUDGET = 2 << 30
-PROMPT_LOGPROB_ROWS = 512  # prompt scoring: logits rows materialised at once ([512, vocab] float32)  # CPU default: 2 GiB, or less when max_num_seqs full-length sequences need less
+CPU_KV_BUDGET = 2 << 30  # CPU default: 2 GiB, or less when max_num_seqs full-length sequences need less
+PROMPT_LOGPROB_ROWS = 512  # prompt scoring: logits rows materialised at once ([512, vocab] float32)
 
 
 @dataclass
@@ -43,6 +43,24 @@ class Transfer:
     routing: np.ndarray | None = None
     weights: np.ndarray | None = None
     weight_rows: int = 0  # combine-weight rows fetched (0: none)
+
+
+@dataclass
+class StepInputs:
+    """Everything a step's forward depends on, on the host: what every rank of a tensor-parallel group needs to
+    run the same forward (rank 0 builds it from the plan and broadcasts it, ranks.py). Batch layout from
+    ``ForwardBatch.build``'s inputs (each rank builds the same batch)."""
+
+    ids: list[int] | None  # [T] token ids; None: on rank 0's device (an overlapped decode step)
+    context: list[int]  # [B] tokens in cache before the step
+    query_lens: list[int]  # [B] tokens forwarded
+    tables: list[list[int]]  # [B] block tables (the same block ids on every rank)
+    want_routing: bool = False  # capture routed experts (rank 0)
+    want_weights: bool = False  # ... and their combine weights
+    forced: tuple[np.ndarray, np.ndarray] | None = None  # replay: (mask [T] bool, ids [T, L, K] int64)
+    samplers: list[int] = field(default_factory=list)  # plan indices whose last token's logits are sampled
+    score_rows: list[int] = field(default_factory=list)  # token rows whose logits prompt scoring reads
+    graph: bool = False  # replay a decode CUDA graph
 
 
 @dataclass
@@ -205,6 +223,10 @@ class ModelRunner(ReleasableMemory):
             if graphs_off is None
             else None
         )
+        # Tensor parallelism (ranks.py): ``publish(step, input_ids)`` sends each step to the other ranks before
+        # rank 0 runs it; ``on_close`` stops them.
+        self.publish = None
+        self.on_close = None
 
     @torch.inference_mode()
     def launch(
@@ -216,8 +238,9 @@ class ModelRunner(ReleasableMemory):
         step sampled), else the ids are read from the sequences."""
         items, context = plan.items, plan.context
         T = plan.num_tokens
-        ids: list[int] = []
+        ids: list[int] | None = None
         if input_ids is None:
+            ids = []
             for (seq, n), c in zip(items, context):
                 ids.extend(seq.tokens[c : c + n])
         want_routing = want_routing and self.capture_buf is not None
@@ -225,34 +248,22 @@ class ModelRunner(ReleasableMemory):
         forced = self._forced_routing(plan)
         scoring = [i for i, ((s, n), c) in enumerate(zip(items, context))
                    if s.req.prompt_logprobs is not None and c + 1 < s.num_prompt]
-        tables = [seq.table.blocks for seq, _ in items]
-        graph_logits = None  # [T, V]: a one-token-per-sequence step replayed from a CUDA graph
-        if (self.graphs is not None and T == len(items) and forced is None and not scoring
-                and self.graphs.supports(T, max(context) + 1)):
-            graph_logits = self.graphs.run(ids if input_ids is None else input_ids, context, tables, want_routing,
-                                           want_weights)
-        else:
-            batch = ForwardBatch.build(tables, context, [n for _, n in items], self.device, self.block_size,
-                                       self.null_block)
-            batch.use_kernels = self.use_kernels
-            if input_ids is None:
-                input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-            routing = StepRouting(
-                ids=self.capture_buf[:T] if want_routing else None,
-                weights=self.weights_buf[:T] if want_weights else None,
-                forced_mask=forced[0] if forced else None,
-                forced_ids=forced[1] if forced else None,
-            )
-            hidden = self.model(input_ids, batch, self.kv, routing=routing)  # [T, H]
+        score = self._scoring_rows(plan, scoring) if scoring else None
+        step = StepInputs(
+            ids=ids, context=list(context), query_lens=[n for _, n in items],
+            tables=[seq.table.blocks for seq, _ in items], want_routing=want_routing, want_weights=want_weights,
+            forced=forced, samplers=list(plan.samplers), score_rows=score[0] if score else [],
+        )
+        step.graph = (self.graphs is not None and T == len(items) and forced is None and not scoring
+                      and self.graphs.supports(T, max(context) + 1))
+        if self.publish is not None:  # tensor parallelism: the other ranks run the same forward (ranks.py)
+            self.publish(step, input_ids)
+        logits, hidden = self.forward(step, input_ids)
 
         samplers = plan.samplers
         tokens = None
         lp = None
         if samplers:
-            if graph_logits is not None:
-                logits = graph_logits if len(samplers) == T else graph_logits[samplers]
-            else:
-                logits = self.model.compute_logits(hidden[batch.last_token_index[samplers]])  # [N, V] float32
             states = [items[i][0].sampler for i in samplers]
             if all(st.params.greedy and st.params.logprobs is None for st in states):
                 tokens = torch.argmax(logits, dim=-1)  # greedy: no parameters to stage (H200, 1 row: 35 vs 96 us)
@@ -264,12 +275,51 @@ class ModelRunner(ReleasableMemory):
                 lps = self.sampler.logprobs(logits, tokens, batch_s)
                 if lps is not None:
                     lp = tuple(t.cpu() if t is not None else None for t in lps)
-        prompt_lp = self._prompt_logprobs(plan, scoring, hidden) if scoring else None
+        prompt_lp = self._prompt_logprobs(plan, score, hidden) if scoring else None
         return LaunchedStep(plan, samplers, tokens, lp,
                             self._transfer(tokens, T if want_routing else 0, T if want_weights else 0), prompt_lp)
 
-    def _forced_routing(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(mask [T] bool, ids [T, L, K] long) on the device for a step with replayed routing rows, else None."""
+    @torch.inference_mode()
+    def forward(self, step: "StepInputs", input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A step's forward and the logits of its sampling rows: (logits [N, V] float32 or None, hidden [T, H] or
+        None for a graph replay). Every rank of a tensor-parallel group runs this with the same ``step``;
+        routing is captured where the runner has a capture buffer (rank 0 only)."""
+        if step.graph:
+            logits = self.graphs.run(step.ids if input_ids is None else input_ids, step.context, step.tables,
+                                     step.want_routing, step.want_weights)  # [T, V]
+            return (logits if len(step.samplers) == len(step.context) else logits[step.samplers]), None
+        batch = ForwardBatch.build(step.tables, step.context, step.query_lens, self.device, self.block_size,
+                                   self.null_block)
+        batch.use_kernels = self.use_kernels
+        if input_ids is None:
+            input_ids = torch.tensor(step.ids, dtype=torch.long, device=self.device)
+        forced = None
+        if step.forced is not None:
+            forced = tuple(torch.from_numpy(a).to(self.device, non_blocking=True) for a in step.forced)
+        T = len(input_ids)
+        want = self.capture_buf is not None
+        routing = StepRouting(
+            ids=self.capture_buf[:T] if want and step.want_routing else None,
+            weights=self.weights_buf[:T] if want and step.want_weights else None,
+            forced_mask=forced[0] if forced else None,
+            forced_ids=forced[1] if forced else None,
+        )
+        hidden = self.model(input_ids, batch, self.kv, routing=routing)  # [T, H]
+        logits = None
+        if step.samplers:
+            logits = self.model.compute_logits(hidden[batch.last_token_index[step.samplers]])  # [N, V] float32
+        return logits, hidden
+
+    def score_logits(self, hidden: torch.Tensor, rows: list[int]):
+        """Prompt scoring's logits, PROMPT_LOGPROB_ROWS rows at a time: yields [m, V] float32 for ``rows`` of
+        ``hidden`` in order (every rank of a tensor-parallel group runs the same chunks)."""
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        for lo in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            yield self.model.compute_logits(hidden[rows_t[lo : lo + PROMPT_LOGPROB_ROWS]])
+
+    def _forced_routing(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray] | None:
+        """(mask [T] bool, ids [T, L, K] int64) on the host for a step with replayed routing rows, else None."""
         spans = []
         offset = 0
         for (seq, n), c in zip(plan.items, plan.context):
@@ -285,13 +335,12 @@ class ModelRunner(ReleasableMemory):
         for lo, rows in spans:
             mask[lo : lo + len(rows)] = True
             ids[lo : lo + len(rows)] = rows
-        return (torch.from_numpy(mask).to(self.device, non_blocking=True),
-                torch.from_numpy(ids).to(self.device, non_blocking=True))
+        return mask, ids
 
-    def _prompt_logprobs(self, plan: StepPlan, scoring: list[int], hidden: torch.Tensor) -> dict:
-        """Prompt scoring: for each scoring sequence's positions p in this step with p + 1 in the prompt, the
-        logprob of prompt token p + 1 (and its rank, and the top N) from the logits at p, in chunks of rows so that
-        a long prefill chunk never holds [T, vocab] float32 logits at once."""
+    @staticmethod
+    def _scoring_rows(plan: StepPlan, scoring: list[int]) -> tuple[list[int], list[int], list, dict]:
+        """Prompt scoring: the step's token rows p whose next token p + 1 is in the prompt, of each scoring
+        sequence, with those target tokens, the (plan index, row count) owners and where each one's rows start."""
         rows, targets, owners = [], [], []
         offset = 0
         starts = {}
@@ -303,12 +352,17 @@ class ModelRunner(ReleasableMemory):
                 targets.extend(seq.tokens[c + 1 : end + 1])
                 owners.append((i, end - c))
             offset += n
-        top_n = max(plan.items[i][0].req.prompt_logprobs for i in scoring)
-        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return rows, targets, owners, starts
+
+    def _prompt_logprobs(self, plan: StepPlan, score: tuple, hidden: torch.Tensor) -> dict:
+        """Prompt scoring: for each scoring sequence's positions p in this step with p + 1 in the prompt, the
+        logprob of prompt token p + 1 (and its rank, and the top N) from the logits at p, in chunks of rows so that
+        a long prefill chunk never holds [T, vocab] float32 logits at once."""
+        rows, targets, owners, starts = score
+        top_n = max(plan.items[i][0].req.prompt_logprobs for i, _ in owners)
         targets_t = torch.tensor(targets, dtype=torch.long, device=self.device)
         chosen, ranks, top_ids, top_vals = [], [], [], []
-        for lo in range(0, len(rows), PROMPT_LOGPROB_ROWS):
-            logits = self.model.compute_logits(hidden[rows_t[lo : lo + PROMPT_LOGPROB_ROWS]])  # [m, V] float32
+        for lo, logits in zip(range(0, len(rows), PROMPT_LOGPROB_ROWS), self.score_logits(hidden, rows)):
             tgt = targets_t[lo : lo + PROMPT_LOGPROB_ROWS]
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, tgt[:, None]).squeeze(1)
@@ -329,6 +383,13 @@ class ModelRunner(ReleasableMemory):
                       ids_h[a : a + m] if ids_h is not None else None,
                       vals_h[a : a + m] if vals_h is not None else None)
         return out
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop what the runner drives (the other ranks of a tensor-parallel group; ``graceful``: no step is in
+        flight, they may be told to stop); idempotent."""
+        if self.on_close is not None:
+            on_close, self.on_close = self.on_close, None
+            on_close(graceful)
 
     def _transfer(self, tokens: torch.Tensor | None, rows: int, weight_rows: int) -> Transfer:
         """Queue the step's device->host transfer: sampled tokens [N] and the first ``rows`` routing rows
