@@ -96,11 +96,14 @@ def test_data_parallel_replicas_share_concurrent_requests(tmp_path):
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             results = list(pool.map(lambda p: complete(server, p, max_tokens=24), prompts))
         assert all(0 < len(ids) <= 24 for ids, _ in results)
-        with urllib.request.urlopen(server.root_url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        steps = {m[0]: float(m[1]) for m in re.findall(r'^moe_engine_steps\{[^}]*instance="([^"]+)"[^}]*\} (\S+)$',
-                                                        text, re.M)}
-        assert len(steps) == 2 and all(v > 0 for v in steps.values()), steps
+        def steps() -> dict[str, float]:
+            with urllib.request.urlopen(server.root_url + "/metrics", timeout=5) as r:
+                text = r.read().decode()
+            return {m[0]: float(m[1]) for m in re.findall(
+                r'^moe_engine_steps\{[^}]*instance="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
+
+        # The backends refresh their gauges every 0.2 s and the API reads Triton's metrics port: wait for both.
+        assert wait_until(lambda: len(steps()) == 2 and all(v > 0 for v in steps().values()), timeout=10), steps()
     finally:
         assert server.stop() == 0, server.log_tail()
 
