@@ -41,6 +41,15 @@ def _failed(exc: Exception) -> Future:
     return future
 
 
+def _single_rank(engine, op: str) -> Exception | None:
+    """Weight and memory operations reach rank 0's model only: refused under tensor parallelism (the other ranks
+    would keep their old weights) until ranks.py carries them."""
+    if getattr(engine.ecfg, "tensor_parallel_size", 1) > 1:
+        return W.WeightUpdateError(f"{op} is not supported with --tensor-parallel-size > 1 yet (the other ranks "
+                                   f"would keep their weights); restart the server instead")
+    return None
+
+
 @dataclass
 class Control:
     """A control operation in the engine's inbox: ``fn`` runs on the engine thread between steps."""
@@ -77,6 +86,8 @@ class RolloutLifecycle:
                                  abort_all_requests: bool = False) -> Future:
         """Load checkpoint ``model_path`` (same model) into the live parameters; weight_version defaults to its
         folder name. Checked at once, in the caller's thread (a refused checkpoint waits for nothing)."""
+        if (err := _single_rank(self.engine, "update_weights_from_disk")) is not None:
+            return _failed(err)
         try:
             root = W.check_checkpoint(self.engine.model, model_path)
         except W.WeightUpdateError as exc:
@@ -114,6 +125,8 @@ class RolloutLifecycle:
                                         flush_cache: bool = True, abort_all_requests: bool = False) -> Future:
         """Receive the announced tensors from the trainer's broadcast into the live parameters. A refused
         announcement is still received (and dropped) so that the trainer's broadcasts complete."""
+        if (err := _single_rank(self.engine, "update_weights_from_distributed")) is not None:
+            return _failed(err)
         try:
             group, device = self.update_groups.get(group_name)
         except W.WeightUpdateError as exc:
@@ -171,6 +184,8 @@ class RolloutLifecycle:
     def release_memory_occupation(self, tags: list[str] | None = None) -> Future:
         """Free the KV cache (running requests are retracted, recomputed after resume) and/or the weights' GPU
         memory (kept in host memory; on CPU there is nothing to free). No steps run until every tag is resumed."""
+        if (err := _single_rank(self.engine, "release_memory_occupation")) is not None:
+            return _failed(err)
         tags = self._memory_tags(tags)
         if isinstance(tags, Exception):
             return _failed(tags)

@@ -24,14 +24,18 @@ from tritonclient.utils import InferenceServerException
 
 from openai_frontend.server_process import start_server
 
-from .conftest import API_KEY, MAX_MODEL_LEN
+from .conftest import API_KEY
+
+# Requests that must still be running seconds later (the deadline, a killed stub, shutdown): 4,000 tokens of the
+# tiny model take well over 4 s even on a quiet 2-core machine (1,000 could finish inside the deadline).
+LONG = 4000
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("private"), ["--max-model-len", str(MAX_MODEL_LEN),
+    s = start_server(tmp_path_factory.mktemp("private"), ["--max-model-len", "4096",
                      "--max-backend-restarts", "1", "--shutdown-timeout", "2", "--request-timeout", "4"],
                      api_key=API_KEY,
                      triton_api_key=None)
@@ -61,7 +65,7 @@ def long_stream(server, out: dict, key: str, **body) -> threading.Thread:
     def run():
         lines = []
         with httpx.stream("POST", server.base_url + "/completions", headers=AUTH, timeout=120,
-                          json={"model": server.model, "prompt": "tell", "max_tokens": 1000, "stream": True,
+                          json={"model": server.model, "prompt": "tell", "max_tokens": LONG, "stream": True,
                                 "ignore_eos": True, **body}) as r:
             for line in r.iter_lines():
                 if line:
@@ -126,7 +130,7 @@ def engine_running(server) -> float:
 def test_a_request_past_its_deadline_is_cancelled_and_answered_504(server):
     t0 = time.monotonic()
     r = httpx.post(server.base_url + "/completions", headers=AUTH, timeout=60,
-                   json={"model": server.model, "prompt": "x", "max_tokens": 1000, "ignore_eos": True})
+                   json={"model": server.model, "prompt": "x", "max_tokens": LONG, "ignore_eos": True})
     assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
     assert 3.9 < time.monotonic() - t0 < 8
     deadline = time.monotonic() + 5
@@ -144,7 +148,7 @@ def test_killed_stub_ends_in_flight_requests_with_503_then_the_backend_comes_bac
     def plain():
         r = httpx.post(server.base_url + "/chat/completions", headers=AUTH, timeout=120,
                        json={"model": server.model, "messages": [{"role": "user", "content": "x"}],
-                             "max_tokens": 1000, "ignore_eos": True})
+                             "max_tokens": LONG, "ignore_eos": True})
         out["plain"] = (r.status_code, r.json(), time.monotonic())
 
     non_streaming = threading.Thread(target=plain)

@@ -413,17 +413,17 @@ def test_after_eviction_prompts_are_recomputed_with_identical_results(tight):
 
 
 def test_requests_preempted_while_sharing_cached_blocks_return_what_an_unpreempted_engine_returns(tight, ref):
-    """Four sequences share a cached 96-token prefix (6 blocks) and grow to 280 tokens each: 6 + 4 x 12 blocks do
-    not fit 40, so running sequences are preempted (their own blocks freed, the shared ones kept) and recomputed
-    from the cache."""
+    """Four sequences share a cached 96-token prefix (6 blocks) and grow to 310 tokens each: 6 + 4 x 14 blocks do
+    not fit 40 (nor do 6 + 3 x 14, should one finish before another starts on a loaded machine), so running
+    sequences are preempted (their own blocks freed, the shared ones kept) and recomputed from the cache."""
     shared = token_prompt(5000, 6 * BLOCK)
     counters = Counters(tight)
     ask(tight, "generate", shared + token_prompt(5001, 4), max_tokens=2)  # caches the shared blocks
     counters.delta(100)
     requests = [
-        ("generate", shared + token_prompt(5002, 34), dict(max_tokens=150)),
-        ("generate", shared + token_prompt(5003, 34), dict(max_tokens=150, stream=True, prompt_start=50)),
-        ("completions", shared + token_prompt(5004, 34), dict(max_tokens=150, n=2, seed=3)),
+        ("generate", shared + token_prompt(5002, 34), dict(max_tokens=180)),
+        ("generate", shared + token_prompt(5003, 34), dict(max_tokens=180, stream=True, prompt_start=50)),
+        ("completions", shared + token_prompt(5004, 34), dict(max_tokens=180, n=2, seed=3)),
     ]
 
     def run_all(server):

@@ -154,7 +154,7 @@ def test_changed_ids_are_forced_and_the_rest_routes_normally(openai_client, moe_
                      extra={**extra, "replay_routed_experts": npy_b64(got[:P])})["choices"][0]
     assert again["token_ids"] == res["token_ids"]
     np.testing.assert_array_equal(decode(again["routed_experts"]), got)
-    np.testing.assert_allclose(lp_values(again["prompt_logprobs"], prompt_ids)[1:], got_lp[1:], rtol=0, atol=TOL)
+    np.testing.assert_allclose(lp_values(again["prompt_logprobs"], prompt_ids)[1:], got_lp[1:], rtol=TOL, atol=TOL)
 
 
 # ---------------------------------------------------------------- (3) routed weights
@@ -177,23 +177,23 @@ def test_routed_weights_align_with_routed_experts(openai_client, moe_server):
     alone = complete(openai_client, moe_server.model,
                      extra={"return_routed_weights": True, "return_routed_experts": False})["choices"][0]
     assert alone["routed_experts"] is None
-    np.testing.assert_allclose(decode(alone["routed_weights"]), w_full, rtol=0, atol=TOL)
+    np.testing.assert_allclose(decode(alone["routed_weights"]), w_full, rtol=TOL, atol=TOL)
 
     cut = complete(openai_client, moe_server.model,
                    extra={"return_routed_weights": True, "routed_experts_prompt_start": 2})["choices"][0]
     _, w_cut = check_weights(cut["routed_experts"], cut["routed_weights"])
-    np.testing.assert_allclose(w_cut, w_full[2:], rtol=0, atol=TOL)
+    np.testing.assert_allclose(w_cut, w_full[2:], rtol=TOL, atol=TOL)
 
     two = complete(openai_client, moe_server.model, n=2, extra={"return_routed_weights": True})["choices"]
     for ch in two:  # greedy: both choices are the plain request
         _, w = check_weights(ch["routed_experts"], ch["routed_weights"])
-        np.testing.assert_allclose(w, w_full, rtol=0, atol=TOL)
+        np.testing.assert_allclose(w, w_full, rtol=TOL, atol=TOL)
 
     streamed = stream_choices(openai_client, moe_server.model, n=2,
                               extra={"return_routed_weights": True, "routed_experts_prompt_start": 2})
     for c in streamed.values():
         _, w = check_weights(c["seen"]["routed_experts"], c["seen"]["routed_weights"])
-        np.testing.assert_allclose(w, w_full[2:], rtol=0, atol=TOL)
+        np.testing.assert_allclose(w, w_full[2:], rtol=TOL, atol=TOL)
 
 
 def test_weights_and_replay_on_chat_and_generate(openai_client, moe_server):
@@ -204,7 +204,7 @@ def test_weights_and_replay_on_chat_and_generate(openai_client, moe_server):
     last = [ch for chunk in openai_client.chat.completions.create(stream=True, **chat_kw)
             for ch in chunk.model_dump()["choices"] if ch["finish_reason"]]
     assert len(last) == 1
-    np.testing.assert_allclose(check_weights(last[0]["routed_experts"], last[0]["routed_weights"])[1], w, rtol=0,
+    np.testing.assert_allclose(check_weights(last[0]["routed_experts"], last[0]["routed_weights"])[1], w, rtol=TOL,
                                atol=TOL)
 
     body = {"token_ids": [1, 17, 42, 99, 7], "return_routed_weights": True,
@@ -255,7 +255,7 @@ def test_prompt_logprobs_format_and_agreement_across_endpoints(openai_client, mo
     assert echo["text"].startswith(PROMPT)
     assert len(lp["tokens"]) == len(prompt_ids) + 1
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    np.testing.assert_allclose(lp["token_logprobs"][1 : len(prompt_ids)], values[1:], rtol=0, atol=TOL)
+    np.testing.assert_allclose(lp["token_logprobs"][1 : len(prompt_ids)], values[1:], rtol=TOL, atol=TOL)
     # top 3 + the prompt token, keyed by token text (byte-level pieces may share one: fewer keys then)
     assert all(len(t) <= 4 and tok in t for tok, t in zip(lp["tokens"][1:], lp["top_logprobs"][1:]))
     assert echo["prompt_logprobs"] is not None  # as vLLM: echo + logprobs N computes prompt logprobs N
@@ -279,7 +279,7 @@ def test_prompt_logprobs_streaming_n2_and_echo_stream(openai_client, moe_server)
         assert c["text"] == full["text"]
         assert c["tokens"] == full["logprobs"]["tokens"]
         assert c["token_logprobs"][0] is None
-        np.testing.assert_allclose(c["token_logprobs"][1:], full["logprobs"]["token_logprobs"][1:], rtol=0,
+        np.testing.assert_allclose(c["token_logprobs"][1:], full["logprobs"]["token_logprobs"][1:], rtol=TOL,
                                    atol=TOL)
         assert_same_prompt_logprobs(c["seen"]["prompt_logprobs"], full["prompt_logprobs"])
 

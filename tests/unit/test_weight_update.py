@@ -193,6 +193,20 @@ def test_refused_checkpoints_name_the_problem_and_keep_the_old_weights(ckpts):
     assert generate(engine, P).tokens == before.tokens
 
 
+def test_weight_and_memory_operations_are_refused_under_tensor_parallelism(ckpts):
+    """They would reach rank 0's model only: refused by name (the other ranks would keep their weights)."""
+    engine = engine_on(ckpts["A"])
+    engine.ecfg.tensor_parallel_size = 2  # as a tensor-parallel engine's rank 0 sees its config
+    params = params_of(engine.model)
+    for future in (engine.lifecycle.update_weights_from_disk(str(ckpts["B"])),
+                   engine.lifecycle.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[1, 1]]),
+                   engine.lifecycle.release_memory_occupation()):
+        with pytest.raises(WeightUpdateError, match="tensor-parallel-size"):
+            settle(engine, future)
+    assert_same_weights(engine.model, params)
+    assert engine.weight_version == "A"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
