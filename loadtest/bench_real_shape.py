@@ -109,6 +109,7 @@ def engine_config(args, device: torch.device, **want):
     optional = {"max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
                 "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager or None,
                 "fused_kernels": False if args.no_fused_kernels else None,
+                "exact_kernels": True if args.exact_kernels else None,
                 "kv_cache_memory_bytes": int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None}
     want.update({k: v for k, v in optional.items() if v is not None})
     if "kv_cache_bytes" in have and "kv_cache_memory_bytes" not in have:  # the slot-cache engine (de221cd)
@@ -739,6 +740,7 @@ def parse_args(argv=None):
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--no-fused-kernels", action="store_true")
+    g.add_argument("--exact-kernels", action="store_true", help="only the bit-identical fused kernels")
     g = p.add_argument_group("transformers")
     g.add_argument("--hf-attn", default=None, help="attn_implementation (default: transformers' choice)")
     g.add_argument("--hf-experts", default=None, help="experts_implementation (default: transformers' choice)")

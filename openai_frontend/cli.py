@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="CUDA: op-by-op forward instead of the fused Triton kernels (same results; debugging)",
     )
+    add(
+        "--exact-kernels",
+        action="store_true",
+        default=False,
+        help="CUDA: only the fused kernels that are bit-identical to the op-by-op forward (without it, also the "
+        "one-pass norms, fused router and q/k/v GEMM: equal within rounding, same expert ids; faster)",
+    )
     add("--tensor-parallel-size", type=int, default=1,
         help="split the model over this many GPUs (processes on CPU): attention heads, MLPs, vocabulary and "
              "experts; one engine, started by the Triton model instance")
@@ -318,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_routed_experts=not args.disable_routed_experts,
         enforce_eager=args.enforce_eager,
         fused_kernels=False if args.disable_fused_kernels else None,
+        exact_kernels=args.exact_kernels,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
     )

@@ -101,7 +101,8 @@ class Engine:
         self.max_num_seqs = ec.max_num_seqs or (256 if cuda else 64)
         step_budget = ec.max_num_batched_tokens or (8192 if cuda else 512)
         self.step_tokens = max(step_budget, self.max_num_seqs)  # every running sequence can decode
-        self.fused = model.use_fused_kernels(cuda if ec.fused_kernels is None else ec.fused_kernels)
+        self.fused = model.use_fused_kernels(cuda if ec.fused_kernels is None else ec.fused_kernels,
+                                             within_rounding=False if ec.exact_kernels else None)
         graphs_off = self._graphs_off_reason(model)
 
         specs = model.kv_layout()
@@ -111,7 +112,7 @@ class Engine:
                        and paged_attention_available(self.device))
         if parallel is not None:  # the other ranks build the same runner (ranks.build_runner) from these
             parallel.send_setup(dict(
-                fused=self.fused, block_size=bs, step_tokens=self.step_tokens, max_num_seqs=self.max_num_seqs,
+                fused=self.fused, exact_kernels=ec.exact_kernels, block_size=bs, step_tokens=self.step_tokens, max_num_seqs=self.max_num_seqs,
                 max_model_len=self.max_model_len, gpu_memory_utilization=ec.gpu_memory_utilization,
                 kv_cache_memory_bytes=ec.kv_cache_memory_bytes, graphs_off=graphs_off, overlap=overlap,
                 use_attention_kernels=use_kernels,
@@ -147,7 +148,7 @@ class Engine:
             self.step_tokens, self.max_model_len, "on" if ec.enable_prefix_caching else "off",
             "on" if ec.enable_routed_experts else "off", self.device, self.dtype,
             f"off ({graphs_off})" if graphs_off else f"for decode batches up to {self.max_num_seqs}",
-            "on" if self.fused else "off",
+            ("on, bit-exact ones only" if ec.exact_kernels else "on") if self.fused else "off",
             "paged kernels" if self.runner.use_kernels else "reference (gather + SDPA)",
         )
         self._inbox: collections.deque = collections.deque()  # ("add", seq) | ("abort", id) | ("control", c)

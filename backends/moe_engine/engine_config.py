@@ -34,6 +34,9 @@ class EngineConfig:
     # for bit, a third of the kernel launches. None: on CUDA when Triton is installed (CUDA builds of torch).
     # The switch is the model's: engines sharing a model share it.
     fused_kernels: bool | None = None
+    # Only the fused kernels that are bit-identical to the op-by-op path: without it, GPUs also use the fusions
+    # equal to it within rounding, with the same expert ids (one-pass norms, fused router, one q/k/v GEMM).
+    exact_kernels: bool = False
     # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks, one process (one
     # GPU) each; this process is rank 0 and starts the others (ranks.py, sharding.py).
     tensor_parallel_size: int = 1

@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the GPU forward, bit-identical to the op-by-op path in model.py.
+"""Fused Triton kernels for the GPU forward: bit-identical to the op-by-op path in model.py, or (the second
+table) equal to it within float32 summation order.
 
 A decode step of a small MoE model is a few hundred tiny kernels (an RMSNorm alone is eight: cast,
 square, mean, add, rsqrt, multiply, cast, weight), so on a GPU its time is the kernel count, not the
@@ -24,6 +25,20 @@ kernel                      replaces                                            
                             and the copy of the ids into the routing capture buffer
 ``combine``                 routing weight x expert output, HF-order sum over the k experts    ~14 -> 1
 ``store_kv``                the step's k and v written into the paged cache at their slots      ~4 -> 1
+==========================  =================================================================  ==========
+
+At real model widths a batch-1 decode step is still ~23 launches per layer, and the gaps between them cost as
+much as the kernels (loadtest/reports/real_shape_h200.md). The kernels below sum inside the kernel, in their own
+order, so their results equal the op-by-op path's within float32 rounding instead of bit for bit; the expert ids
+they choose are the same (a router chooses on its logits, whose order rounding does not change). The model uses
+them on GPUs unless ``--exact-kernels`` asks for the bit-identical set only (model.py ``use_fused_kernels``):
+
+==========================  =================================================================  ==========
+kernel                      replaces                                                           launches
+==========================  =================================================================  ==========
+``rms_norm``                residual add, squares, torch's mean, the tail                      3 -> 1
+``qk_norm_rope`` (no var)   q/k squares, torch's means, the tail and rotary                    3 -> 1
+``softmax_topk``            router softmax, top-k (sort + gather), sum, divide, cast           ~7 -> 1
 ==========================  =================================================================  ==========
 
 Triton ships with CUDA builds of torch. Without it (CPU wheels) ``available()`` is False and the model
@@ -131,12 +146,73 @@ if triton is not None:
         tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, d_ptr, s_ptr, w_ptr, out_ptr, N, sx, sd, ss, eps,
+        BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, DT: tl.constexpr, FP32_WEIGHT: tl.constexpr,
+    ):
+        """Row r in one pass: s = x + d (rounded; when HAS_ADD), var = mean(float32(s)^2) summed here, then the
+        tail of ``_rms_norm_tail_kernel``. Equal to the op-by-op norm within float32 summation order."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        m = cols < N
+        x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_ADD:
+            x = _round(x + tl.load(d_ptr + row * sd + cols, mask=m, other=0.0).to(tl.float32), DT)
+            tl.store(s_ptr + row * ss + cols, x.to(s_ptr.dtype.element_ty), mask=m)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if FP32_WEIGHT:
+            y = _round(w * (x * rstd), DT)
+        else:
+            y = _round(w * _round(x * rstd, DT), DT)
+        tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _softmax_topk_kernel(
+        logits_ptr, ids_ptr, w_ptr, E, sl, fmask_ptr, fids_ptr,
+        K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, DT: tl.constexpr,
+        FORCED: tl.constexpr,
+    ):
+        """Token t: p = softmax(float32 logits); the K largest, in descending order (chosen on the logits, which
+        order exactly as p does; ties to the lower expert id), or, for a FORCED token (routing replay), the given
+        ids; weights p at those ids, divided by their sum when RENORM; rounded to the model dtype when DT says
+        so. One launch for softmax, top-k, gather, sum, divide, cast; a token not forced computes the same bits
+        whether or not others in its step are."""
+        t = tl.program_id(0)
+        e = tl.arange(0, BLOCK_E)
+        m = e < E
+        x = tl.load(logits_ptr + t * sl + e, mask=m, other=float("-inf")).to(tl.float32)
+        ex = tl.exp(x - tl.max(x, axis=0))
+        p = ex / tl.sum(ex, axis=0)
+        kk = tl.arange(0, BLOCK_K)
+        ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+        w = tl.zeros([BLOCK_K], dtype=tl.float32)
+        cand = x
+        km = kk < K
+        if FORCED:
+            forced = tl.load(fmask_ptr + t) != 0
+            given = tl.load(fids_ptr + t * K + kk, mask=km, other=0)
+        for j in tl.static_range(K):
+            best = tl.max(cand, axis=0)
+            idx = tl.minimum(tl.min(tl.where(cand == best, e, BLOCK_E), axis=0), E - 1)  # E - 1: NaN logits
+            if FORCED:
+                idx = tl.where(forced, tl.sum(tl.where(kk == j, given, 0), axis=0).to(idx.dtype), idx)
+            ids = tl.where(kk == j, idx.to(tl.int64), ids)
+            w = tl.where(kk == j, tl.sum(tl.where(e == idx, p, 0.0), axis=0), w)
+            cand = tl.where(e == idx, float("-inf"), cand)
+        if RENORM:
+            w = w / tl.sum(w, axis=0)
+        tl.store(ids_ptr + t * K + kk, ids, mask=km)
+        tl.store(w_ptr + t * K + kk, _round(w, DT).to(w_ptr.dtype.element_ty), mask=km)
+
+    @triton.jit
     def _normed_rotated(
         x_ptr, var_ptr, w_ptr, cos_ptr, sin_ptr, row, sx, H, eps,
         HEAD_NORM: tl.constexpr, HAS_NORM: tl.constexpr, D: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr, VAR_HERE: tl.constexpr,
     ):
-        """[BLOCK_H, BLOCK_D] of one token: RMSNorm tail (full width or per head), then rotary (half style)."""
+        """[BLOCK_H, BLOCK_D] of one token: RMSNorm tail (full width or per head), then rotary (half style).
+        VAR_HERE: the mean of squares is summed here instead of read from var_ptr (torch's mean)."""
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         m = (h < H) & (d < D)
@@ -145,12 +221,21 @@ if triton is not None:
         x = tl.load(x_ptr + row * sx + h * D + d, mask=m, other=0.0).to(tl.float32)
         xp = tl.load(x_ptr + row * sx + h * D + partner, mask=m, other=0.0).to(tl.float32)
         if HAS_NORM:
+            if VAR_HERE:
+                if HEAD_NORM:
+                    var = (tl.sum(x * x, axis=1) / D)[:, None]  # [BLOCK_H, 1]
+                else:
+                    var = tl.sum(tl.sum(x * x, axis=1), axis=0) / (H * D)
             if HEAD_NORM:
-                rstd = tl.math.rsqrt(tl.load(var_ptr + row * H + h, mask=h < H, other=1.0) + eps)  # [BLOCK_H, 1]
+                if not VAR_HERE:
+                    var = tl.load(var_ptr + row * H + h, mask=h < H, other=1.0)  # [BLOCK_H, 1]
+                rstd = tl.math.rsqrt(var + eps)
                 w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
                 wp = tl.load(w_ptr + partner, mask=d < D, other=0.0).to(tl.float32)
             else:
-                rstd = tl.math.rsqrt(tl.load(var_ptr + row) + eps)
+                if not VAR_HERE:
+                    var = tl.load(var_ptr + row)
+                rstd = tl.math.rsqrt(var + eps)
                 w = tl.load(w_ptr + h * D + d, mask=m, other=0.0).to(tl.float32)
                 wp = tl.load(w_ptr + h * D + partner, mask=m, other=0.0).to(tl.float32)
             x = _round(w * _round(x * rstd, DT), DT)
@@ -166,17 +251,17 @@ if triton is not None:
         k_ptr, kvar_ptr, kw_ptr, kout_ptr, sk, Hk,
         cos_ptr, sin_ptr, eps,
         HEAD_NORM: tl.constexpr, HAS_NORM: tl.constexpr, D: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr, VAR_HERE: tl.constexpr,
     ):
         """Token program_id(0): q (program_id(1) == 0) or k -> normed (optional) and rotated, [H, D] out."""
         row = tl.program_id(0)
         if tl.program_id(1) == 0:
             y, h, d, m = _normed_rotated(q_ptr, qvar_ptr, qw_ptr, cos_ptr, sin_ptr, row, sq, Hq, eps,
-                                         HEAD_NORM, HAS_NORM, D, BLOCK_H, BLOCK_D, DT)
+                                         HEAD_NORM, HAS_NORM, D, BLOCK_H, BLOCK_D, DT, VAR_HERE)
             tl.store(qout_ptr + row * Hq * D + h * D + d, y.to(qout_ptr.dtype.element_ty), mask=m)
         else:
             y, h, d, m = _normed_rotated(k_ptr, kvar_ptr, kw_ptr, cos_ptr, sin_ptr, row, sk, Hk, eps,
-                                         HEAD_NORM, HAS_NORM, D, BLOCK_H, BLOCK_D, DT)
+                                         HEAD_NORM, HAS_NORM, D, BLOCK_H, BLOCK_D, DT, VAR_HERE)
             tl.store(kout_ptr + row * Hk * D + h * D + d, y.to(kout_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -317,6 +402,50 @@ def rms_norm_tail(x: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, eps:
     return out.view(x.shape)
 
 
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, RMSNorm(s)) with s = x + delta (or x) in one launch, the mean of squares summed in the kernel: equal to
+    the op-by-op norm within float32 summation order (not bit for bit, unlike add_square + rms_norm_tail)."""
+    xr = _rows(x)
+    R, N = xr.shape
+    s = xr
+    if delta is not None:
+        dr = _rows(delta)
+        s = torch.empty_like(xr)
+    out = torch.empty(R, N, dtype=x.dtype, device=x.device)
+    if R:
+        _launch(
+            _rms_norm_kernel, (R,), xr, dr if delta is not None else xr, s, weight, out, N, xr.stride(0),
+            dr.stride(0) if delta is not None else 0, s.stride(0), eps,
+            BLOCK=_pow2(N), HAS_ADD=delta is not None, DT=_DT[x.dtype], FP32_WEIGHT=fp32_weight,
+        )
+    return s.view(x.shape), out.view(x.shape)
+
+
+def softmax_topk(
+    logits: torch.Tensor, top_k: int, renorm: bool, weights_dtype: torch.dtype,
+    forced_mask: torch.Tensor | None = None, forced_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (ids [T, K] int64 in descending order, weights [T, K] ``weights_dtype``): softmax in
+    float32, top-k, optional renormalisation and the cast, in one launch. The ids are the op-by-op router's
+    (the order of the logits is the order of the probabilities; ties go to the lower id, where torch.topk
+    leaves the order unspecified); the weights equal it within float32 summation order. ``forced_mask`` [T]
+    bool / ``forced_ids`` [T, K]: routing replay, the given ids (and their weights) for the masked tokens."""
+    lr = _rows(logits)
+    T, E = lr.shape
+    ids = torch.empty(T, top_k, dtype=torch.long, device=logits.device)
+    weights = torch.empty(T, top_k, dtype=weights_dtype, device=logits.device)
+    forced = forced_mask is not None
+    if T:
+        _launch(
+            _softmax_topk_kernel, (T,), lr, ids, weights, E, lr.stride(0),
+            forced_mask.contiguous() if forced else lr, forced_ids.contiguous() if forced else ids,
+            K=top_k, BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), RENORM=renorm, DT=_DT[weights_dtype], FORCED=forced,
+        )
+    return ids, weights
+
+
 def qk_norm_rope(
     q: torch.Tensor,  # [T, Hq*D] (or [T, Hq, D])
     k: torch.Tensor,  # [T, Hk*D]
@@ -330,7 +459,8 @@ def qk_norm_rope(
     k_weight: torch.Tensor | None = None,
     eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hk, D]
-    """Optional q/k RMSNorm tails, then half-style rotary, for q and k in one launch."""
+    """Optional q/k RMSNorm tails, then half-style rotary, for q and k in one launch. Without ``q_var`` /
+    ``k_var`` a norm sums its mean of squares in the kernel (equal within float32 summation order)."""
     T, D = q.shape[0], head_dim
     qr, kr = q.reshape(T, -1), k.reshape(T, -1)
     if qr.stride(-1) != 1:
@@ -342,13 +472,16 @@ def qk_norm_rope(
     k_out = torch.empty(T, Hk, D, dtype=k.dtype, device=k.device)
     if T:
         has_norm = norm != "none"
+        var_here = has_norm and q_var is None
         _launch(
             _qk_norm_rope_kernel, (T, 2),
-            qr, q_var.contiguous() if has_norm else qr, q_weight if has_norm else qr, q_out, qr.stride(0), Hq,
-            kr, k_var.contiguous() if has_norm else kr, k_weight if has_norm else kr, k_out, kr.stride(0), Hk,
+            qr, q_var.contiguous() if has_norm and not var_here else qr, q_weight if has_norm else qr, q_out,
+            qr.stride(0), Hq,
+            kr, k_var.contiguous() if has_norm and not var_here else kr, k_weight if has_norm else kr, k_out,
+            kr.stride(0), Hk,
             cos.contiguous(), sin.contiguous(), eps,
             HEAD_NORM=norm == "head", HAS_NORM=has_norm, D=D,
-            BLOCK_H=_pow2(max(Hq, Hk)), BLOCK_D=_pow2(D), DT=_DT[q.dtype],
+            BLOCK_H=_pow2(max(Hq, Hk)), BLOCK_D=_pow2(D), DT=_DT[q.dtype], VAR_HERE=var_here,
         )
     return q_out, k_out
 

@@ -41,7 +41,7 @@ from .config import AttentionSpec, ExpertsSpec, MoEConfig, RopeSpec, RouterSpec
 from .experts import NO_ROUTING, TRITON_GEMM_MAX_PAIRS, Experts, GptOssExperts, LayerRouting, StepRouting
 from .kv_cache import KVCache, KVSpec
 from .rope import RotaryEmbedding, apply_rotary, deepseek_softmax_scale
-from .routing import make_router
+from .routing import Router, make_router
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, fp32_weight: bool = False):
@@ -50,8 +50,11 @@ class RMSNorm(nn.Module):
         self.fp32_weight = fp32_weight
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.fused = False  # kernels.py (set by MoEForCausalLM.use_fused_kernels)
+        self.within_rounding = False  # one-pass kernel, equal within float32 summation order (ditto)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused and self.within_rounding:
+            return kernels.rms_norm(x, self.weight, self.eps, self.fp32_weight)[1]
         if self.fused and x.is_contiguous():
             _, squares, _ = kernels.add_square(x)
             return self._fused_tail(x, squares)
@@ -66,6 +69,8 @@ class RMSNorm(nn.Module):
         """(x + delta, norm(x + delta)): the residual add before a norm (one kernel with it when fused)."""
         if delta is None:
             return x, self(x)
+        if self.fused and self.within_rounding:
+            return kernels.rms_norm(x, self.weight, self.eps, self.fp32_weight, delta)
         if self.fused and x.is_contiguous() and delta.is_contiguous():
             s, squares, _ = kernels.add_square(x, delta)
             return s, self._fused_tail(s, squares)
@@ -103,13 +108,15 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if spec.sinks else None
         self.eps = norm_eps
         self.fused = False  # kernels.py (set by MoEForCausalLM.use_fused_kernels)
+        # one GEMM for q/k/v and norms summed in-kernel: equal within rounding (set by use_fused_kernels)
+        self.within_rounding = False
         # Tensor parallelism (sharding.py): this rank's heads; a full-width q/k norm gathers every head first.
         self.tp = None
         self.tp_slices: tuple | None = None  # ((q start, q stop), (k start, k stop)) columns of this rank
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: LayerKV) -> Tensor:
         T = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        q, k, v = self._qkv(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
         if self.fused and self.rope_style == "half" and self.clip_qkv is None and cos.shape[-1] == self.head_dim \
                 and self.tp_slices is None:
             q, k = self._fused_norm_rope(q, k, cos, sin)  # [T, Hq, D], [T, Hkv, D]
@@ -129,6 +136,47 @@ class Attention(nn.Module):
         out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The q, k and v projections: one GEMM over [Wq; Wk; Wv] when ``fuse_qkv`` laid the three weights out
+        as one tensor (k/v alone are GEMMs too small for the GPU: cuBLAS splits them over K and adds a pass)."""
+        fused = self.within_rounding and self._qkv_weight()
+        if fused:
+            w, b = fused
+            return F.linear(x, w, b).split([p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)], -1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def _qkv_weight(self) -> tuple[Tensor, Tensor | None] | None:
+        """[Nq + 2 Nkv, H] (and the bias) viewing the three projections' parameters, if they lie back to back in
+        one storage (fuse_qkv; weight updates write into them in place, move_weights keeps the layout); else
+        None. A view, not a copy: nothing to keep in sync."""
+        views = []
+        for attr in ("weight", "bias"):
+            ps = [getattr(p, attr) for p in (self.q_proj, self.k_proj, self.v_proj)]
+            if ps[0] is None:
+                views.append(None)
+                continue
+            if not all(p.is_contiguous() for p in ps) or any(
+                    b.data_ptr() != a.data_ptr() + a.nbytes or b.untyped_storage().data_ptr() !=
+                    a.untyped_storage().data_ptr() for a, b in zip(ps, ps[1:])):
+                return None
+            rows = sum(p.shape[0] for p in ps)
+            views.append(ps[0].as_strided((rows, *ps[0].shape[1:]), ps[0].stride()))
+        return views[0], views[1]
+
+    @torch.no_grad()
+    def fuse_qkv(self) -> None:
+        """Lay the q/k/v weights (and biases) out back to back in one tensor, each projection's parameter a view
+        of its rows, so that ``_qkv`` runs one GEMM. Idempotent."""
+        if self._qkv_weight() is not None:
+            return
+        for attr in ("weight", "bias"):
+            projs = (self.q_proj, self.k_proj, self.v_proj)
+            if getattr(self.q_proj, attr) is None:
+                continue
+            joined = torch.cat([getattr(p, attr) for p in projs])
+            for p, part in zip(projs, joined.split([getattr(p, attr).shape[0] for p in projs])):
+                setattr(p, attr, nn.Parameter(part, requires_grad=False))
+
     def _full_norm(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """The full-width q/k norms (OLMoE); under tensor parallelism over every rank's heads, gathered."""
         if self.tp_slices is None:
@@ -143,6 +191,9 @@ class Attention(nn.Module):
         """The q/k norms (if any) and the rotary of both in three launches (squares, torch's means, the rest)."""
         if self.qk_norm == "none":
             return kernels.qk_norm_rope(q, k, cos, sin, self.head_dim)
+        if self.within_rounding:  # one launch: the means summed in the kernel
+            return kernels.qk_norm_rope(q, k, cos, sin, self.head_dim, self.qk_norm, q_weight=self.q_norm.weight,
+                                        k_weight=self.k_norm.weight, eps=self.eps)
         T, D = q.shape[0], self.head_dim
         _, q_sq, k_sq = kernels.add_square(q, x2=k)  # [T, Hq*D], [T, Hkv*D] float32
         if self.qk_norm == "head":
@@ -351,15 +402,22 @@ class MoEForCausalLM(nn.Module):
         # this rank's key/value heads (all of them unless sharded)
         return [KVSpec(layer.self_attn.num_kv_heads, attn.head_dim, attn.head_dim) for layer in self.model.layers]
 
-    def use_fused_kernels(self, enabled: bool) -> bool:
+    def use_fused_kernels(self, enabled: bool, within_rounding: bool | None = None) -> bool:
         """Switch the fused Triton kernels (kernels.py, bit for bit the op-by-op results; on a GPU also the expert
         GEMMs of fused_moe.py, equal within bf16 GEMM rounding) on or off for every module that has them.
-        Returns whether they are on: only where Triton runs for this model's device and dtype."""
+        ``within_rounding`` (default: on a GPU) adds the fusions equal to the op-by-op path within rounding, with
+        the same expert ids: one-pass norms, the fused softmax router, one GEMM for q/k/v (kernels.py's second
+        table). Returns whether fused kernels are on: only where Triton runs for this model's device and dtype."""
         enabled = enabled and kernels.available(self.device) and kernels.supports(self.dtype)
         on_gpu = enabled and self.device.type == "cuda" and not kernels.interpreting()
+        within_rounding = enabled and (on_gpu if within_rounding is None else within_rounding)
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention)) or getattr(m, "supports_fused", False):
                 m.fused = enabled
+            if isinstance(m, (RMSNorm, Attention, Router)):
+                m.within_rounding = within_rounding
+            if isinstance(m, Attention) and within_rounding:
+                m.fuse_qkv()
             if isinstance(m, Experts):
                 m.triton_gemm_max_pairs = TRITON_GEMM_MAX_PAIRS if on_gpu else 0
         return enabled

@@ -160,7 +160,7 @@ class StepChannel:
 def build_runner(model, setup: dict, group: ParallelGroup | None, capture_routing: bool) -> ModelRunner:
     """The runner a rank builds from the engine's settings (``setup``): the KV cache sized like the engine's (the
     smallest block count over ranks), decode graphs as configured."""
-    model.use_fused_kernels(setup["fused"])
+    model.use_fused_kernels(setup["fused"], within_rounding=False if setup["exact_kernels"] else None)
     specs = model.kv_layout()
     bs = setup["block_size"]
     budget = kv_cache_budget(model, specs, bs, setup["step_tokens"], setup["max_num_seqs"], setup["max_model_len"],

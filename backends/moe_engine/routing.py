@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import RouterSpec
 
 
@@ -60,6 +61,9 @@ class Router(nn.Module):
         super().__init__()
         self.num_experts = spec.num_experts
         self.top_k = spec.top_k
+        # a fused kernel for the router's math, equal within rounding with the same ids (set by
+        # MoEForCausalLM.use_fused_kernels; only routers that have one read it)
+        self.within_rounding = False
 
     def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -80,6 +84,10 @@ class SoftmaxTopKRouter(Router):
 
     def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)  # [T, E] in the model dtype (bf16 logits for a bf16 model)
+        if self.within_rounding:  # kernels.softmax_topk: the lines below in one launch
+            return kernels.softmax_topk(logits, self.top_k, self.norm_topk_prob,
+                                        torch.float32 if self.weights_fp32 else logits.dtype,
+                                        None if forced is None else forced.mask, None if forced is None else forced.ids)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E] float32
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K], sorted descending
         if forced is not None:

@@ -12,6 +12,7 @@ keeping rows), the model gets no buffer and does no capture work.
 """
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field
 
@@ -91,6 +92,10 @@ def kv_cache_budget(
         return min(CPU_KV_BUDGET, need)
     peak = profile_peak_activation(model, specs, block_size, step_tokens, max_num_seqs)
     torch.cuda.synchronize(device)
+    # Memory this process's caching allocator holds but no tensor uses (a previous engine's KV cache, the
+    # profiling step's activations) is free for this one: hand it back before asking the driver.
+    gc.collect()
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free  # weights, this process's other buffers, CUDA context, other processes
     budget = int(total * gpu_memory_utilization) - in_use - 2 * peak

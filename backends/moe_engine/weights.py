@@ -367,12 +367,20 @@ class UpdateGroups:
 
 
 def move_weights(model: torch.nn.Module, device: torch.device) -> int:
-    """Move every parameter's storage to ``device`` (tied parameters once); returns the bytes moved. Parameters get
-    new addresses: CUDA graphs captured before are invalid afterwards."""
+    """Move every parameter's storage to ``device``; returns the bytes moved. Storage by storage, so parameters
+    that are views of one tensor stay views of one tensor (tied weights; the q/k/v projections that
+    ``Attention.fuse_qkv`` lays out back to back). Parameters get new addresses: CUDA graphs captured before are
+    invalid afterwards."""
     moved = 0
+    storages: dict[int, torch.UntypedStorage] = {}  # old storage address -> its copy on ``device``
     with torch.no_grad():
         for p in model.parameters():
-            if p.device != device:
-                p.data = p.data.to(device)
-                moved += p.nbytes
+            if p.device == device:
+                continue
+            old = p.untyped_storage()
+            if old.data_ptr() not in storages:
+                storages[old.data_ptr()] = old.to(device=device)
+                moved += old.nbytes()
+            p.data = torch.empty(0, dtype=p.dtype, device=device).set_(
+                storages[old.data_ptr()], p.storage_offset(), p.shape, p.stride())
     return moved
