@@ -302,7 +302,7 @@ def _gemm(a, w, out, tok, offs, N: int, K: int, cfg: TileConfig, gate_up: bool) 
                 _moe_gemm_kernel, grid, a, w, out, tok, offs, E, N, K, num_pid_m,
                 a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
                 GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                BLOCK_E=max(kernels._pow2(E), 16), EVEN_K=K % cfg.BLOCK_K == 0, DT=_DT[a.dtype],
+                BLOCK_E=kernels._pow2(E), EVEN_K=K % cfg.BLOCK_K == 0, DT=_DT[a.dtype],
                 UPCAST=interpreting(), PRECISE=not interpreting(),
                 PREC="ieee" if a.dtype == torch.float32 else "tf32",
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import decode_linear, kernels
+from . import kernels
 from .attention import ForwardBatch, LayerKV, attend, attend_cached, cached_kv, store_kv
 from .config import AttentionSpec, ExpertsSpec, MoEConfig, RopeSpec, RouterSpec
 from .experts import NO_ROUTING, TRITON_GEMM_MAX_PAIRS, Experts, GptOssExperts, LayerRouting, StepRouting
@@ -122,10 +122,7 @@ class Attention(nn.Module):
             q, k = self._fused_norm_rope(q, k, cos, sin)  # [T, Hq, D], [T, Hkv, D]
             v = v.view(T, self.num_kv_heads, self.head_dim)
             out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks, fused=True)
-            out = out.reshape(T, self.num_heads * self.head_dim)
-            if self.within_rounding:
-                return decode_linear.linear(out, self.o_proj.weight, self.o_proj.bias)
-            return self.o_proj(out)
+            return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
         if self.qk_norm == "full":
             q, k = self._full_norm(q, k)
         if self.clip_qkv is not None:
@@ -145,7 +142,7 @@ class Attention(nn.Module):
         fused = self.within_rounding and self._qkv_weight()
         if fused:
             w, b = fused
-            return decode_linear.linear(x, w, b).split([p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)], -1)
+            return F.linear(x, w, b).split([p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)], -1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def _qkv_weight(self) -> tuple[Tensor, Tensor | None] | None:

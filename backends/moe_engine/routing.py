@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import decode_linear, kernels
+from . import kernels
 from .config import RouterSpec
 
 
@@ -83,10 +83,7 @@ class SoftmaxTopKRouter(Router):
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size), requires_grad=False)  # [E, H]
 
     def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.within_rounding:  # decode-sized steps: the weight-streaming GEMM of decode_linear.py
-            logits = decode_linear.linear(x, self.weight)  # [T, E] in the model dtype
-        else:
-            logits = F.linear(x, self.weight)  # [T, E] in the model dtype (bf16 logits for a bf16 model)
+        logits = F.linear(x, self.weight)  # [T, E] in the model dtype (bf16 logits for a bf16 model)
         if self.within_rounding:  # kernels.softmax_topk: the lines below in one launch
             return kernels.softmax_topk(logits, self.top_k, self.norm_topk_prob,
                                         torch.float32 if self.weights_fp32 else logits.dtype,

@@ -65,16 +65,10 @@ class LaunchCounter:
             monkeypatch.setattr(kernels, name, counted)
 
 
-def forward_both_ways(model, ids, within_rounding: bool = False, expert_gemms: bool = True):
-    """(op-by-op, fused) forwards. ``expert_gemms=False`` keeps torch's expert GEMMs on a GPU: fused_moe.py sums
-    in its own order (bit-identical in bf16 on the H200, not in float32; test_fused_moe.py bounds it)."""
+def forward_both_ways(model, ids, within_rounding: bool = False):
     model.use_fused_kernels(False)
     expected = reference_forward(model, ids)
     assert model.use_fused_kernels(True, within_rounding=within_rounding)
-    if not expert_gemms:
-        for m in model.modules():
-            if hasattr(m, "triton_gemm_max_pairs"):
-                m.triton_gemm_max_pairs = 0
     try:
         return expected, reference_forward(model, ids)
     finally:
@@ -106,7 +100,7 @@ def test_fused_forward_is_bit_identical_for_every_architecture(arch, bf16_checkp
 def test_fused_forward_is_bit_identical_in_other_dtypes(dtype, bf16_checkpoints):
     """float32 (no rounding between ops) and float16 (the other rounding); Qwen3: per-head q/k norm."""
     model = load_model(bf16_checkpoints("qwen3_moe"), dtype=dtype, device=DEVICE, progress=False)
-    (ref_logits, ref_routed), (logits, routed) = forward_both_ways(model, prompt_of(12, seed=3), expert_gemms=False)
+    (ref_logits, ref_routed), (logits, routed) = forward_both_ways(model, prompt_of(12, seed=3))
     assert torch.equal(logits, ref_logits) and torch.equal(routed, ref_routed)
 
 
@@ -231,11 +225,9 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
     default): float32, the routed ids equal the op-by-op forward's in slot order and the logits agree within
     rounding; bf16 (the serving dtype), the logits agree within bf16 rounding of the hidden states."""
     counter = LaunchCounter(monkeypatch)
-    from moe_engine import fused_moe
-
-    for module, name in ((kernels, "rms_norm"), (kernels, "softmax_topk"), (fused_moe, "down_proj")):
-        fn = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _fn=fn, _name=name, **kw: (
+    for name in ("rms_norm", "softmax_topk"):
+        fn = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _name=name, **kw: (
             counter.calls.__setitem__(_name, counter.calls.get(_name, 0) + 1), _fn(*a, **kw))[1])
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model(bf16_checkpoints(arch), dtype=dtype, device=DEVICE, progress=False)
@@ -251,10 +243,7 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
         assert counter.calls["rms_norm"] >= 2 * L + 1  # every layer norm (and the final one) in one pass
         if model.config.router.kind == "softmax_topk":
             assert counter.calls["softmax_topk"] == len(model.config.moe_layers)
-        if model.config.attention.mla is None:  # q/k/v weights laid out as one tensor: one GEMM (and o)
-            # 10 tokens: q/k/v and o on decode_linear's kernel unless biased (then F.linear)
-            spec = model.config.attention
-            assert counter.calls.get("down_proj", 0) >= L * ((not spec.qkv_bias) + (not spec.o_bias))
+        if model.config.attention.mla is None:  # q/k/v weights laid out as one tensor: one GEMM
             attn = model.model.layers[0].self_attn
             assert attn._qkv_weight() is not None
             assert attn.k_proj.weight.data_ptr() == attn.q_proj.weight.data_ptr() + attn.q_proj.weight.nbytes
@@ -273,25 +262,3 @@ def test_weight_updates_reach_the_fused_qkv_gemm(bf16_checkpoints):
     model.use_fused_kernels(False)
     torch.testing.assert_close(after, reference_forward(model, prompt_of(8, seed=9))[0], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(after, before, atol=1e-3)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_linear_equals_f_linear_within_rounding(dtype):
-    """Dense projections of 1..16 tokens on the expert-GEMM kernel: F.linear within float32 summation order, for
-    row-strided inputs and views of a larger weight (the q/k/v layout); bias or more tokens: F.linear itself."""
-    from moe_engine import decode_linear
-
-    g = torch.Generator().manual_seed(4)
-    for N, K in ((40, 24), (130, 200)):
-        w_all = torch.randn(N + 8, K, generator=g).to(dtype).to(DEVICE)
-        w = w_all[:N]  # rows of a larger tensor, as q/k/v's fused weight
-        for T in (1, 5, 16):
-            x = torch.randn(T, K + 3, generator=g).to(dtype).to(DEVICE)[:, :K]  # row stride K + 3
-            assert decode_linear.applies(x, w, None)
-            got = decode_linear.linear(x, w)
-            assert got.shape == (T, N) and got.dtype == dtype
-            torch.testing.assert_close(got, torch.nn.functional.linear(x, w))
-    x = torch.randn(17, 24, generator=g).to(dtype).to(DEVICE)
-    w, b = torch.randn(40, 24, generator=g).to(dtype).to(DEVICE), torch.randn(40, generator=g).to(dtype).to(DEVICE)
-    assert not decode_linear.applies(x, w, None) and not decode_linear.applies(x[:4], w, b)
-    assert torch.equal(decode_linear.linear(x[:4], w, b), torch.nn.functional.linear(x[:4], w, b))
