@@ -65,10 +65,16 @@ class LaunchCounter:
             monkeypatch.setattr(kernels, name, counted)
 
 
-def forward_both_ways(model, ids, within_rounding: bool = False):
+def forward_both_ways(model, ids, within_rounding: bool = False, expert_gemms: bool = True):
+    """(op-by-op, fused) forwards. ``expert_gemms=False`` keeps torch's expert GEMMs on a GPU: fused_moe.py sums
+    in its own order (bit-identical in bf16 on the H200, not in float32; test_fused_moe.py bounds it)."""
     model.use_fused_kernels(False)
     expected = reference_forward(model, ids)
     assert model.use_fused_kernels(True, within_rounding=within_rounding)
+    if not expert_gemms:
+        for m in model.modules():
+            if hasattr(m, "triton_gemm_max_pairs"):
+                m.triton_gemm_max_pairs = 0
     try:
         return expected, reference_forward(model, ids)
     finally:
@@ -100,7 +106,7 @@ def test_fused_forward_is_bit_identical_for_every_architecture(arch, bf16_checkp
 def test_fused_forward_is_bit_identical_in_other_dtypes(dtype, bf16_checkpoints):
     """float32 (no rounding between ops) and float16 (the other rounding); Qwen3: per-head q/k norm."""
     model = load_model(bf16_checkpoints("qwen3_moe"), dtype=dtype, device=DEVICE, progress=False)
-    (ref_logits, ref_routed), (logits, routed) = forward_both_ways(model, prompt_of(12, seed=3))
+    (ref_logits, ref_routed), (logits, routed) = forward_both_ways(model, prompt_of(12, seed=3), expert_gemms=False)
     assert torch.equal(logits, ref_logits) and torch.equal(routed, ref_routed)
 
 
