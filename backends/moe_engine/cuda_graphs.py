@@ -26,6 +26,7 @@ replay.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 
@@ -185,8 +186,18 @@ class DecodeGraphs:
             # the real step's inputs: the KV it writes is what the replay writes again.
             self._forward(B, Lk, capture, capture_weights)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                self._forward(B, Lk, capture, capture_weights)
+            # No garbage collection while capturing: a collection that frees an unreachable older engine's graphs
+            # resets them, which CUDA refuses during a capture ("operation not permitted when stream is
+            # capturing"; seen when tests build engines one after another). torch.cuda.graph collects on entry.
+            gc_was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph, pool=self._pool, stream=self._stream,
+                                      capture_error_mode="thread_local"):
+                    self._forward(B, Lk, capture, capture_weights)
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
         current.wait_stream(self._stream)
         log.info(
             "captured a CUDA graph for decode steps of %d sequences, %d keys, routing %s%s (%.0f ms; %d graphs)",
