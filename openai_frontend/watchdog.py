@@ -77,13 +77,25 @@ def descendants(pid: int) -> dict[int, str]:
 
 
 @dataclass
+class InstanceGauges:
+    """One model instance's engine (one per --data-parallel-size replica)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    steps: float | None = None
+
+
+@dataclass
 class EngineGauges:
-    """The moe backend's gauges as Triton's metrics endpoint shows them (None = not exported)."""
+    """The moe backend's gauges as Triton's metrics endpoint shows them (None = not exported): totals over the
+    model instances, and each instance's own (a stall is per engine: one stuck replica among busy ones must
+    still be seen)."""
 
     running: float | None = None
     waiting: float | None = None
     steps: float | None = None
     alive: float | None = None
+    instances: dict[str, InstanceGauges] = field(default_factory=dict)
 
 
 _GAUGE_LINE = re.compile(r"^(moe_engine_\w+)\{([^}]*)\} (\S+)$", re.M)
@@ -98,12 +110,16 @@ def read_engine_gauges(metrics_url: str, timeout_s: float = 2.0) -> EngineGauges
     g = EngineGauges()
     # One series per model instance (--data-parallel-size): requests and steps add up, alive is the least.
     for name, labels, value in _GAUGE_LINE.findall(text):
+        label = re.search(r'instance="([^"]*)"', labels)
+        inst = g.instances.setdefault(label.group(1) if label else "", InstanceGauges())
         if name == "moe_engine_requests":
             state = re.search(r'state="(\w+)"', labels)
             if state and state.group(1) in ("running", "waiting"):
                 setattr(g, state.group(1), (getattr(g, state.group(1)) or 0) + float(value))
+                setattr(inst, state.group(1), getattr(inst, state.group(1)) + float(value))
         elif name == "moe_engine_steps":
             g.steps = (g.steps or 0) + float(value)
+            inst.steps = (inst.steps or 0) + float(value)
         elif name == "moe_engine_alive":
             g.alive = float(value) if g.alive is None else min(g.alive, float(value))
     return g
@@ -118,8 +134,9 @@ class _ProbeState:
     stopped_since: dict[int, float] = field(default_factory=dict)
     ready_failures: int = 0
     next_ready_probe: float = 0.0
-    last_steps: float | None = None
-    steps_changed_at: float = 0.0
+    armed_at: float = 0.0
+    last_steps: dict[str, float] = field(default_factory=dict)  # per model instance
+    steps_changed_at: dict[str, float] = field(default_factory=dict)
 
 
 class BackendWatchdog(threading.Thread):
@@ -161,7 +178,7 @@ class BackendWatchdog(threading.Thread):
         pid = self.triton.proc.pid
         stubs = {p: n for p, n in descendants(pid).items() if n.startswith(STUB_NAME[:15])}  # comm: 15 chars
         now = time.monotonic()
-        self._probe = _ProbeState(stubs=stubs, steps_changed_at=now, next_ready_probe=now + READY_PROBE_EVERY_S)
+        self._probe = _ProbeState(stubs=stubs, armed_at=now, next_ready_probe=now + READY_PROBE_EVERY_S)
         if not stubs:
             log.warning("watchdog: no python backend stub found under tritonserver (pid %d)", pid)
         log.info("watchdog: watching tritonserver (pid %d) and stub(s) %s", pid, sorted(stubs))
@@ -209,13 +226,18 @@ class BackendWatchdog(threading.Thread):
             return "the engine thread died"
         if g.steps is None:
             return None  # a backend without the progress gauge: no stall detection
-        busy = (g.running or 0) + (g.waiting or 0)
-        if g.steps != st.last_steps or busy == 0:
-            st.last_steps = g.steps
-            st.steps_changed_at = now
-            return None
-        if now - st.steps_changed_at > self.stall_timeout_s:
-            return f"the engine made no step for {now - st.steps_changed_at:.0f} s with {busy:.0f} request(s)"
+        for name, inst in g.instances.items():  # each engine on its own: one stuck replica among busy ones
+            if inst.steps is None:
+                continue
+            busy = inst.running + inst.waiting
+            if inst.steps != st.last_steps.get(name) or busy == 0:
+                st.last_steps[name] = inst.steps
+                st.steps_changed_at[name] = now
+                continue
+            idle_for = now - st.steps_changed_at.get(name, st.armed_at)
+            if idle_for > self.stall_timeout_s:
+                which = f" of model instance {name!r}" if len(g.instances) > 1 else ""
+                return f"the engine{which} made no step for {idle_for:.0f} s with {busy:.0f} request(s)"
         return None
 
     # -- the loop ------------------------------------------------------------
