@@ -370,4 +370,5 @@ def load_model(
     if unused:
         log.warning("%d checkpoint tensors not used by %s (e.g. %s)", len(unused), cfg.architecture, ", ".join(unused[:3]))
     log.info("loaded %s (%s, %.2f GB) in %.1f s", root, tdtype, total / 1e9, time.monotonic() - start)
+    model.shard_selections = selections  # this rank's slices of each sharded tensor: weight updates read the same
     return model.eval()

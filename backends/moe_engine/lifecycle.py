@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from . import weights as W
-from .errors import InvalidRequestError
+from .errors import EngineStoppedError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ def _failed(exc: Exception) -> Future:
 
 
 def _single_rank(engine, op: str) -> Exception | None:
-    """Weight and memory operations reach rank 0's model only: refused under tensor parallelism (the other ranks
-    would keep their old weights) until ranks.py carries them."""
+    """Operations that reach rank 0's model only: refused under tensor parallelism (the other ranks would keep
+    their old weights or memory) until ranks.py carries them as it carries update_weights_from_disk."""
     if getattr(engine.ecfg, "tensor_parallel_size", 1) > 1:
         return W.WeightUpdateError(f"{op} is not supported with --tensor-parallel-size > 1 yet (the other ranks "
                                    f"would keep their weights); restart the server instead")
@@ -86,16 +86,14 @@ class RolloutLifecycle:
                                  abort_all_requests: bool = False) -> Future:
         """Load checkpoint ``model_path`` (same model) into the live parameters; weight_version defaults to its
         folder name. Checked at once, in the caller's thread (a refused checkpoint waits for nothing)."""
-        if (err := _single_rank(self.engine, "update_weights_from_disk")) is not None:
-            return _failed(err)
-        try:
+        try:  # under tensor parallelism: rank 0's slices, against the checkpoint's whole tensors
             root = W.check_checkpoint(self.engine.model, model_path)
         except W.WeightUpdateError as exc:
             return _failed(exc)
 
         def run() -> dict:
             t0 = time.monotonic()
-            nbytes = W.load_checkpoint(self.engine.model, root)
+            nbytes = self._load_everywhere(root)
             self._weights_changed(weight_version or root.name, flush_cache)
             seconds = time.monotonic() - t0
             log.info("weights updated from %s in %.2f s (%.2f GB); version %s", root, seconds, nbytes / 1e9,
@@ -103,6 +101,22 @@ class RolloutLifecycle:
             return {"message": f"loaded {root} ({nbytes / 1e9:.3f} GB in {seconds:.2f} s)", "num_bytes": nbytes}
 
         return self.engine.call(run, drain=not abort_all_requests, abort=abort_all_requests)
+
+    def _load_everywhere(self, root) -> int:
+        """Load checkpoint ``root`` into this engine's model and, under tensor parallelism, into every rank's
+        (each reads only its slices). A rank that fails leaves the ranks with different weights: the engine is
+        failed (the watchdog restarts the backend) and the caller gets a 503."""
+        parallel = self.engine.parallel
+        if parallel is None:
+            return W.load_checkpoint(self.engine.model, root)
+        try:
+            return parallel.run_on_every_rank({"op": "update_weights_from_disk", "model_path": str(root)},
+                                              lambda: W.load_checkpoint(self.engine.model, root))
+        except Exception as exc:
+            log.error("weight update from %s failed under tensor parallelism: %s", root, exc)
+            self.engine.fail(exc)
+            raise EngineStoppedError(f"the weight update failed on a tensor-parallel rank ({exc}); the engine "
+                                     f"stopped and the backend restarts") from exc
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "nccl") -> Future:

@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -40,6 +41,8 @@ import torch.distributed as dist
 from .parallel import ParallelError, ParallelGroup, apply_rank_env, rank_device
 from .runner import ModelRunner, StepInputs, kv_cache_budget
 from .kv_cache import blocks_for_budget
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ TERM_WAIT_S = 5.0
 # to ~30 sequences with 64-block tables fits in one).
 _HEADER = 12
 _FIRST = 2048
-_STEP, _SETUP, _STOP = 1, 2, 3
+_STEP, _SETUP, _STOP, _CONTROL = 1, 2, 3, 4
 _F_DEVICE_IDS, _F_ROUTING, _F_WEIGHTS, _F_FORCED, _F_GRAPH = 1, 2, 4, 8, 16
 
 
@@ -117,15 +120,21 @@ class StepChannel:
         with self.lock:
             self._send(_STOP, [], np.zeros(0, dtype=np.int64))
 
+    def send_control(self, op: dict) -> None:
+        data = np.frombuffer(json.dumps(op).encode(), dtype=np.uint8).astype(np.int64)
+        with self.lock:
+            self._send(_CONTROL, [], data)
+
     # -- ranks 1..N-1
 
     def receive(self, device: torch.device):
-        """The next message: ("step", StepInputs, ids on the device or None) | ("setup", dict) | ("stop",)."""
+        """The next message: ("step", StepInputs, ids on the device or None) | ("setup", dict) | ("control", dict)
+        | ("stop",)."""
         kind, f, p = self._recv()
         if kind == _STOP:
             return ("stop",)
-        if kind == _SETUP:
-            return ("setup", json.loads(p.astype(np.uint8).tobytes()))
+        if kind in (_SETUP, _CONTROL):
+            return ("setup" if kind == _SETUP else "control", json.loads(p.astype(np.uint8).tobytes()))
         flags, B, T, n_samplers, n_score = f[:5]
         on_device = bool(flags & _F_DEVICE_IDS)
         pos = 0
@@ -155,6 +164,21 @@ class StepChannel:
 
 
 # ----------------------------------------------------------------------------- every rank: the runner
+
+
+def apply_control(model, op: dict) -> bool:
+    """Rank 1..N-1's part of a weight operation (``RankPool.run_on_every_rank``); whether it succeeded here."""
+    from . import weights
+
+    try:
+        if op["op"] == "update_weights_from_disk":  # this rank's slices, into the live parameters
+            weights.load_checkpoint(model, Path(op["model_path"]))
+        else:
+            raise ParallelError(f"unknown control operation {op['op']!r}")
+        return True
+    except Exception:
+        log.exception("%s failed on this rank", op.get("op"))
+        return False
 
 
 def build_runner(model, setup: dict, group: ParallelGroup | None, capture_routing: bool) -> ModelRunner:
@@ -247,6 +271,21 @@ class RankPool:
         """The runner settings every rank builds its runner from (before rank 0 sizes its own KV cache)."""
         self.channel = StepChannel(self.group, routing_shape)
         self.channel.send_setup(dict(setup, num_threads=self.num_threads))
+
+    def run_on_every_rank(self, op: dict, local: Callable[[], T]) -> T:
+        """A weight operation on every rank, between steps (rank 0's engine thread calls this): ``op`` goes to
+        ranks 1..N-1 (``apply_control``), ``local`` runs here, and every rank says whether it succeeded. Raises
+        ParallelError when any rank failed: the ranks' weights may differ now, so the caller fails the engine."""
+        self.channel.send_control(op)
+        error: BaseException | None = None
+        try:
+            result = local()
+        except Exception as exc:
+            result, error = None, exc
+        if self.group.min_int(0 if error else 1) == 0:
+            where = f"rank 0: {error}" if error else "another rank (its log says why)"
+            raise ParallelError(f"{op['op']} failed on {where}; the ranks' weights may differ") from error
+        return result
 
     def attach(self, runner: ModelRunner, on_death) -> None:
         """Rank 0's runner publishes every step to the other ranks and stops them when it closes; the watchdog
@@ -366,6 +405,9 @@ def serve_rank(rank: int, world_size: int, store_port: int, args: dict, num_thre
         log.info("rank %d ready: KV cache %d blocks", rank, runner.kv.num_blocks - 1)
         while True:
             msg = channel.receive(device)
+            if msg[0] == "control":
+                group.min_int(1 if apply_control(model, msg[1]) else 0)
+                continue
             if msg[0] != "step":
                 break
             _, step, input_ids = msg

@@ -91,11 +91,17 @@ class _Headers(_Tensors):
         self._check(key, shape, frozenset({"U8"}))
         return torch.empty([1, *shape[1:]], dtype=torch.uint8, device=_META)
 
+    def read_selected(self, key: str, sel, out: torch.Tensor) -> None:  # a tensor-parallel rank's part
+        self._check(key, sel.full_shape, _FLOAT_FILE_DTYPES)
 
-def _read(t: _Tensors, cfg: MoEConfig, name: str, like: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Parameter ``name`` (shaped and typed like ``like``) read from the checkpoint as load_model reads it."""
+
+def _read(t: _Tensors, model: torch.nn.Module, name: str, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Parameter ``name`` (shaped and typed like ``like``) read from the checkpoint as load_model reads it: under
+    tensor parallelism only this rank's slices (the checkpoint's whole tensors are what the shapes are checked
+    against)."""
     load = _load_experts if ".mlp.experts." in name else _load_direct
-    return load(t, cfg, name, tuple(like.shape), like.dtype, device)
+    sel = getattr(model, "shard_selections", {}).get(name)
+    return load(t, model.config, name, tuple(like.shape), like.dtype, device, sel)
 
 
 def _same_model_fields(cfg: MoEConfig) -> dict:
@@ -133,7 +139,7 @@ def check_checkpoint(model: torch.nn.Module, path: str) -> Path:
         with ExitStack() as stack:
             headers = _Headers(root, stack)
             for name, p in model.named_parameters():
-                _read(headers, cfg, name, p, _META)
+                _read(headers, model, name, p, _META)
     except WeightUpdateError:
         raise
     except Exception as exc:  # CheckpointError, a missing shard, an unreadable header, an unsupported config
@@ -146,11 +152,11 @@ def check_checkpoint(model: torch.nn.Module, path: str) -> Path:
 def load_checkpoint(model: torch.nn.Module, root: Path) -> int:
     """Copy every parameter of checkpoint ``root`` (checked by ``check_checkpoint``) into the live parameters, one
     at a time through host memory. Returns the bytes written."""
-    cfg, written = model.config, 0
+    written = 0
     with ExitStack() as stack:
         tensors = _Tensors(root, stack)
         for name, p in model.named_parameters():
-            value = _read(tensors, cfg, name, p, torch.device("cpu"))
+            value = _read(tensors, model, name, p, torch.device("cpu"))
             p.copy_(value)
             written += p.nbytes
     return written

@@ -193,18 +193,67 @@ def test_refused_checkpoints_name_the_problem_and_keep_the_old_weights(ckpts):
     assert generate(engine, P).tokens == before.tokens
 
 
-def test_weight_and_memory_operations_are_refused_under_tensor_parallelism(ckpts):
+def test_broadcast_updates_and_memory_release_are_refused_under_tensor_parallelism(ckpts):
     """They would reach rank 0's model only: refused by name (the other ranks would keep their weights)."""
     engine = engine_on(ckpts["A"])
     engine.ecfg.tensor_parallel_size = 2  # as a tensor-parallel engine's rank 0 sees its config
     params = params_of(engine.model)
-    for future in (engine.lifecycle.update_weights_from_disk(str(ckpts["B"])),
-                   engine.lifecycle.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[1, 1]]),
+    for future in (engine.lifecycle.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[1, 1]]),
                    engine.lifecycle.release_memory_occupation()):
         with pytest.raises(WeightUpdateError, match="tensor-parallel-size"):
             settle(engine, future)
     assert_same_weights(engine.model, params)
     assert engine.weight_version == "A"
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
+def test_update_from_disk_reaches_every_tensor_parallel_rank(ckpts, on_b, expert_parallel):
+    """Two ranks (gloo, one process each): a checkpoint of another shape is refused with its tensor named and
+    nothing changes; B is then read by every rank (its own slices) and the pair serves what one engine started on
+    B serves: the same greedy tokens and routed experts."""
+    from moe_engine.ranks import build_parallel_engine
+
+    cfg = load_config(ckpts["A"])
+    engine = build_parallel_engine(ckpts["A"], "float32", "cpu", cfg, EngineConfig(
+        max_model_len=256, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+        enable_prefix_caching=False))
+    try:
+        before = generate(engine, P)
+        with pytest.raises(WeightUpdateError, match="o_proj"):
+            settle(engine, engine.lifecycle.update_weights_from_disk(str(ckpts["bad"])))
+        assert generate(engine, P).tokens == before.tokens
+        result = settle(engine, engine.lifecycle.update_weights_from_disk(str(ckpts["B"])))
+        assert result["num_bytes"] > 0 and engine.weight_version == "B"
+        after = generate(engine, P)
+    finally:
+        engine.shutdown()
+    assert after.tokens == on_b["P"].tokens != before.tokens
+    np.testing.assert_array_equal(after.routing, on_b["P"].routing)
+
+
+def test_a_tensor_parallel_update_that_fails_while_loading_stops_the_engine(ckpts, tmp_path):
+    """The checkpoint passes the check, then its file is emptied before the engine gets to load it: the ranks'
+    weights may now differ, so the update answers EngineStoppedError (503) and the engine stops (the watchdog
+    restarts the backend); no rank process is left behind."""
+    from moe_engine.ranks import build_parallel_engine
+
+    vanishing = tmp_path / "B"
+    vanishing.mkdir()
+    for f in ckpts["B"].iterdir():
+        (vanishing / f.name).write_bytes(f.read_bytes())
+    cfg = load_config(ckpts["A"])
+    engine = build_parallel_engine(ckpts["A"], "float32", "cpu", cfg,
+                                   EngineConfig(max_model_len=256, tensor_parallel_size=2))
+    try:
+        future = engine.lifecycle.update_weights_from_disk(str(vanishing))  # checked now: fine
+        (vanishing / "model.safetensors").write_bytes(b"")
+        with pytest.raises(EngineStoppedError, match="tensor-parallel rank"):
+            settle(engine, future)
+        assert engine.dead is not None
+    finally:
+        engine.shutdown()
+    for p in engine.parallel.procs:
+        p.wait(15)
 
 
 def free_port() -> int:
