@@ -43,11 +43,39 @@ def _failed(exc: Exception) -> Future:
 
 def _single_rank(engine, op: str) -> Exception | None:
     """Operations that reach rank 0's model only: refused under tensor parallelism (the other ranks would keep
-    their old weights or memory) until ranks.py carries them as it carries update_weights_from_disk."""
+    their old weights) until ranks.py carries them as it carries the disk update and release / resume."""
     if getattr(engine.ecfg, "tensor_parallel_size", 1) > 1:
         return W.WeightUpdateError(f"{op} is not supported with --tensor-parallel-size > 1 yet (the other ranks "
                                    f"would keep their weights); restart the server instead")
     return None
+
+
+def release_rank_memory(runner, op: dict) -> list[str]:
+    """One rank's part of release_memory_occupation (``op``: which of kv_cache / weights): the KV cache, and the
+    weights to host memory (CUDA only; on CPU there is nothing to free). What was freed, for the answer."""
+    done = []
+    if op["kv_cache"]:
+        done.append(f"KV cache ({runner.release_kv() / 2**30:.2f} GiB)")
+    if op["weights"] and runner.device.type == "cuda":
+        runner.drop_graphs()  # they read the weights at their current addresses
+        done.append(f"weights ({W.move_weights(runner.model, torch.device('cpu')) / 2**30:.2f} GiB)")
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()  # hand the freed memory back to the driver (the trainer's process)
+    return done
+
+
+def resume_rank_memory(runner, op: dict) -> list[str]:
+    """One rank's part of resume_memory_occupation: what release_rank_memory freed, back on the device."""
+    done = []
+    if op["weights"]:
+        W.move_weights(runner.model, runner.device)
+        done.append("weights")
+    if op["kv_cache"]:
+        runner.allocate_kv()
+        done.append("KV cache")
+    if done:
+        runner.reset_graphs()  # weights or KV at new addresses: graphs are captured again lazily
+    return done
 
 
 @dataclass
@@ -104,19 +132,24 @@ class RolloutLifecycle:
 
     def _load_everywhere(self, root) -> int:
         """Load checkpoint ``root`` into this engine's model and, under tensor parallelism, into every rank's
-        (each reads only its slices). A rank that fails leaves the ranks with different weights: the engine is
-        failed (the watchdog restarts the backend) and the caller gets a 503."""
+        (each reads only its slices)."""
+        return self._on_every_rank({"op": "update_weights_from_disk", "model_path": str(root)},
+                                   lambda: W.load_checkpoint(self.engine.model, root))
+
+    def _on_every_rank(self, op: dict, local: Callable[[], object]):
+        """``local()`` here and, under tensor parallelism, ``op`` on every other rank (ranks.apply_control). A rank
+        that fails leaves the ranks with different weights or memory: the engine is failed (the watchdog restarts
+        the backend) and the caller gets a 503."""
         parallel = self.engine.parallel
         if parallel is None:
-            return W.load_checkpoint(self.engine.model, root)
+            return local()
         try:
-            return parallel.run_on_every_rank({"op": "update_weights_from_disk", "model_path": str(root)},
-                                              lambda: W.load_checkpoint(self.engine.model, root))
+            return parallel.run_on_every_rank(op, local)
         except Exception as exc:
-            log.error("weight update from %s failed under tensor parallelism: %s", root, exc)
+            log.error("%s failed under tensor parallelism: %s", op["op"], exc)
             self.engine.fail(exc)
-            raise EngineStoppedError(f"the weight update failed on a tensor-parallel rank ({exc}); the engine "
-                                     f"stopped and the backend restarts") from exc
+            raise EngineStoppedError(f"{op['op']} failed on a tensor-parallel rank ({exc}); the engine stopped "
+                                     f"and the backend restarts") from exc
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "nccl") -> Future:
@@ -198,24 +231,19 @@ class RolloutLifecycle:
     def release_memory_occupation(self, tags: list[str] | None = None) -> Future:
         """Free the KV cache (running requests are retracted, recomputed after resume) and/or the weights' GPU
         memory (kept in host memory; on CPU there is nothing to free). No steps run until every tag is resumed."""
-        if (err := _single_rank(self.engine, "release_memory_occupation")) is not None:
-            return _failed(err)
         tags = self._memory_tags(tags)
         if isinstance(tags, Exception):
             return _failed(tags)
 
         def run() -> dict:
-            done = []
-            if "kv_cache" in tags and "kv_cache" not in self.engine.released:
+            kv = "kv_cache" in tags and "kv_cache" not in self.engine.released
+            weights = "weights" in tags and "weights" not in self.engine.released
+            if kv:
                 self.engine.scheduler.retract_all()
                 self.engine.blocks.flush()
-                done.append(f"KV cache ({self.engine.runner.release_kv() / 2**30:.2f} GiB)")
-            if "weights" in tags and "weights" not in self.engine.released and self.engine.device.type == "cuda":
-                self.engine.runner.drop_graphs()  # they read the weights at their current addresses
-                done.append(f"weights ({W.move_weights(self.engine.model, torch.device('cpu')) / 2**30:.2f} GiB)")
+            op = {"op": "release_memory_occupation", "kv_cache": kv, "weights": weights}
+            done = self._on_every_rank(op, lambda: release_rank_memory(self.engine.runner, op))
             self.engine.released |= tags - {"cuda_graph"}
-            if self.engine.device.type == "cuda":
-                torch.cuda.empty_cache()  # hand the freed memory back to the driver (the trainer's process)
             return {"message": f"released {', '.join(done) or 'nothing (already released, or on CPU)'}"}
 
         return self.engine.call(run)
@@ -226,17 +254,11 @@ class RolloutLifecycle:
             return _failed(tags)
 
         def run() -> dict:
-            done = []
-            if "weights" in tags and "weights" in self.engine.released:
-                W.move_weights(self.engine.model, self.engine.device)
-                self.engine.released.discard("weights")
-                done.append("weights")
-            if "kv_cache" in tags and "kv_cache" in self.engine.released:
-                self.engine.runner.allocate_kv()
-                self.engine.released.discard("kv_cache")
-                done.append("KV cache")
-            if done:
-                self.engine.runner.reset_graphs()  # weights or KV at new addresses: graphs are captured again lazily
+            op = {"op": "resume_memory_occupation",
+                  "kv_cache": "kv_cache" in tags and "kv_cache" in self.engine.released,
+                  "weights": "weights" in tags and "weights" in self.engine.released}
+            done = self._on_every_rank(op, lambda: resume_rank_memory(self.engine.runner, op))
+            self.engine.released -= {t for t in ("kv_cache", "weights") if op[t]}
             return {"message": f"resumed {', '.join(done) or 'nothing (not released)'}"}
 
         return self.engine.call(run)

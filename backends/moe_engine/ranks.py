@@ -166,13 +166,18 @@ class StepChannel:
 # ----------------------------------------------------------------------------- every rank: the runner
 
 
-def apply_control(model, op: dict) -> bool:
-    """Rank 1..N-1's part of a weight operation (``RankPool.run_on_every_rank``); whether it succeeded here."""
-    from . import weights
+def apply_control(runner: ModelRunner, op: dict) -> bool:
+    """Rank 1..N-1's part of a weight or memory operation (``RankPool.run_on_every_rank``); whether it succeeded
+    here."""
+    from . import lifecycle, weights
 
     try:
         if op["op"] == "update_weights_from_disk":  # this rank's slices, into the live parameters
-            weights.load_checkpoint(model, Path(op["model_path"]))
+            weights.load_checkpoint(runner.model, Path(op["model_path"]))
+        elif op["op"] == "release_memory_occupation":
+            lifecycle.release_rank_memory(runner, op)
+        elif op["op"] == "resume_memory_occupation":
+            lifecycle.resume_rank_memory(runner, op)
         else:
             raise ParallelError(f"unknown control operation {op['op']!r}")
         return True
@@ -406,7 +411,7 @@ def serve_rank(rank: int, world_size: int, store_port: int, args: dict, num_thre
         while True:
             msg = channel.receive(device)
             if msg[0] == "control":
-                group.min_int(1 if apply_control(model, msg[1]) else 0)
+                group.min_int(1 if apply_control(runner, msg[1]) else 0)
                 continue
             if msg[0] != "step":
                 break

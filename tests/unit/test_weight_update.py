@@ -193,13 +193,12 @@ def test_refused_checkpoints_name_the_problem_and_keep_the_old_weights(ckpts):
     assert generate(engine, P).tokens == before.tokens
 
 
-def test_broadcast_updates_and_memory_release_are_refused_under_tensor_parallelism(ckpts):
+def test_broadcast_updates_are_refused_under_tensor_parallelism(ckpts):
     """They would reach rank 0's model only: refused by name (the other ranks would keep their weights)."""
     engine = engine_on(ckpts["A"])
     engine.ecfg.tensor_parallel_size = 2  # as a tensor-parallel engine's rank 0 sees its config
     params = params_of(engine.model)
-    for future in (engine.lifecycle.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[1, 1]]),
-                   engine.lifecycle.release_memory_occupation()):
+    for future in (engine.lifecycle.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[1, 1]]),):
         with pytest.raises(WeightUpdateError, match="tensor-parallel-size"):
             settle(engine, future)
     assert_same_weights(engine.model, params)
@@ -435,6 +434,33 @@ def test_release_and_resume_memory_keep_every_request(ckpts):
     assert [c.tokens for c in running + [late]] == expected
     with pytest.raises(Exception, match="unknown memory tags"):
         engine.lifecycle.release_memory_occupation(["gpu"]).result(1)
+
+
+def test_release_and_resume_reach_every_tensor_parallel_rank(ckpts):
+    """Two ranks: release frees every rank's KV cache while requests run (they are retracted), resume gives it
+    back and the requests end with exactly what an engine that never released returns."""
+    from moe_engine.ranks import build_parallel_engine
+
+    prompts = [prompt_of(11 + 5 * i, 40 + i) for i in range(3)]
+    expected = reference(ckpts, prompts, 60)
+    engine = build_parallel_engine(ckpts["A"], "float32", "cpu", load_config(ckpts["A"]),
+                                   EngineConfig(max_model_len=256, tensor_parallel_size=2))
+    engine.start()
+    try:
+        running = [submit(engine, p, max_tokens=60, ignore_eos=True) for p in prompts]
+        wait_for_steps(engine, 3)
+        result = engine.lifecycle.release_memory_occupation(["kv_cache"]).result(30)
+        assert "KV cache" in result["message"] and engine.runner.kv is None
+        time.sleep(0.3)
+        assert not any(c.done.is_set() for c in running)
+        engine.lifecycle.resume_memory_occupation().result(30)
+        for c in running:
+            assert c.done.wait(60) and c.finish_reason == "length"
+    finally:
+        engine.shutdown()
+    assert [c.tokens for c in running] == expected
+    for p in engine.parallel.procs:
+        assert p.wait(15) == 0
 
 
 def test_shutdown_fails_pending_controls_and_later_ones(ckpts):
