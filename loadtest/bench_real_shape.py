@@ -319,11 +319,13 @@ def case_b(ctx) -> None:
 
 
 def case_e(ctx) -> None:
-    """Capture on vs off at (b)'s shape, paired: both members of a pair use the same prompts, the order
-    alternates between pairs; the medians of the per-pair ratios are updated after each pair."""
+    """Capture on vs off at (b)'s shape (or (a)'s with --e-shape a), paired: both members of a pair use the same
+    prompts, the order alternates between pairs; the medians of the per-pair ratios are updated after each pair."""
     engine = ctx.engines.get("short")
-    n, p, o = ctx.sizes["b"]
-    warm_up(ctx, engine, "b", n, p, captures=(True, False))
+    key = ctx.args.e_shape
+    n, p, o = ctx.sizes[key]
+    ctx.current["shape"] = key
+    warm_up(ctx, engine, key, n, p, captures=(True, False))
     pairs = ctx.current.setdefault("pairs", [])
     for i in range(ctx.reps["e"]):
         r = {}
@@ -608,7 +610,7 @@ def report_rows(ctx) -> list[tuple[str, ...]]:
         add("b", "TTFT p50", _ms(b.get("ttft_p50_s")))
     if e.get("pairs"):
         r = e.get("tok_s_ratio_median")
-        add("e", f"capture on/off tok/s, median of {len(e['pairs'])} pairs, {shape('b')}", _f(r, "{:.4f}"), "",
+        add("e", f"capture on/off tok/s, median of {len(e['pairs'])} pairs, {shape(e.get('shape', 'b'))}", _f(r, "{:.4f}"), "",
             "within 2% (16), 1% (17)", ("16: ", abs(r - 1) <= 0.02), ("17: ", abs(r - 1) <= 0.01))
         add("e", "capture on/off decode ITL p50", _f(e.get("itl_ratio_median"), "{:.4f}"))
     if c.get("reps"):
@@ -719,6 +721,7 @@ def parse_args(argv=None):
     p.add_argument("--scale", type=float, default=1.0, help="multiply every prompt/output length and request count")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a 3, b/c 1, e 3 pairs, HF 1), short HF "
                    "warm-up, 150 s per case, 500 s in all: about 5 minutes on an H200")
+    p.add_argument("--e-shape", default="b", choices=("a", "b"), help="case e (capture on/off) at this case's shape")
     p.add_argument("--reps", type=int, default=None, help="repetitions of every case (e: pairs)")
     p.add_argument("--case-timeout", type=float, default=None, help="seconds per case (default 150 quick, 900)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run; cases that would "

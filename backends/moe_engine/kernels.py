@@ -138,12 +138,17 @@ if triton is not None:
         m = cols < N
         x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.load(var_ptr + row) + eps)
+        _store_normed(out_ptr + row * N, x, rstd, w_ptr, cols, m, DT, FP32_WEIGHT)
+
+    @triton.jit
+    def _store_normed(out_ptr, x, rstd, w_ptr, cols, m, DT: tl.constexpr, FP32_WEIGHT: tl.constexpr):
+        """The tail both norm kernels share: weight * (x * rstd).to(dtype) (GPT-OSS: the product in float32)."""
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         if FP32_WEIGHT:
             y = _round(w * (x * rstd), DT)
         else:
             y = _round(w * _round(x * rstd, DT), DT)
-        tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _rms_norm_kernel(
@@ -160,12 +165,7 @@ if triton is not None:
             x = _round(x + tl.load(d_ptr + row * sd + cols, mask=m, other=0.0).to(tl.float32), DT)
             tl.store(s_ptr + row * ss + cols, x.to(s_ptr.dtype.element_ty), mask=m)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        if FP32_WEIGHT:
-            y = _round(w * (x * rstd), DT)
-        else:
-            y = _round(w * _round(x * rstd, DT), DT)
-        tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+        _store_normed(out_ptr + row * N, x, rstd, w_ptr, cols, m, DT, FP32_WEIGHT)
 
     @triton.jit
     def _softmax_topk_kernel(
@@ -361,17 +361,22 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _with_residual(x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of x, rows of delta (x's when there is none: the kernel then never reads them) and where the kernel
+    writes x + delta (x itself when there is no add)."""
+    xr = _rows(x)
+    if delta is None:
+        return xr, xr, xr
+    return xr, _rows(delta), torch.empty_like(xr)
+
+
 def add_square(
     x: torch.Tensor, delta: torch.Tensor | None = None, x2: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(s, s.float()**2, x2.float()**2) with s = x + delta (or x): the inputs of torch's mean in RMSNorm, for
     one tensor (plus the residual add) or two (q and k). Squares are [..., N] float32, contiguous."""
-    xr = _rows(x)
+    xr, dr, s = _with_residual(x, delta)
     R, N = xr.shape
-    s = xr
-    if delta is not None:
-        dr = _rows(delta)
-        s = torch.empty_like(xr)
     sq = torch.empty(R, N, dtype=torch.float32, device=x.device)
     sq2, N2, x2r = None, 1, xr
     if x2 is not None:
@@ -381,8 +386,7 @@ def add_square(
     if R:
         _launch(
             _add_square_kernel, (R, 2 if x2 is not None else 1),
-            xr, dr if delta is not None else xr, s, sq, N, xr.stride(0),
-            dr.stride(0) if delta is not None else 0, s.stride(0),
+            xr, dr, s, sq, N, xr.stride(0), dr.stride(0), s.stride(0),
             x2r, sq2 if sq2 is not None else sq, N2, x2r.stride(0),
             BLOCK=_pow2(max(N, N2)), HAS_ADD=delta is not None, DT=_DT[x.dtype],
         )
@@ -407,17 +411,12 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, RMSNorm(s)) with s = x + delta (or x) in one launch, the mean of squares summed in the kernel: equal to
     the op-by-op norm within float32 summation order (not bit for bit, unlike add_square + rms_norm_tail)."""
-    xr = _rows(x)
+    xr, dr, s = _with_residual(x, delta)
     R, N = xr.shape
-    s = xr
-    if delta is not None:
-        dr = _rows(delta)
-        s = torch.empty_like(xr)
     out = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R:
         _launch(
-            _rms_norm_kernel, (R,), xr, dr if delta is not None else xr, s, weight, out, N, xr.stride(0),
-            dr.stride(0) if delta is not None else 0, s.stride(0), eps,
+            _rms_norm_kernel, (R,), xr, dr, s, weight, out, N, xr.stride(0), dr.stride(0), s.stride(0), eps,
             BLOCK=_pow2(N), HAS_ADD=delta is not None, DT=_DT[x.dtype], FP32_WEIGHT=fp32_weight,
         )
     return s.view(x.shape), out.view(x.shape)
