@@ -71,7 +71,7 @@ def assert_same_prompt_logprobs(got: list, want: list) -> None:
         assert g.keys() == w.keys()
         for k in g:
             assert g[k]["rank"] == w[k]["rank"] and g[k]["decoded_token"] == w[k]["decoded_token"]
-            assert g[k]["logprob"] == pytest.approx(w[k]["logprob"], abs=TOL)
+            assert g[k]["logprob"] == pytest.approx(w[k]["logprob"], rel=TOL, abs=TOL)
 
 
 def lp_values(prompt_logprobs: list, prompt_ids: list[int]) -> list[float | None]:
