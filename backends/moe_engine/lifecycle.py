@@ -41,15 +41,6 @@ def _failed(exc: Exception) -> Future:
     return future
 
 
-def _single_rank(engine, op: str) -> Exception | None:
-    """Operations that reach rank 0's model only: refused under tensor parallelism (the other ranks would keep
-    their old weights) until ranks.py carries them as it carries the disk update and release / resume."""
-    if getattr(engine.ecfg, "tensor_parallel_size", 1) > 1:
-        return W.WeightUpdateError(f"{op} is not supported with --tensor-parallel-size > 1 yet (the other ranks "
-                                   f"would keep their weights); restart the server instead")
-    return None
-
-
 def release_rank_memory(runner, op: dict) -> list[str]:
     """One rank's part of release_memory_occupation (``op``: which of kv_cache / weights): the KV cache, and the
     weights to host memory (CUDA only; on CPU there is nothing to free). What was freed, for the answer."""
@@ -172,8 +163,6 @@ class RolloutLifecycle:
                                         flush_cache: bool = True, abort_all_requests: bool = False) -> Future:
         """Receive the announced tensors from the trainer's broadcast into the live parameters. A refused
         announcement is still received (and dropped) so that the trainer's broadcasts complete."""
-        if (err := _single_rank(self.engine, "update_weights_from_distributed")) is not None:
-            return _failed(err)
         try:
             group, device = self.update_groups.get(group_name)
         except W.WeightUpdateError as exc:
@@ -189,7 +178,10 @@ class RolloutLifecycle:
 
         def run() -> dict:
             t0 = time.monotonic()
-            nbytes = W.receive_broadcast(self.engine.model, group, device, plan)
+            # under tensor parallelism rank 0 forwards each whole tensor to the other ranks, which keep their part
+            op = {"op": "update_weights_from_distributed", "names": names, "dtypes": dtypes, "shapes": shapes}
+            tp = self.engine.parallel.group if self.engine.parallel is not None else None
+            nbytes = self._on_every_rank(op, lambda: W.receive_broadcast(self.engine.model, group, device, plan, tp))
             self._weights_changed(weight_version, flush_cache)
             return {"message": f"received {len(plan)} tensors ({nbytes / 1e9:.3f} GB in "
                                f"{time.monotonic() - t0:.2f} s)", "num_bytes": nbytes}

@@ -166,7 +166,7 @@ class StepChannel:
 # ----------------------------------------------------------------------------- every rank: the runner
 
 
-def apply_control(runner: ModelRunner, op: dict) -> bool:
+def apply_control(runner: ModelRunner, group: ParallelGroup, op: dict) -> bool:
     """Rank 1..N-1's part of a weight or memory operation (``RankPool.run_on_every_rank``); whether it succeeded
     here."""
     from . import lifecycle, weights
@@ -174,6 +174,14 @@ def apply_control(runner: ModelRunner, op: dict) -> bool:
     try:
         if op["op"] == "update_weights_from_disk":  # this rank's slices, into the live parameters
             weights.load_checkpoint(runner.model, Path(op["model_path"]))
+        elif op["op"] == "update_weights_from_distributed":  # whole tensors from rank 0; this rank keeps its part
+            try:
+                plan = weights.check_tensors(runner.model, op["names"], op["dtypes"], op["shapes"])
+            except weights.WeightUpdateError:  # still take part in every broadcast, then report the failure
+                weights.receive_broadcast(runner.model, None, runner.device,
+                                          weights.dropped_plan(op["names"], op["dtypes"], op["shapes"]), tp=group)
+                raise
+            weights.receive_broadcast(runner.model, None, runner.device, plan, tp=group)
         elif op["op"] == "release_memory_occupation":
             lifecycle.release_rank_memory(runner, op)
         elif op["op"] == "resume_memory_occupation":
@@ -411,7 +419,7 @@ def serve_rank(rank: int, world_size: int, store_port: int, args: dict, num_thre
         while True:
             msg = channel.receive(device)
             if msg[0] == "control":
-                group.min_int(1 if apply_control(runner, msg[1]) else 0)
+                group.min_int(1 if apply_control(runner, group, msg[1]) else 0)
                 continue
             if msg[0] != "step":
                 break

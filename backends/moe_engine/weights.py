@@ -27,6 +27,7 @@ group=group)`` for each tensor, in the order of the names it posts.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -188,8 +189,10 @@ def checkpoint_targets(model: torch.nn.Module) -> dict[str, Target]:
     blocks, gate_n, up_n, down_n = _PER_EXPERT_NAMES.get(cfg.architecture, _DEFAULT_PER_EXPERT_NAMES)
     I = cfg.experts.intermediate_size
     out: dict[str, Target] = {}
+    selections = getattr(model, "shard_selections", {})
     for name, p in model.named_parameters():
-        shape = tuple(p.shape)
+        # the whole tensor's shape: under tensor parallelism a trainer still sends whole tensors
+        shape = tuple(selections[name].full_shape) if name in selections else tuple(p.shape)
         out[name] = Target(name, shape)
         if ".mlp.experts." in name:
             if cfg.experts.block == "gpt_oss":
@@ -265,15 +268,64 @@ def dropped_plan(names: list[str], dtypes: list[str], shapes: list[list[int]]) -
         return None
 
 
+def write_part(p: torch.Tensor, sel, target: Target, value: torch.Tensor) -> None:
+    """Copy checkpoint tensor ``value`` (``target``: the whole parameter, or rows [lo, hi) of expert e, in the
+    whole tensor's coordinates) into ``p``, this rank's part of the parameter (``sel``: the ranges of the whole
+    tensor it holds, per dimension, concatenated; sharding.Selection). Nothing when the rank holds none of it."""
+    full = tuple(sel.full_shape)
+    if target.rows is None:
+        region, value = [(0, n) for n in full], value
+    else:
+        e, lo, hi = target.rows
+        region, value = [(e, e + 1), (lo, hi), *[(0, n) for n in full[2:]]], value.unsqueeze(0)
+    if sel.zeros:
+        return
+    per_dim = []
+    for (a, b), ranges in zip(region, sel.ranges):
+        opts, at = [], 0  # (source slice in value, destination slice in p)
+        for s0, s1 in ranges:
+            x0, x1 = max(a, s0), min(b, s1)
+            if x0 < x1:
+                opts.append((slice(x0 - a, x1 - a), slice(at + x0 - s0, at + x1 - s0)))
+            at += s1 - s0
+        if not opts:
+            return
+        per_dim.append(opts)
+    for combo in itertools.product(*per_dim):
+        p[tuple(c[1] for c in combo)].copy_(value[tuple(c[0] for c in combo)])
+
+
 @torch.no_grad()
-def receive_broadcast(model: torch.nn.Module, group, device: torch.device, plan: list[Incoming]) -> int:
+def receive_broadcast(model: torch.nn.Module, group, device: torch.device, plan: list[Incoming], tp=None) -> int:
     """Receive each tensor of ``plan`` from rank 0 of ``group`` (in order) into its target: straight into the
     parameter when dtype and device match, else through one tensor-sized buffer. Targets None are dropped (also
-    how a refused update still lets the trainer's broadcasts complete). Returns the bytes received."""
+    how a refused update still lets the trainer's broadcasts complete). Returns the bytes received.
+
+    Tensor parallelism (``tp``, the ParallelGroup): rank 0 receives each whole tensor from the trainer (``group``;
+    None on the other ranks) and broadcasts it over ``tp``; every rank keeps its own part (``write_part``)."""
     import torch.distributed as dist
 
     params = dict(model.named_parameters())
     received = 0
+    if tp is not None:
+        selections = getattr(model, "shard_selections", {})
+        for inc in plan:
+            buf = torch.empty(inc.shape, dtype=inc.dtype, device=device)
+            if group is not None:
+                dist.broadcast(buf, src=0, group=group)
+            if buf.device != tp.device:  # a gloo trainer group on a GPU engine: the ranks' group is NCCL
+                buf = buf.to(tp.device)
+            tp.broadcast_device(buf)
+            if inc.target is not None:
+                name = inc.target.param
+                if name in selections:
+                    write_part(params[name], selections[name], inc.target, buf)
+                else:
+                    inc.target.view(params).copy_(buf)
+            received += buf.nbytes
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return received
     for inc in plan:
         dst = inc.target.view(params) if inc.target is not None else None
         direct = dst is not None and dst.dtype == inc.dtype and dst.device == device and dst.is_contiguous()

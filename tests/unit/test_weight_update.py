@@ -193,18 +193,6 @@ def test_refused_checkpoints_name_the_problem_and_keep_the_old_weights(ckpts):
     assert generate(engine, P).tokens == before.tokens
 
 
-def test_broadcast_updates_are_refused_under_tensor_parallelism(ckpts):
-    """They would reach rank 0's model only: refused by name (the other ranks would keep their weights)."""
-    engine = engine_on(ckpts["A"])
-    engine.ecfg.tensor_parallel_size = 2  # as a tensor-parallel engine's rank 0 sees its config
-    params = params_of(engine.model)
-    for future in (engine.lifecycle.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[1, 1]]),):
-        with pytest.raises(WeightUpdateError, match="tensor-parallel-size"):
-            settle(engine, future)
-    assert_same_weights(engine.model, params)
-    assert engine.weight_version == "A"
-
-
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
 def test_update_from_disk_reaches_every_tensor_parallel_rank(ckpts, on_b, expert_parallel):
     """Two ranks (gloo, one process each): a checkpoint of another shape is refused with its tensor named and
@@ -298,6 +286,41 @@ def test_distributed_update_over_gloo_equals_the_disk_update(ckpts, on_b):
         assert engine.weight_version == "step-1"
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
+def test_distributed_update_reaches_every_tensor_parallel_rank(ckpts, on_b, expert_parallel):
+    """Two ranks (gloo): the trainer broadcasts B's whole tensors (per-expert names) to rank 0, which forwards
+    each to rank 1; every rank keeps its own part, and the pair then serves what one engine started on B
+    serves. A wrong announcement is refused and the trainer's broadcasts still complete."""
+    from moe_engine.ranks import build_parallel_engine
+
+    engine = build_parallel_engine(ckpts["A"], "float32", "cpu", load_config(ckpts["A"]), EngineConfig(
+        max_model_len=256, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+        enable_prefix_caching=False))
+    engine.start()
+    try:
+        port = free_port()
+        proc = trainer(ckpts["B"], port)
+        engine.lifecycle.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo").result(60)
+        update = engine.lifecycle.update_weights_from_distributed(**announce(checkpoint_tensors(ckpts["B"])),
+                                                                  weight_version="step-1")
+        assert update.result(60)["num_bytes"] > 0 and proc.wait(60) == 0
+        got = generate(engine, P, threaded=True)
+        wrong = "model.layers.1.mlp.experts.3.up_proj.weight"
+        port = free_port()
+        proc = trainer(ckpts["A"], port)
+        engine.lifecycle.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo").result(60)
+        refused = engine.lifecycle.update_weights_from_distributed(**announce(checkpoint_tensors(ckpts["A"]), wrong))
+        with pytest.raises(WeightUpdateError, match=wrong.replace(".", r"\.")):
+            refused.result(60)
+        assert proc.wait(60) == 0
+        assert generate(engine, P, threaded=True).tokens == got.tokens  # still B
+    finally:
+        engine.shutdown()
+    assert engine.weight_version == "step-1"
+    assert got.tokens == on_b["P"].tokens
+    np.testing.assert_array_equal(got.routing, on_b["P"].routing)
 
 
 def test_nccl_group_is_refused_on_cpu_and_unknown_groups_are_named(ckpts):
