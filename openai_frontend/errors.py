@@ -170,6 +170,8 @@ def _param_from_loc(loc: tuple[Any, ...], body: Any) -> str | None:
     tags ("str", "list[int]", "function-after[...]") never leak into the name.
     """
     parts = list(loc)
+    if parts and parts[0] in ("query", "path"):  # a URL parameter: its name (a list's index dropped)
+        return ".".join(str(p) for p in parts[1:] if not isinstance(p, int)) or None
     if parts and parts[0] == "body":
         parts = parts[1:]
     name = ""

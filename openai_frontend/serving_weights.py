@@ -12,6 +12,14 @@ trainers written for SGLang drive this server unchanged):
     GET|POST /resume_memory_occupation      {tags?}
     GET /get_weight_version (and /weight_version)   -> {"weight_version": str}
 
+and vLLM's names for the same operations (its development endpoints), for trainers written against vLLM:
+
+    POST /reset_prefix_cache                = flush_cache
+    POST /sleep?level=1|2                   = release_memory_occupation (all memory; level 2 keeps the weights in
+                                              host memory like level 1, so a wake-up without a reload still serves)
+    POST /wake_up[?tags=weights&tags=kv_cache]   = resume_memory_occupation
+    GET /is_sleeping                        -> {"is_sleeping": bool}
+
 Each one is a control request to the Triton model (never a side channel: backends/moe/model.py runs it through
 the engine's control channel, between steps) and answers ``{"success", "message", "weight_version"}``; a refused
 operation (a checkpoint of another shape, an unknown tensor name: nothing changed) is a 400 whose body carries
@@ -22,9 +30,9 @@ Repeating a call is harmless (each is idempotent). Bodies: :mod:`.protocol_rl`.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Body, Depends, Request
+from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from .errors import BadRequestError, InternalServerError
@@ -124,5 +132,24 @@ def rl_router(ctx: ServingContext) -> APIRouter:
     @router.get("/weight_version")
     async def get_weight_version() -> JSONResponse:
         return JSONResponse({"weight_version": (await _control(ctx, "get_weight_version", {})).get("weight_version")})
+
+    # vLLM's names (module docstring)
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        return await run("flush_cache", FlushCacheRequest())
+
+    @router.post("/sleep")
+    async def sleep(level: int = 1) -> JSONResponse:
+        if level not in (1, 2):
+            raise BadRequestError(f"level must be 1 or 2, got {level}", param="level")
+        return await run("release_memory_occupation", MemoryOccupationRequest())
+
+    @router.post("/wake_up")
+    async def wake_up(tags: list[Literal["weights", "kv_cache"]] | None = Query(None)) -> JSONResponse:
+        return await run("resume_memory_occupation", MemoryOccupationRequest(tags=tags))
+
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        return JSONResponse({"is_sleeping": bool((await _control(ctx, "is_sleeping", {})).get("is_sleeping"))})
 
     return router

@@ -92,6 +92,13 @@ class RolloutLifecycle:
         future.set_result({"message": f"weight version {self.engine.weight_version!r}"})
         return future
 
+    def is_sleeping(self) -> Future:
+        """Whether any memory is released (vLLM's /is_sleeping): no steps run until it is resumed."""
+        future: Future = Future()
+        released = sorted(self.engine.released)
+        future.set_result({"message": f"released: {', '.join(released) or 'nothing'}", "is_sleeping": bool(released)})
+        return future
+
     def _weights_changed(self, version: str | None, flush_cache: bool) -> None:
         """After a weight update: a new epoch in every new prefix-cache key, the old entries optionally dropped."""
         self.engine.scheduler.cache_epoch += 1

@@ -37,7 +37,7 @@ P = [5, 17, 33, 101, 250, 7, 7, 42, 311, 64, 9]
 LONG = list(range(40, 80))  # two full KV blocks of 16: cached by its first run
 ENDPOINTS = ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
              "/flush_cache", "/pause_generation", "/continue_generation", "/release_memory_occupation",
-             "/resume_memory_occupation")
+             "/resume_memory_occupation", "/reset_prefix_cache", "/sleep", "/wake_up")
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +261,27 @@ def test_pause_continue_and_release_resume_leave_no_request_hanging(on_a):
     assert ok(http.post("/continue_generation"))
     late.join()
     assert late.results[0] == (200, "length", reference(ckpts["A"], P, 10)[0])
+
+
+def test_vllm_sleep_and_wake_up_keep_every_request(on_a):
+    """vLLM's names for release / resume: requests in flight stop while the server sleeps and end after wake-up
+    with exactly the tokens of an uninterrupted run; /is_sleeping says which state it is in."""
+    server, http, ckpts = on_a
+    prompts = [P, LONG]
+    expected = [reference(ckpts["A"], p, 200)[0] for p in prompts]
+    reqs = Requests(server, prompts, 200)
+    reqs.wait_started()
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert http.post("/sleep", params={"level": 1}).status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    asleep = dict(reqs.results)
+    time.sleep(0.5)
+    assert reqs.results == asleep and len(asleep) < len(prompts)
+    assert http.post("/wake_up").status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert http.post("/reset_prefix_cache").json()["success"]
+    reqs.join()
+    assert [reqs.results[i] for i in range(len(prompts))] == [(200, "length", e) for e in expected]
 
 
 def test_triton_control_contract_for_tritonclient_users(on_a):

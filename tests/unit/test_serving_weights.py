@@ -116,9 +116,29 @@ def test_refusals_are_400_with_both_shapes_and_backend_states_map_to_status_code
 def test_every_lifecycle_endpoint_needs_the_api_key(srv):
     for path in ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
                  "/flush_cache", "/pause_generation", "/continue_generation", "/release_memory_occupation",
-                 "/resume_memory_occupation"):
+                 "/resume_memory_occupation", "/reset_prefix_cache", "/sleep", "/wake_up"):
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             r = httpx.post(srv.root_url + path, json={}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error", path
     assert httpx.get(srv.root_url + "/get_weight_version").status_code == 401
+    assert httpx.get(srv.root_url + "/is_sleeping").status_code == 401
     assert srv.engine.controls == []
+
+
+def test_vllm_names_run_the_same_operations(srv):
+    """vLLM's /reset_prefix_cache, /sleep, /wake_up and /is_sleeping are the SGLang operations under other names."""
+    assert srv.http.post("/reset_prefix_cache").status_code == 200
+    assert srv.http.post("/sleep", params={"level": 2}).status_code == 200
+    assert srv.http.post("/wake_up", params=[("tags", "weights"), ("tags", "kv_cache")]).status_code == 200
+    assert srv.http.post("/wake_up").status_code == 200
+    assert srv.engine.controls == [("flush_cache", {}), ("release_memory_occupation", {"tags": None}),
+                                   ("resume_memory_occupation", {"tags": ["weights", "kv_cache"]}),
+                                   ("resume_memory_occupation", {"tags": None})]
+    for params in ({"level": 3}, {"level": "deep"}):
+        r = srv.http.post("/sleep", params=params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "level", params
+    r = srv.http.post("/wake_up", params={"tags": "gpu"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tags"
+    assert len(srv.engine.controls) == 4  # refused before reaching the backend
+    srv.engine.answers["is_sleeping"] = {"success": True, "message": "released: kv_cache", "is_sleeping": True}
+    assert srv.http.get("/is_sleeping").json() == {"is_sleeping": True}

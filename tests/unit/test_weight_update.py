@@ -441,15 +441,17 @@ def test_release_and_resume_memory_keep_every_request(ckpts):
     try:
         running = [submit(engine, p, max_tokens=100, ignore_eos=True) for p in prompts]
         wait_for_steps(engine, 3)
+        assert engine.lifecycle.is_sleeping().result(1)["is_sleeping"] is False
         result = engine.lifecycle.release_memory_occupation().result(30)
         assert "KV cache" in result["message"] and engine.runner.kv is None
+        assert engine.lifecycle.is_sleeping().result(1)["is_sleeping"] is True
         again = engine.lifecycle.release_memory_occupation(["kv_cache"]).result(30)
         assert again["message"].startswith("released nothing")
         late = submit(engine, P, max_tokens=100, ignore_eos=True)
         time.sleep(0.3)
         assert not late.done.is_set() and not any(c.done.is_set() for c in running)
         engine.lifecycle.resume_memory_occupation().result(30)
-        assert engine.runner.kv is not None
+        assert engine.runner.kv is not None and engine.lifecycle.is_sleeping().result(1)["is_sleeping"] is False
         for c in running + [late]:
             assert c.done.wait(60) and c.finish_reason == "length"
     finally:
