@@ -101,6 +101,8 @@ CONTROL_OPS = {
     "get_weight_version": (),
     "is_sleeping": (),
 }
+# Ops that only read this instance's state; the others change it, and a request reaches one Triton instance.
+READ_ONLY_OPS = frozenset({"get_weight_version", "is_sleeping"})
 
 
 def _param(params: dict, key: str, default: str = "") -> str:
@@ -187,6 +189,8 @@ class TritonPythonModel:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._metrics = self._make_metrics(args)
+        groups = json.loads(args["model_config"]).get("instance_group", [])
+        self._num_instances = sum(int(g.get("count", 1)) for g in groups) or 1  # > 1: data parallelism
         self.engine.start()
         self._responder = threading.Thread(target=self._response_loop, name="moe-responses", daemon=True)
         self._responder.start()
@@ -295,6 +299,12 @@ class TritonPythonModel:
         op = body.pop("op", None)
         if op not in CONTROL_OPS:
             raise InvalidRequestError(f"control: unknown op {op!r}; known: {', '.join(CONTROL_OPS)}", param="op")
+        if self._num_instances > 1 and op not in READ_ONLY_OPS:
+            # Triton hands a request to one instance: the other replicas would keep their weights / caches / memory.
+            raise InvalidRequestError(
+                f"control {op}: not supported with --data-parallel-size > 1 yet (Triton hands a request to one of "
+                f"the {self._num_instances} replicas; the others would keep their state); run one server per replica "
+                f"and send the operation to each", param="op")
         unknown = sorted(set(body) - set(CONTROL_OPS[op]))
         if unknown:
             raise InvalidRequestError(f"control {op}: unknown arguments {unknown}; it takes {list(CONTROL_OPS[op])}",

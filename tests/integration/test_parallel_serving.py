@@ -104,6 +104,17 @@ def test_data_parallel_replicas_share_concurrent_requests(tmp_path):
 
         # The backends refresh their gauges every 0.2 s and the API reads Triton's metrics port: wait for both.
         assert wait_until(lambda: len(steps()) == 2 and all(v > 0 for v in steps().values()), timeout=10), steps()
+
+        # A state-changing RL operation would reach one replica only: refused by name, nothing changes; reads work.
+        auth = {"Authorization": f"Bearer {server.api_key}"}
+        for path, body in (("/update_weights_from_disk", {"model_path": str(tmp_path)}), ("/flush_cache", {}),
+                           ("/release_memory_occupation", {})):
+            r = httpx.post(server.root_url + path, json=body, headers=auth, timeout=30)
+            assert r.status_code == 400 and "data-parallel-size" in r.json()["error"]["message"], (path, r.text)
+        r = httpx.get(server.root_url + "/get_weight_version", headers=auth, timeout=30)
+        assert r.status_code == 200 and r.json()["weight_version"]
+        ids, _ = complete(server, prompts[0], max_tokens=24)  # still serving
+        assert 0 < len(ids) <= 24
     finally:
         assert server.stop() == 0, server.log_tail()
 
