@@ -57,6 +57,7 @@ import concurrent.futures
 import datetime as dt
 import json
 import math
+import os
 import random
 import re
 import sys
@@ -82,15 +83,6 @@ _WORDS = ("the agent reads a file then calls a tool and the router picks experts
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", flush=True)
-
-
-def common_prefix(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def pct(xs, q) -> float | None:
@@ -349,7 +341,7 @@ class AgentRun:
                 continue
             if c.routing == "full" and endpoint != "chat":  # token positions are known: check the history's rows
                 if c.prev_rows is not None:
-                    n = min(len(c.prev_rows), common_prefix(c.prev_tokens, c.prompt))
+                    n = min(len(c.prev_rows), len(os.path.commonprefix([c.prev_tokens, c.prompt])))
                     diff = (r.rows[:n] != c.prev_rows[:n]).any(axis=(1, 2))
                     # With the cache on, whole blocks of the rows the previous turn returned are served from the
                     # cache: a changed row there would be a stale one; the rest were forwarded again.

@@ -23,6 +23,7 @@ import httpx
 import openai
 import psutil
 
+from ..unit.parallel_harness import rank_processes
 from .conftest import start_moe_serve
 from .openai_helpers import decode, extra, wait_until
 
@@ -38,21 +39,10 @@ def complete(server, prompt: str, max_tokens: int = 12):
     return extra(choice, "token_ids"), decode(extra(choice, "routed_experts"))
 
 
-def rank_processes(server) -> list[psutil.Process]:
-    out = []
-    for p in psutil.Process(server.proc.pid).children(recursive=True):
-        try:
-            if "moe_engine.ranks" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def test_tensor_parallel_server_answers_like_one_rank_and_survives_a_dead_rank(tmp_path, moe_server):
     server = start_moe_serve(tmp_path, ["--tensor-parallel-size", "2"])
     try:
-        ranks = rank_processes(server)
+        ranks = rank_processes(server.proc.pid)
         assert len(ranks) == 1
         expected = {}
         for prompt in ("Hello, world", "Mixture of experts routes every token"):
@@ -78,8 +68,8 @@ def test_tensor_parallel_server_answers_like_one_rank_and_survives_a_dead_rank(t
         assert answer["r"].json()["error"]["code"] == "backend_unavailable"
         # moe_engine_alive turned 0, the watchdog restarted the backend: serving again, with a new rank
         assert wait_until(lambda: httpx.get(server.root_url + "/health").status_code == 200
-                          and len(rank_processes(server)) == 1, timeout=120)
-        assert rank_processes(server)[0].pid != ranks[0].pid
+                          and len(rank_processes(server.proc.pid)) == 1, timeout=120)
+        assert rank_processes(server.proc.pid)[0].pid != ranks[0].pid
         assert complete(server, "Hello, world")[0] == expected["Hello, world"][0]
         everything = psutil.Process(server.proc.pid).children(recursive=True)
     finally:

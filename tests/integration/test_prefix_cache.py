@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import random
 import re
 import time
@@ -143,15 +144,6 @@ def full_blocks_hit(prompt_len: int, shared: int) -> int:
     """Tokens a prompt takes from the cache when its first ``shared`` tokens are cached: whole blocks only, and
     never the block of its last token (that token is forwarded for the logits)."""
     return min(shared // BLOCK, (prompt_len - 1) // BLOCK) * BLOCK
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # ----------------------------------------------------------------------------- requests
@@ -334,7 +326,7 @@ def test_partly_cached_prompt_returns_the_results_of_an_engine_without_cache(moe
     cached = first[0].prompt_ids + first[0].tokens[:-1]  # every position the first request forwarded
     want = ask(ref, endpoint, second_prompt, stream=True)
     p2 = len(want[0].prompt_ids)
-    shared = common_prefix(want[0].prompt_ids, cached)
+    shared = len(os.path.commonprefix([want[0].prompt_ids, cached]))
     assert shared >= BLOCK, "the test's prompts must share at least a block"
     if endpoint == "generate":
         assert full_blocks_hit(p2, shared) > len(prompt)  # blocks that hold generated tokens are hit too

@@ -18,6 +18,20 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[2]
 
 
+def rank_processes(root_pid: int | None = None) -> list:
+    """Live rank processes (``python -m moe_engine.ranks``) under ``root_pid`` (default: this process)."""
+    import psutil
+
+    out = []
+    for p in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if "moe_engine.ranks" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def run_cases(group, cases: list[dict]):
     """Per case {checkpoint, expert_parallel, ids}: (logits [T, V] float32, routed ids [T, L, K]) of this rank."""
     from moe_engine.model import reference_forward

@@ -20,7 +20,6 @@ import threading
 import time
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
@@ -34,7 +33,7 @@ from moe_engine.ranks import build_parallel_engine
 from moe_engine.sampling import SamplingParams
 
 from .hf_checkpoints import ARCHS, make_hf_model, save_gpt_oss_mxfp4, save_hf_checkpoint
-from .parallel_harness import two_ranks
+from .parallel_harness import rank_processes, two_ranks
 from .test_replay import Result
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -94,18 +93,6 @@ def single_rank(tiny_checkpoint):
     return submit_mix(Engine(model, cfg, EngineConfig(max_model_len=256, max_num_batched_tokens=32)), cfg)
 
 
-def alive_ranks() -> list[psutil.Process]:
-    """Rank processes under this test process (the session's moe-serve may run beside them)."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "moe_engine.ranks" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 # The expert-parallel run also overlaps decode steps (the GPU default): the next step's token ids never leave rank
 # 0's device and reach rank 1 by the device group's broadcast.
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep-overlapped"])
@@ -140,7 +127,7 @@ def test_two_ranks_give_what_one_gives(expert_parallel, tiny_checkpoint, single_
     np.testing.assert_array_equal(split[2].routing[:6], submit_replay_rows(cfg))
     procs = engine.parallel.procs
     assert [p.returncode for p in procs] == [0], "told to stop, rank 1 did not leave cleanly"
-    assert not alive_ranks()
+    assert not rank_processes()
 
 
 def submit_replay_rows(cfg) -> np.ndarray:
@@ -177,7 +164,7 @@ def test_a_rank_killed_mid_request_fails_the_request_and_leaves_no_process(tiny_
         engine.shutdown()
         assert time.monotonic() - t0 < 20
     assert rank1.poll() is not None
-    assert not alive_ranks()
+    assert not rank_processes()
 
 
 def test_parallel_sizes_are_checked_before_loading(tiny_checkpoint):
