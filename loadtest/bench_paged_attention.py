@@ -58,6 +58,8 @@ def parse_args():
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 50, quick 10)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA comparison")
+    p.add_argument("--sdpa-backends", action="store_true",
+                   help="prefill: time every SDPA backend (flash, cudnn, efficient; GQA or repeated K/V)")
     p.add_argument("--cases", default="decode,prefill", help="comma-separated: decode, prefill")
     return p.parse_args()
 
@@ -149,14 +151,19 @@ def first_working(variants, device):
     return None, None, "; ".join(reasons)
 
 
-def flash_only(fn):
+def backend_only(fn, name: str = "FLASH_ATTENTION"):
+    """fn under one SDPA backend (torch.nn.attention.SDPBackend.<name>): an error if that backend refuses."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def run():
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        with sdpa_kernel([getattr(SDPBackend, name)]):
             return fn()
 
     return run
+
+
+def flash_only(fn):
+    return backend_only(fn, "FLASH_ATTENTION")
 
 
 def sdpa_decode(q, k_dense, v_dense):
@@ -179,6 +186,21 @@ def sdpa_prefill_variants(q_dense, k_dense, v_dense):
 
     return [("flash, enable_gqa", flash_only(gqa)), ("flash, repeated K/V", flash_only(repeated)),
             ("default backend, repeated K/V", repeated)]
+
+
+def sdpa_prefill_backends(q_dense, k_dense, v_dense):
+    """--sdpa-backends: every SDPA backend that could take a causal GQA prefill, each timed on its own."""
+    variants = sdpa_prefill_variants(q_dense, k_dense, v_dense)
+    out = [variants[0]]
+    for name in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        out.append((f"{name.split('_')[0].lower()}, enable_gqa", backend_only(
+            lambda: F.scaled_dot_product_attention(q_dense, k_dense, v_dense, is_causal=True, scale=SCALE,
+                                                   enable_gqa=True), name)))
+        out.append((f"{name.split('_')[0].lower()}, repeated K/V (repeat timed)", backend_only(
+            lambda: F.scaled_dot_product_attention(q_dense, k_dense.repeat_interleave(G, dim=1),
+                                                   v_dense.repeat_interleave(G, dim=1), is_causal=True,
+                                                   scale=SCALE), name)))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -271,7 +293,7 @@ def prefill_case(S, L, chunk, args, device, dtype, timer, rows, check_rows):
         row = {"case": f"prefill {S}x{_k(L)} chunk {_k(chunk)}", "splits": label if args.sweep else "-",
                "kernel_ms": ms, "timing": f"eager, {len(steps)} step(s)", "kernel_rate": flops / ms / 1e9}
         if not args.no_sdpa and label == "default":
-            row.update(prefill_sdpa(S, L, k_cache, v_cache, tables, device, dtype, timer, flops))
+            row.update(prefill_sdpa(S, L, k_cache, v_cache, tables, device, dtype, timer, flops, args.sdpa_backends))
         rows.append(row)
         print(_fmt(row, "TFLOP/s"), flush=True)
 
@@ -279,8 +301,9 @@ def prefill_case(S, L, chunk, args, device, dtype, timer, rows, check_rows):
 _SDPA_PREFILL = {}
 
 
-def prefill_sdpa(S, L, k_cache, v_cache, tables, device, dtype, timer, flops):
-    """One causal S x L SDPA call (same work as every chunking), measured once per (S, L)."""
+def prefill_sdpa(S, L, k_cache, v_cache, tables, device, dtype, timer, flops, all_backends=False):
+    """One causal S x L SDPA call (same work as every chunking), measured once per (S, L); all_backends: also
+    each backend alone, printed."""
     if (S, L) not in _SDPA_PREFILL:
         g = torch.Generator(device=device).manual_seed(3)
         q_dense = torch.randn(S, HQ, L, D, device=device, dtype=dtype, generator=g)
@@ -291,6 +314,13 @@ def prefill_sdpa(S, L, k_cache, v_cache, tables, device, dtype, timer, flops):
         else:
             ms = timer.eager(fn)
             _SDPA_PREFILL[S, L] = {"sdpa_ms": ms, "sdpa_rate": flops / ms / 1e9, "sdpa": label}
+        for label, fn in sdpa_prefill_backends(q_dense, k_dense, v_dense) if all_backends else ():
+            label, fn, why = first_working([(label, fn)], device)
+            if fn is None:
+                print(f"  SDPA {S}x{_k(L)} {why}", flush=True)
+                continue
+            ms = timer.eager(fn)
+            print(f"  SDPA {S}x{_k(L)} {label:<40} {ms * 1e3:10.1f} us {flops / ms / 1e9:8.1f} TFLOP/s", flush=True)
         del q_dense, k_dense, v_dense
     return _SDPA_PREFILL[S, L]
 

@@ -266,18 +266,20 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(
-        ids_ptr, pos_ptr, tok_ptr, offs_ptr, cap_ptr, cap_stride, T, K, E,
+        ids_ptr, pos_ptr, tok_ptr, offs_ptr, cap_ptr, cap_stride, T, K, E, PAIR_PROGRAMS,
         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, CAPTURE: tl.constexpr,
     ):
         """Pairs i = slot * T + token (slot-major, HF's order) sorted stably by expert id, by counting: a pair's
-        row is the number of pairs with a smaller id, or the same id and a smaller i. Programs 0..n-1 place a
-        block of pairs each: pos[token, slot] = the pair's row in expert-grouped order, tok[row] = its token.
-        The last program writes offs[e] = end row of expert e (int32, the grouped GEMM's offsets).
-        CAPTURE: each pair's id is also written to the routing capture buffer (int32 [T, K] rows)."""
+        row is the number of pairs with a smaller id, or the same id and a smaller i. Programs 0..PAIR_PROGRAMS-1
+        place a block of BLOCK_I pairs each: pos[token, slot] = the pair's row in expert-grouped order, tok[row] =
+        its token. The programs after them write offs[e] = end row of expert e (int32, the grouped GEMM's
+        offsets), BLOCK_E experts each. CAPTURE: each pair's id is also written to the routing capture buffer
+        (int32 [T, K] rows). Small row blocks and wide column blocks: a decode step's few hundred pairs spread
+        over many programs, each with one or two passes over the pairs (latency, not work, sets the time)."""
         pid = tl.program_id(0)
         N = T * K
         jj = tl.arange(0, BLOCK_J)
-        if pid * BLOCK_I < N:
+        if pid < PAIR_PROGRAMS:
             i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
             vi = i < N
             ti = i % T
@@ -294,15 +296,14 @@ if triton is not None:
             if CAPTURE:
                 tl.store(cap_ptr + ti * cap_stride + i // T, id_i.to(tl.int32), mask=vi)
         else:
-            for e0 in range(0, E, BLOCK_E):
-                e = e0 + tl.arange(0, BLOCK_E)
-                ends = tl.zeros([BLOCK_E], dtype=tl.int32)
-                for j0 in range(0, N, BLOCK_J):
-                    j = j0 + jj
-                    vj = j < N
-                    id_j = tl.load(ids_ptr + (j % T) * K + j // T, mask=vj, other=0)
-                    ends += tl.sum(((id_j[None, :] <= e[:, None]) & vj[None, :]).to(tl.int32), axis=1)
-                tl.store(offs_ptr + e, ends, mask=e < E)
+            e = (pid - PAIR_PROGRAMS) * BLOCK_E + tl.arange(0, BLOCK_E)
+            ends = tl.zeros([BLOCK_E], dtype=tl.int32)
+            for j0 in range(0, N, BLOCK_J):
+                j = j0 + jj
+                vj = j < N
+                id_j = tl.load(ids_ptr + (j % T) * K + j // T, mask=vj, other=0)
+                ends += tl.sum(((id_j[None, :] <= e[:, None]) & vj[None, :]).to(tl.int32), axis=1)
+            tl.store(offs_ptr + e, ends, mask=e < E)
 
     @triton.jit
     def _combine_kernel(
@@ -500,10 +501,11 @@ def route(
     tok = torch.empty(n, dtype=torch.long, device=ids.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     if n:
-        block = 64
-        _launch(_route_kernel, (triton.cdiv(n, block) + 1,), ids, pos, tok, offs,
+        block_i, block_j, block_e = 16, min(max(_pow2(n), 16), 256), 32  # [16 x 256] or [32 x 256] per pass
+        pair_programs = triton.cdiv(n, block_i)
+        _launch(_route_kernel, (pair_programs + triton.cdiv(num_experts, block_e),), ids, pos, tok, offs,
                 ids if capture is None else capture, 0 if capture is None else capture.stride(0), T, K, num_experts,
-                BLOCK_I=block, BLOCK_J=block, BLOCK_E=block, CAPTURE=capture is not None)
+                pair_programs, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e, CAPTURE=capture is not None)
     return pos, tok, offs
 
 

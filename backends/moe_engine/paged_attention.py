@@ -153,8 +153,16 @@ if triton is not None:
         return lo - 1
 
     @triton.jit
+    def _load_tile(ptrs, mask, FULL: tl.constexpr):
+        """tl.load of a K or V tile; FULL: every element is in bounds (no mask, so the loads vectorise)."""
+        if FULL:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=mask, other=0.0)
+
+    @triton.jit
     def _attend_tiles(
-        q, m_i, l_i, acc, qpos, key_lo, key_hi,
+        q, m_i, l_i, acc, qpos, key_lo, full_hi, key_hi,
         k_cache_ptr, v_cache_ptr, table_ptr, kvh, window,
         s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2,
         DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
@@ -163,11 +171,35 @@ if triton is not None:
     ):
         """Online softmax of the rows of q [BLOCK_M, DK_PAD] (positions qpos [BLOCK_M]) over keys [key_lo,
         key_hi) of one sequence (key_lo a multiple of TILE_N; key_hi <= its length). Causal and window masks
-        per row; keys past key_hi are neither loaded nor attended. Scores in log2 units."""
+        per row; keys past key_hi are neither loaded nor attended. Scores in log2 units.
+
+        Keys [key_lo, full_hi) (full_hi a multiple of TILE_N, the caller's promise: every row may see every one
+        of them) run without masks: the same arithmetic as the masked loop, whose masks would all be true
+        there, so the result is the same to the bit; only the diagonal (and window) tiles pay for masks."""
         offs_n = tl.arange(0, TILE_N)
         dk = tl.arange(0, DK_PAD)
         dv = tl.arange(0, DV_PAD)
-        for start in range(key_lo, key_hi, TILE_N):
+        for start in range(key_lo, full_hi, TILE_N):
+            kpos = start + offs_n  # [TILE_N]
+            blk = tl.load(table_ptr + kpos // BLOCK_SIZE).to(tl.int64)
+            off = kpos % BLOCK_SIZE
+            kt = _load_tile(  # [DK_PAD, TILE_N]
+                k_cache_ptr + blk[None, :] * s_kb + off[None, :] * s_ko + kvh * s_kh + dk[:, None],
+                dk[:, None] < DK, DK == DK_PAD,
+            )
+            s = _dot(q, kt, IEEE, INTERPRET) * scale_log2  # [BLOCK_M, TILE_N]
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = _load_tile(  # [TILE_N, DV_PAD]
+                v_cache_ptr + blk[:, None] * s_vb + off[:, None] * s_vo + kvh * s_vh + dv[None, :],
+                dv[None, :] < DV, DV == DV_PAD,
+            )
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, INTERPRET)
+            m_i = m_new
+        for start in range(full_hi, key_hi, TILE_N):
             kpos = start + offs_n  # [TILE_N]
             kvalid = kpos < key_hi
             blk = tl.load(table_ptr + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
@@ -238,10 +270,12 @@ if triton is not None:
         first = context + tile * BLOCK_Q  # position of the tile's first query
         key_hi = tl.minimum(first + BLOCK_Q, seq_len)  # keys after the tile's last query are never seen
         key_lo = 0
+        full_hi = (first + 1) // TILE_N * TILE_N  # every row's position is >= first: no causal mask below
         if HAS_WINDOW:
             key_lo = tl.maximum(first - window + 1, 0) // TILE_N * TILE_N
+            full_hi = key_lo  # (window masks: every tile masked)
         m_i, l_i, acc = _attend_tiles(
-            q, m_i, l_i, acc, qpos, key_lo, key_hi, k_cache_ptr, v_cache_ptr, tables_ptr + seq * s_bt, kvh,
+            q, m_i, l_i, acc, qpos, key_lo, full_hi, key_hi, k_cache_ptr, v_cache_ptr, tables_ptr + seq * s_bt, kvh,
             window, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2,
             DK, DV, DK_PAD, DV_PAD, BLOCK_SIZE, TILE_N, HAS_WINDOW, IEEE, INTERPRET,
         )
@@ -287,12 +321,15 @@ if triton is not None:
         tiles_per_split = tl.cdiv(tl.cdiv(seq_len - lo, TILE_N), num_splits)
         key_lo = lo + split * tiles_per_split * TILE_N
         key_hi = tl.minimum(key_lo + tiles_per_split * TILE_N, seq_len)
+        full_hi = key_lo  # the one query sees every key < seq_len: only a last partial tile needs a mask
+        if not HAS_WINDOW:
+            full_hi = key_lo + tl.maximum(key_hi - key_lo, 0) // TILE_N * TILE_N
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
         m_i, l_i, acc = _attend_tiles(
-            q, m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.int32) + qpos, key_lo, key_hi,
+            q, m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.int32) + qpos, key_lo, full_hi, key_hi,
             k_cache_ptr, v_cache_ptr, tables_ptr + seq * s_bt, kvh,
             window, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2,
             DK, DV, DK_PAD, DV_PAD, BLOCK_SIZE, TILE_N, HAS_WINDOW, IEEE, INTERPRET,

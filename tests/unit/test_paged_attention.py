@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moe_engine import paged_attention as pa
-from moe_engine.attention import ForwardBatch, LayerKV, attend_cached, cached_kv
+from moe_engine.attention import DENSE_PREFILL_MAX_CALLS, ForwardBatch, LayerKV, attend_cached, attend_kernels, cached_kv
 
 DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
 needs_kernels = pytest.mark.skipif(not pa.available(DEVICE), reason="Triton (or its interpreter) unavailable")
@@ -197,6 +197,48 @@ def test_padding_entries_read_nothing(num_splits):
     reference = pa.paged_attention_reference(*(t.cpu() for t in args), **kw)
     assert_close(reference[[0, 2]], expected, torch.float32, "reference real rows")
     assert not reference[[1, 3, 4]].any()
+
+
+def test_dense_prefill_covers_the_trailing_prompts_prefilled_from_position_zero():
+    """ForwardBatch.dense_from: the step's last sequences that start at position 0 with 2+ tokens, from the first
+    of them with at least dense_prefill_min tokens on; none when that would be more than DENSE_PREFILL_MAX_CALLS."""
+    def dense_from(contexts, q_lens, minimum=8):
+        tables = [[0] * 4 for _ in contexts]
+        return ForwardBatch.build(tables, contexts, q_lens, "cpu", block_size=16, dense_prefill_min=minimum).dense_from
+
+    assert dense_from([30, 0, 12, 0, 0], [1, 1, 9, 20, 17]) == 3  # decodes, a continuing chunk, two prompts
+    assert dense_from([0, 0], [20, 17]) == 0
+    assert dense_from([0, 5], [20, 17]) == 2  # the last one continues a prompt: no dense run
+    assert dense_from([0, 0, 0], [5, 20, 7]) == 1  # a short prompt first stays on the kernel, one after a long one not
+    assert dense_from([0, 0], [3, 7]) == 2  # none long enough
+    assert dense_from([0, 0, 0], [1, 1, 1], minimum=1) == 3  # single tokens are decodes
+    assert dense_from([0], [20], minimum=10**6) == 1
+    assert dense_from([0] * (DENSE_PREFILL_MAX_CALLS + 1), [9] * (DENSE_PREFILL_MAX_CALLS + 1)) == \
+        DENSE_PREFILL_MAX_CALLS + 1
+    assert dense_from([0] * DENSE_PREFILL_MAX_CALLS, [9] * DENSE_PREFILL_MAX_CALLS) == 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_path_with_dense_prefill_matches_dense_attention(dtype):
+    """attention.attend_kernels on a step of decodes, a chunk with context and two prompts from position 0: the
+    prompts through dense causal SDPA (cuDNN / FlashAttention on CUDA), the rest through the paged kernel, one
+    output in the step's token order, equal to the float64 attention (float32 steps keep the kernel for all)."""
+    contexts, q_lens = [30, 0, 12, 0, 0, 0], [1, 1, 9, 40, 33, 6]
+    step = make_step(contexts, q_lens, hq=8, hkv=2, dk=64, block_size=16, dtype=dtype, seed=5)
+    tables = [[b for b in row.tolist() if b != 10**6] for row in step.block_tables.cpu()]
+    batch = ForwardBatch.build(tables, contexts, q_lens, DEVICE, block_size=16, dense_prefill_min=16)
+    batch.use_kernels = True
+    assert batch.dense_from == 3  # the two long prompts and the short one after them
+    # this step's own k/v (store_kv has written them into the cache already)
+    k = torch.cat([keys[-n:] for keys, n in zip(step.keys, q_lens)]).to(DEVICE)
+    v = torch.cat([values[-n:] for values, n in zip(step.values, q_lens)]).to(DEVICE)
+    got = attend_kernels(step.q, k, v, LayerKV(step.k_cache, step.v_cache), batch, step.scale, None, None)
+    assert got.shape == (sum(q_lens), 8, 64) and got.dtype == dtype
+    assert_close(got, dense_float64(step), dtype, "kernel path with dense prefill")
+    # the same prompts through the paged kernel alone agree within the same tolerance
+    paged = pa.paged_attention(*step.args(), **step.kw())
+    assert_close(got, paged, dtype, "dense prefill vs paged kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
