@@ -60,7 +60,8 @@ def parse_args():
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA comparison")
     p.add_argument("--sdpa-backends", action="store_true",
                    help="prefill: time every SDPA backend (flash, cudnn, efficient; GQA or repeated K/V)")
-    p.add_argument("--cases", default="decode,prefill", help="comma-separated: decode, prefill")
+    p.add_argument("--cases", default="decode,prefill", help="comma-separated: decode, prefill, dense (first-call "
+                   "and steady host/device time of attention.dense_causal per prompt length and SDPA backend)")
     return p.parse_args()
 
 
@@ -366,8 +367,51 @@ def report_checks(check_rows) -> bool:
     return ok
 
 
+def dense_case(device, dtype) -> None:
+    """attention.dense_causal (the engine's prefill of prompts from position 0) per prompt length: the first call
+    of a new length (cuDNN builds an execution plan per shape), then the median wall time of 10 synchronised calls
+    and of the host's part alone (the call returning, no sync), for cuDNN-first and FlashAttention-only."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from moe_engine.attention import dense_causal
+
+    g = torch.Generator(device=device).manual_seed(4)
+    for label, backends in (("cudnn first", None), ("flash only", [SDPBackend.FLASH_ATTENTION])):
+        for L in (1024, 1016, 1100, 2000, 4096, 8177, 8192):
+            qkv = torch.randn(L, (HQ + 2 * HKV) * D, device=device, dtype=dtype, generator=g)
+            q, k, v = (t.view(L, -1, D) for t in qkv.split([HQ * D, HKV * D, HKV * D], -1))  # the engine's views
+
+            def call():
+                if backends is None:
+                    return dense_causal(q, k, v, SCALE)
+                with sdpa_kernel(backends):
+                    return F.scaled_dot_product_attention(
+                        *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), is_causal=True, scale=SCALE,
+                        enable_gqa=True)
+
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t
+            walls, hosts = [], []
+            for _ in range(10):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                call()
+                hosts.append(time.perf_counter() - t)
+                torch.cuda.synchronize()
+                walls.append(time.perf_counter() - t)
+            flops = 4 * D * HQ * (L * (L + 1) // 2)
+            wall = statistics.median(walls)
+            print(f"  dense {label:<12} L={L:>5}: first call {first * 1e3:8.2f} ms, then {wall * 1e3:7.3f} ms "
+                  f"({flops / wall / 1e12:5.0f} TFLOP/s), host {statistics.median(hosts) * 1e6:6.0f} us", flush=True)
+
+
 def main() -> int:
     args = parse_args()
+    if "dense" in args.cases.split(","):
+        dense_case(torch.device("cuda"), torch.bfloat16)
     if args.smoke:
         device, dtype = torch.device("cpu"), torch.bfloat16
         decode_shapes, prefill_shapes, reps, warmup = [(1, 40), (3, 100)], [(2, 64, 32), (2, 64, 64)], 1, 0

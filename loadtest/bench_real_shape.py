@@ -744,6 +744,9 @@ def parse_args(argv=None):
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--no-fused-kernels", action="store_true")
     g.add_argument("--exact-kernels", action="store_true", help="only the bit-identical fused kernels")
+    g.add_argument("--dense-prefill-min", type=int, default=None,
+                   help="attention.DENSE_PREFILL_MIN_TOKENS for this run (prompts from position 0 this long take "
+                        "dense causal SDPA; a huge value: the paged kernel for every prefill)")
     g = p.add_argument_group("transformers")
     g.add_argument("--hf-attn", default=None, help="attn_implementation (default: transformers' choice)")
     g.add_argument("--hf-experts", default=None, help="experts_implementation (default: transformers' choice)")
@@ -837,6 +840,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s %(levelname)s: %(message)s")
     logging.getLogger("moe_engine").setLevel(logging.INFO)  # the engine's own line: KV cache, graphs, kernels
+    if args.dense_prefill_min is not None:
+        from moe_engine import attention
+        attention.DENSE_PREFILL_MIN_TOKENS = args.dense_prefill_min
     ctx = Ctx(args)
     ctx.results = {"benchmark": "loadtest/bench_real_shape.py", "command": " ".join(["bench_real_shape.py", *(argv or sys.argv[1:])]),
                    "timestamp_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -37,10 +37,15 @@ from . import paged_attention
 log = logging.getLogger(__name__)
 
 # Prompts prefilled from position 0 that end a step take dense causal SDPA on the kernel path, one call each, from
-# the first of them with this many tokens on (shorter ones before it: cheaper in the paged kernel's one launch for
-# the whole step), when that makes no more than DENSE_PREFILL_MAX_CALLS calls per layer.
-DENSE_PREFILL_MIN_TOKENS = 1024
+# the first of them with this many tokens on (below it the paged kernel is as fast: on an H200 cuDNN's kernel runs
+# a 4k prompt at the paged kernel's ~330 TFLOP/s, an 8k one at ~500), when that makes no more than
+# DENSE_PREFILL_MAX_CALLS calls per layer.
+DENSE_PREFILL_MIN_TOKENS = 4096
 DENSE_PREFILL_MAX_CALLS = 16
+# cuDNN builds an execution plan for every new shape (70 ms to over a second on an H200): prompts are zero-padded
+# to a length bucket (multiples of 512, then eight buckets per doubling), whose plans warm_dense_prefill makes at
+# start, so that serving never waits for one.
+DENSE_PREFILL_BUCKET = 512
 
 @dataclass
 class LayerKV:
@@ -94,7 +99,7 @@ class ForwardBatch:
         block_size: int,
         null_block: int = 0,
         split_parts: bool = True,
-        dense_prefill_min: int = DENSE_PREFILL_MIN_TOKENS,
+        dense_prefill_min: int | None = None,  # None: DENSE_PREFILL_MIN_TOKENS (read at each call)
     ) -> "ForwardBatch":
         """Host-side construction from per-sequence (blocks, tokens already cached, new tokens). Each table
         must cover the sequence's context + new tokens."""
@@ -138,7 +143,8 @@ class ForwardBatch:
         dense_from = B  # the trailing run of prompts from position 0 (2+ tokens: not a decode) ...
         while dense_from > 0 and context_lens[dense_from - 1] == 0 and query_lens[dense_from - 1] >= 2:
             dense_from -= 1
-        while dense_from < B and query_lens[dense_from] < dense_prefill_min:  # ... from its first long one on
+        minimum = DENSE_PREFILL_MIN_TOKENS if dense_prefill_min is None else dense_prefill_min
+        while dense_from < B and query_lens[dense_from] < minimum:  # ... from its first long one on
             dense_from += 1
         if B - dense_from > DENSE_PREFILL_MAX_CALLS:
             dense_from = B
@@ -310,6 +316,13 @@ def attend_kernels(
     return out
 
 
+def dense_bucket(length: int) -> int:
+    """The padded length dense_causal runs a prompt of ``length`` tokens at: a multiple of DENSE_PREFILL_BUCKET,
+    or of a sixteenth of the next power of two above that (eight buckets per doubling, <= 1/8 padding)."""
+    step = max(DENSE_PREFILL_BUCKET, paged_attention._pow2(length) // 16)
+    return -(-length // step) * step
+
+
 def dense_causal(
     q: torch.Tensor,  # [L, Hq, Dk]: one sequence's queries at positions 0..L-1
     k: torch.Tensor,  # [L, Hkv, Dk]: its keys, the same positions
@@ -317,18 +330,58 @@ def dense_causal(
     scale: float,
 ) -> torch.Tensor:  # [L, Hq, Dv]
     """Causal attention of a prompt over itself by torch's SDPA: on CUDA cuDNN's kernel first, FlashAttention's
-    second (grouped-query heads without repeated K/V); elsewhere SDPA's default. Raises RuntimeError when no
-    backend takes the call."""
-    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, L, D] views
+    second (grouped-query heads without repeated K/V); elsewhere SDPA's default. q/k/v are copied into zero-padded
+    contiguous [1, H, dense_bucket(L), D] tensors: one layout and a few lengths, so a few cuDNN plans; the padding
+    sits after every real position, which causal attention never lets a real query see (and zeros, not stale
+    memory: a masked score still multiplies its value by 0). Raises RuntimeError when no backend takes the call."""
+    L = q.shape[0]
+    Lp = dense_bucket(L)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [L, H, D] -> [1, H, Lp, D]
+        out = x.new_zeros(1, x.shape[1], Lp, x.shape[2])
+        out[0, :, :L] = x.transpose(0, 1)
+        return out
+
+    qp, kp, vp = padded(q), padded(k), padded(v)
     gqa = q.shape[1] != k.shape[1]
     if q.is_cuda:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
-            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
-    return o[0].transpose(0, 1)
+        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
+    return o[0, :, :L].transpose(0, 1)
+
+
+def warm_dense_prefill(
+    shapes: set[tuple[int, int, int, int]],  # (Hq, Hkv, Dk, Dv) of the layers that may take dense_causal
+    device: torch.device,
+    dtype: torch.dtype,
+    max_tokens: int,  # the longest prompt chunk a step can hold
+) -> int:
+    """Run dense_causal once per length bucket from DENSE_PREFILL_MIN_TOKENS to ``max_tokens`` and per shape, so
+    that cuDNN's plans exist before serving; returns the calls made. A shape no backend takes is remembered (its
+    layers stay on the paged kernel) and logged."""
+    calls = 0
+    for hq, hkv, dk, dv in sorted(shapes):
+        key = (device.type, dtype, dk, dv)
+        length = DENSE_PREFILL_MIN_TOKENS
+        while length <= max_tokens and key not in _dense_refused:
+            bucket = dense_bucket(length)
+            q = torch.zeros(bucket, hq, dk, device=device, dtype=dtype)
+            k = torch.zeros(bucket, hkv, dk, device=device, dtype=dtype)
+            v = torch.zeros(bucket, hkv, dv, device=device, dtype=dtype)
+            try:
+                dense_causal(q, k, v, dk**-0.5)
+                calls += 1
+            except RuntimeError as err:
+                if isinstance(err, torch.OutOfMemoryError):
+                    raise
+                log.warning("dense causal SDPA refused %s (%s); prefill attention stays on the paged kernel", key, err)
+                _dense_refused.add(key)
+            length = bucket + 1
+    return calls
 
 
 def attend(

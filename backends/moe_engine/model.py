@@ -114,6 +114,14 @@ class Attention(nn.Module):
         self.tp = None
         self.tp_slices: tuple | None = None  # ((q start, q stop), (k start, k stop)) columns of this rank
 
+    @property
+    def dense_prefill_shape(self) -> tuple[int, int, int, int] | None:
+        """(Hq, Hkv, Dk, Dv) of this rank's heads if attention.py may run a prompt's prefill through dense causal
+        SDPA (no window, no sinks); None otherwise. The runner warms cuDNN's plans for these shapes."""
+        if self.sliding_window is not None or self.sinks is not None:
+            return None
+        return self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: LayerKV) -> Tensor:
         T = x.shape[0]
         q, k, v = self._qkv(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]

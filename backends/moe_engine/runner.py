@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from . import attention
 from .attention import ForwardBatch
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache, KVSpec, bytes_per_block
@@ -222,6 +224,8 @@ class ModelRunner(ReleasableMemory):
         # Attention through paged_attention.py's kernels (they read only each sequence's own blocks) on CUDA with
         # the fused kernels on; the reference (gather + SDPA) elsewhere, and for MLA's latent cache.
         self.use_kernels = use_attention_kernels
+        if use_attention_kernels and cuda and self.dtype != torch.float32:
+            self._warm_dense_prefill(step_tokens)
         self.graphs = (
             DecodeGraphs(model, self.kv, max_batch=max_num_seqs, max_model_len=max_model_len,
                          capture_buf=self.capture_buf, weights_buf=self.weights_buf, use_kernels=use_attention_kernels)
@@ -232,6 +236,18 @@ class ModelRunner(ReleasableMemory):
         # rank 0 runs it; ``on_close`` stops them.
         self.publish = None
         self.on_close = None
+
+    def _warm_dense_prefill(self, max_tokens: int) -> None:
+        """cuDNN's attention plans for the prompt-length buckets of attention.dense_causal, made now (70 ms to a
+        second each on an H200) rather than by the first request of each length."""
+        shapes = {s for m in self.model.modules() if (s := getattr(m, "dense_prefill_shape", None)) is not None}
+        if not shapes or max_tokens < attention.DENSE_PREFILL_MIN_TOKENS:
+            return
+        t = time.perf_counter()
+        with torch.inference_mode():
+            calls = attention.warm_dense_prefill(shapes, self.device, self.dtype, max_tokens)
+        log.info("dense prefill attention: %d plans warmed for prompts of %d-%d tokens in %.1f s", calls,
+                 attention.DENSE_PREFILL_MIN_TOKENS, max_tokens, time.perf_counter() - t)
 
     @torch.inference_mode()
     def launch(
