@@ -211,6 +211,18 @@ def test_tile_table_from_json_overrides_only_its_own_shape(tmp_path, monkeypatch
         "1", "2-8", "2-8", "513-2048", "2049-8192", ">8192"]
 
 
+def test_the_committed_h200_table_is_the_one_in_use_for_its_shape():
+    """fused_moe_configs.json (tuned on the H200 by bench_fused_moe.py --tune) parses, and every bucket it tunes
+    replaces the default for the Qwen3-30B-A3B shape on that GPU (a broken file would fall back to the defaults
+    with only a warning)."""
+    entry = next(t for t in json.loads(fused_moe.CONFIG_FILE.read_text())["tables"] if t["device"] == "NVIDIA H200")
+    key = fused_moe.table_key("NVIDIA H200", 128, 2048, 768, torch.bfloat16)
+    assert {k: entry[k] for k in key} == key and entry["buckets"]
+    table = fused_moe._table("NVIDIA H200", 128, 2048, 768, torch.bfloat16, str(fused_moe.CONFIG_FILE))
+    for name, pair in entry["buckets"].items():
+        assert table[name] == (TileConfig.from_dict(pair["gate_up"]), TileConfig.from_dict(pair["down"])), name
+
+
 HOPPER_COMPILE = r"""
 import json, sys
 import triton
