@@ -311,7 +311,7 @@ class ModelRunner(ReleasableMemory):
                                      step.want_routing, step.want_weights)  # [T, V]
             return (logits if len(step.samplers) == len(step.context) else logits[step.samplers]), None
         batch = ForwardBatch.build(step.tables, step.context, step.query_lens, self.device, self.block_size,
-                                   self.null_block)
+                                   self.null_block, split_parts=not self.use_kernels)  # parts: reference path only
         batch.use_kernels = self.use_kernels
         if input_ids is None:
             input_ids = torch.tensor(step.ids, dtype=torch.long, device=self.device)

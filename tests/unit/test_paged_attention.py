@@ -200,6 +200,35 @@ def test_padding_entries_read_nothing(num_splits):
     assert not reference[[1, 3, 4]].any()
 
 
+def test_forward_batch_fields_follow_their_per_token_definition():
+    """ForwardBatch.build (vectorised) against the definition written token by token: position, cache slot
+    (block of the position's table entry), sequence, index in the chunk, last token, cu offsets, and the block
+    table padded with the null block to the longest sequence's blocks (longer tables cut there)."""
+    bs, null = 4, 99
+    contexts, q_lens = [7, 0, 30, 0, 5], [1, 6, 1, 13, 3]
+    g = torch.Generator().manual_seed(3)
+    tables = [torch.randperm(90, generator=g)[: -(-(c + q) // bs) + extra].tolist()
+              for c, q, extra in zip(contexts, q_lens, (0, 2, 0, 1, 0))]
+    batch = ForwardBatch.build(tables, contexts, q_lens, "cpu", block_size=bs, null_block=null)
+    pos, slot, seq, qidx = [], [], [], []
+    for b, (c, q) in enumerate(zip(contexts, q_lens)):
+        for i in range(q):
+            p = c + i
+            pos.append(p)
+            slot.append(tables[b][p // bs] * bs + p % bs)
+            seq.append(b)
+            qidx.append(i)
+    nb = -(-max(c + q for c, q in zip(contexts, q_lens)) // bs)
+    padded = [(t[:nb] + [null] * nb)[:nb] for t in tables]
+    assert batch.positions.tolist() == pos and batch.slot_mapping.tolist() == slot
+    assert batch.token_seq.tolist() == seq and batch.token_qidx.tolist() == qidx
+    assert batch.cu_seqlens_q.tolist() == [0, 1, 7, 8, 21, 24] and batch.last_token_index.tolist() == [0, 6, 7, 20, 23]
+    assert batch.seq_lens.tolist() == [8, 6, 31, 13, 8] and batch.block_tables.tolist() == padded
+    assert batch.max_query_len == 13 and batch.max_seq_len == 31 and batch.num_tokens == 24
+    with pytest.raises(ValueError, match="cannot hold"):
+        ForwardBatch.build([[1]], [3], [2], "cpu", block_size=bs)
+
+
 def test_dense_prefill_covers_the_trailing_prompts_prefilled_from_position_zero():
     """ForwardBatch.dense_from: the step's last sequences that start at position 0 with 2+ tokens, from the first
     of them with at least dense_prefill_min tokens on; none when that would be more than DENSE_PREFILL_MAX_CALLS."""
