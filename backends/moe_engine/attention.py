@@ -17,10 +17,11 @@ Two implementations of the same attention:
 - on CUDA with the fused kernels on, the Triton kernels of paged_attention.py: they read only the blocks a
   sequence owns, grouped-query heads share each K/V tile, long decode contexts are split over several programs
   (equal to the reference within the rounding of a different summation order). Prompts that a step prefills from
-  position 0 in one chunk of at least ``DENSE_PREFILL_MIN_TOKENS`` tokens, at the end of the step, need no cache
-  read: their own k/v are all their keys, so they take torch's causal SDPA on those tensors (cuDNN's or
-  FlashAttention's kernel, one call per prompt; on an H200 at 8k tokens 570 and 340 TFLOP/s against the paged
-  kernel's 330), equal to the reference within the same rounding.
+  position 0 at its end, from the first of at least ``DENSE_PREFILL_MIN_TOKENS`` tokens on, need no cache read:
+  their own k/v are all their keys, so they take torch's causal SDPA on those tensors (``dense_causal``: cuDNN's
+  kernel, else FlashAttention's; one call per prompt, zero-padded to a length bucket whose cuDNN plan
+  ``warm_dense_prefill`` made at start; on an H200 an 8k prompt runs at ~500 TFLOP/s there against the paged
+  kernel's ~330), equal to the reference within the same rounding.
 """
 from __future__ import annotations
 
