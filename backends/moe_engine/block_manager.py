@@ -173,6 +173,7 @@ class BlockManager:
         bs = self.block_size
         full = min(num_computed // bs, len(table.blocks))
         parent = table.hashes[-1] if table.hashes else None
+        row_blocks, row_starts = [], []  # blocks whose rows are stored, and where their rows start in ``rows``
         for j in range(len(table.hashes), full):
             chunk = tuple(tokens[j * bs : (j + 1) * bs])
             h = self._hash(parent, chunk, table.cache_key)
@@ -185,10 +186,18 @@ class BlockManager:
                 lo = j * bs - rows_start
                 if rows is None or lo < 0 or lo + bs > len(rows):
                     continue  # no rows for this block: do not cache it (a hit must return every row)
-                self.rows[b] = rows[lo : lo + bs]
+                row_blocks.append(b)
+                row_starts.append(lo)
             self.cached[h] = b
             self.block_hash[b] = h
             self.block_tokens[b] = chunk
+        if row_blocks:  # one copy (and cast) for all of them: half the time of a copy per block
+            n, lo = len(row_blocks), row_starts[0]
+            if row_starts[-1] - lo == (n - 1) * bs:  # consecutive (the usual case): a view, no gather
+                src = rows[lo : lo + n * bs].reshape(n, bs, *rows.shape[1:])
+            else:  # (defensive: skipped blocks only ever lead or trail, so the starts are consecutive)
+                src = rows[np.asarray(row_starts)[:, None] + np.arange(bs)]
+            self.rows[row_blocks] = src
 
     def cached_rows(self, blocks: list[int]) -> np.ndarray | None:
         """Routing rows [len(blocks) * block_size, L, K] of cached blocks (a copy)."""

@@ -234,3 +234,25 @@ def submit_salted(engine, prompt, salt):
                                sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                                cache_salt=salt, on_output=c))
     return c
+
+
+def test_register_stores_each_new_blocks_rows_from_where_its_rows_start():
+    """Rows arrive per step (rows_start = the step's first position); each newly registered block stores its own
+    16 x L x K rows in the cache's dtype, and a block some other table registered first keeps that table's rows."""
+    bm = BlockManager(num_blocks=16, block_size=4, routing_shape=(3, 2), routing_dtype=np.uint16)
+    tokens = list(range(100, 122))  # 5 full blocks + 2 tokens
+    t = BlockTable()
+    assert bm.allocate(t, len(tokens))
+    rows = np.arange(22 * 3 * 2, dtype=np.int32).reshape(22, 3, 2)
+    bm.register(t, tokens, 6, rows[:6], 0)  # a first step: block 0 full, 2 tokens of block 1
+    bm.register(t, tokens, 22, rows[4:22], 4)  # the step after, from position 4: blocks 1-4
+    assert len(t.hashes) == 5 and bm.rows.dtype == np.uint16
+    np.testing.assert_array_equal(bm.cached_rows(t.blocks[:5]), rows[:20])
+    other = tokens[:8] + [7] * 12  # the same first two blocks, then its own
+    u = BlockTable()
+    assert bm.allocate(u, len(other))
+    rows_u = rows[:20] + 1000
+    bm.register(u, other, 20, rows_u, 0)
+    np.testing.assert_array_equal(bm.cached_rows(u.blocks[2:5]), rows_u[8:20])
+    np.testing.assert_array_equal(bm.cached_rows(t.blocks[:2]), rows[:8])
+    assert bm.match_prefix(other + [1], None) == t.blocks[:2] + u.blocks[2:5]
