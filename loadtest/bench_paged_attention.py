@@ -20,6 +20,8 @@ blocks handed out from a shuffled free list (block tables not contiguous).
     .venv/bin/python loadtest/bench_paged_attention.py --check    # max error, kernel vs reference, same shapes
     .venv/bin/python loadtest/bench_paged_attention.py --sweep    # decode: every split count; prefill: tile configs
     .venv/bin/python loadtest/bench_paged_attention.py --sweep --cases prefill --reps 10
+    .venv/bin/python loadtest/bench_paged_attention.py --cases prefill --sdpa-backends  # + cuDNN, efficient
+    .venv/bin/python loadtest/bench_paged_attention.py --cases dense  # the engine's dense prefill per length
 
 ``--check`` exits 1 if an error exceeds 2% of the reference's largest magnitude. ``--smoke`` runs tiny shapes
 on the CPU under Triton's interpreter (tests the script, measures nothing).
@@ -411,6 +413,9 @@ def dense_case(device, dtype) -> None:
 def main() -> int:
     args = parse_args()
     if "dense" in args.cases.split(","):
+        if not torch.cuda.is_available():
+            print("--cases dense needs a CUDA GPU (it times cuDNN's and FlashAttention's kernels)")
+            return 2
         dense_case(torch.device("cuda"), torch.bfloat16)
     if args.smoke:
         device, dtype = torch.device("cpu"), torch.bfloat16
