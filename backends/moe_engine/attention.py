@@ -287,7 +287,7 @@ def attend_kernels(
     0 (``batch.dense_from``) through ``dense_causal`` on their own k/v when no window or sink applies."""
     B = len(batch.query_lens)
     nf = batch.dense_from if batch.dense_from is not None else B
-    key = (q.device.type, q.dtype, q.shape[-1], v.shape[-1])
+    key = (q.device.type, q.dtype, q.shape[-1], v.shape[-1]) if nf < B else None
     if nf < B and (sliding_window is not None or sinks is not None or q.dtype == torch.float32
                    or key in _dense_refused):
         nf = B

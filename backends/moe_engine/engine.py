@@ -112,7 +112,8 @@ class Engine:
                        and paged_attention_available(self.device))
         if parallel is not None:  # the other ranks build the same runner (ranks.build_runner) from these
             parallel.send_setup(dict(
-                fused=self.fused, exact_kernels=ec.exact_kernels, block_size=bs, step_tokens=self.step_tokens, max_num_seqs=self.max_num_seqs,
+                fused=self.fused, exact_kernels=ec.exact_kernels, block_size=bs, step_tokens=self.step_tokens,
+                max_num_seqs=self.max_num_seqs,
                 max_model_len=self.max_model_len, gpu_memory_utilization=ec.gpu_memory_utilization,
                 kv_cache_memory_bytes=ec.kv_cache_memory_bytes, graphs_off=graphs_off, overlap=overlap,
                 use_attention_kernels=use_kernels,

@@ -272,14 +272,14 @@ def write_part(p: torch.Tensor, sel, target: Target, value: torch.Tensor) -> Non
     """Copy checkpoint tensor ``value`` (``target``: the whole parameter, or rows [lo, hi) of expert e, in the
     whole tensor's coordinates) into ``p``, this rank's part of the parameter (``sel``: the ranges of the whole
     tensor it holds, per dimension, concatenated; sharding.Selection). Nothing when the rank holds none of it."""
+    if sel.zeros:
+        return
     full = tuple(sel.full_shape)
     if target.rows is None:
-        region, value = [(0, n) for n in full], value
+        region = [(0, n) for n in full]
     else:
         e, lo, hi = target.rows
         region, value = [(e, e + 1), (lo, hi), *[(0, n) for n in full[2:]]], value.unsqueeze(0)
-    if sel.zeros:
-        return
     per_dim = []
     for (a, b), ranges in zip(region, sel.ranges):
         opts, at = [], 0  # (source slice in value, destination slice in p)
