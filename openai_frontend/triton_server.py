@@ -332,11 +332,19 @@ class TritonServer:
                 client.close()
         raise TritonError(f"model {self.model_name!r} was not ready within {timeout:.0f} s")
 
-    def kill(self) -> None:
-        """SIGKILL the whole process group (tritonserver and its stubs, stopped ones too), remove its shm."""
+    def kill(self, timeout: float = 10.0) -> None:
+        """SIGKILL the whole process group (tritonserver and its stubs, stopped ones too), wait until none of
+        them is left, remove its shm.
+
+        Waiting for tritonserver alone is not enough before a restart: its stubs are not its children once it is
+        gone, and one still exiting holds its memory (GPU memory too) while the next server loads.
+        """
         if self.proc is not None:
             _signal_group(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+            left = _wait_group_gone(self.proc.pid, timeout)
+            if left:
+                log.warning("processes of tritonserver's group still there %.0f s after SIGKILL: %s", timeout, left)
         self.remove_shm()
 
     def stop(self, timeout: float = 20.0) -> None:
@@ -374,19 +382,57 @@ def _client_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _load_prctl():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:
+        return None  # not Linux: the normal stop path still applies
+
+
+# Loaded here, in the parent: the child of a threaded process must not dlopen between fork and exec (a lock
+# another thread held at the fork would never be released there).
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In the child: get SIGTERM when moe-serve dies, even by SIGKILL, so tritonserver is never orphaned.
 
     Linux sends it when the *thread* that forked exits: start tritonserver from a thread that lives as long as
     moe-serve needs it (the main thread, or the watchdog for restarts).
     """
-    try:
-        import ctypes
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the normal stop path still applies
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes whose process group is ``pgid`` (one /proc scan)."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] not in "ZX":
+            out.append(int(entry.name))
+    return out
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> list[int]:
+    """Wait until no live process of group ``pgid`` is left; the pids still there after ``timeout``."""
+    if not Path("/proc/self/stat").exists():
+        return []  # not Linux: nothing to scan
+    deadline = time.monotonic() + timeout
+    while True:
+        left = _group_members(pgid)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -12,7 +12,8 @@ A thread probes every ``interval_s`` (0.5 s):
 On a failure it calls ``on_down(reason)`` at once (the API ends every in-flight request with a 503 and
 ``/health`` turns 503), then either restarts tritonserver (which loads the model again) and calls
 ``on_up()``, or, after ``max_restarts`` restarts without ten healthy minutes in between, or while moe-serve
-is shutting down, calls ``on_give_up(reason)`` (moe-serve exits non-zero for a supervisor).
+is shutting down, or when the restarted server exits while starting three times in a row, calls
+``on_give_up(reason)`` (moe-serve exits non-zero for a supervisor).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ STOPPED_GRACE_S = 1.0  # a debugger or py-spy stops a process for milliseconds; 
 READY_PROBE_EVERY_S = 1.0
 READY_FAILURES = 3
 HEALTHY_RESETS_RESTARTS_S = 600.0
+START_ATTEMPTS = 3  # per restart: tritonserver exiting while it starts is tried again (after 1 s, then 2 s)
+START_RETRY_S = 1.0
 
 
 # --------------------------------------------------------------------------- /proc
@@ -272,17 +275,27 @@ class BackendWatchdog(threading.Thread):
         if self._client is not None:
             self._client.close()
             self._client = None
-        try:
-            self.triton.kill()
-            self.triton.start()  # a child of this thread, which lives until moe-serve stops Triton
-            self.triton.wait_ready(self.load_timeout_s)
-        except TritonError as exc:
-            if self._finished.is_set():
-                return False  # moe-serve is stopping Triton itself
-            log.error("restarting tritonserver failed: %s", exc)
-            self.triton.kill()
-            self.on_give_up(f"{reason}; restart failed: {exc}")
-            return False
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self.triton.kill()
+                self.triton.start()  # a child of this thread, which lives until moe-serve stops Triton
+                self.triton.wait_ready(self.load_timeout_s)
+                break
+            except TritonError as exc:
+                if self._finished.is_set():
+                    return False  # moe-serve is stopping Triton itself
+                # A server that exited while starting may have met something passing (a port or memory the killed
+                # one still held): try again. One that loaded for load_timeout_s without getting ready: give up.
+                if attempt < START_ATTEMPTS and not self.triton.alive():
+                    log.warning("restarted tritonserver failed (attempt %d of %d): %s; trying again in %.0f s",
+                                attempt, START_ATTEMPTS, exc, attempt * START_RETRY_S)
+                    if self._finished.wait(attempt * START_RETRY_S):
+                        return False
+                    continue
+                log.error("restarting tritonserver failed: %s", exc)
+                self.triton.kill()
+                self.on_give_up(f"{reason}; restart failed: {exc}")
+                return False
         self.arm()
         log.info("backend restarted; serving again")
         self.on_up()

@@ -52,7 +52,18 @@ def tree(server) -> dict[str, list[psutil.Process]]:
 
 
 def triton_cmdline(server) -> list[str]:
-    return tree(server)["tritonserver"][0].cmdline()
+    triton = tree(server).get("tritonserver")
+    assert triton, f"no tritonserver under moe-serve (exit code {server.proc.poll()}):\n{server.log_tail(200)}"
+    return triton[0].cmdline()
+
+
+def health(server) -> int:
+    """/health's status; a server that stopped answering fails the test with its log (why it stopped)."""
+    try:
+        return httpx.get(server.root_url + "/health", timeout=10).status_code
+    except httpx.TransportError as exc:
+        time.sleep(1)
+        pytest.fail(f"moe-serve stopped answering ({exc!r}; exit code {server.proc.poll()}):\n{server.log_tail(200)}")
 
 
 def shm_prefix(server) -> str:
@@ -173,9 +184,8 @@ def test_killed_stub_ends_in_flight_requests_with_503_then_the_backend_comes_bac
     assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable"
 
     deadline = time.monotonic() + 180
-    while httpx.get(server.root_url + "/health").status_code != 200:
+    while health(server) != 200:
         assert time.monotonic() < deadline, server.log_tail()
-        assert server.proc.poll() is None
         time.sleep(0.5)
     r = httpx.post(server.base_url + "/completions", headers=AUTH, json={"prompt": "back", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["choices"][0]["routed_experts"]

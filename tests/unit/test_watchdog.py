@@ -1,15 +1,25 @@
 """The watchdog's progress check (openai_frontend/watchdog.py) on Triton's metrics text: a stall is seen per
-engine, so one stuck data-parallel replica is caught while the others keep stepping.
+engine, so one stuck data-parallel replica is caught while the others keep stepping. Its restart: a restarted
+tritonserver that exits while starting is tried again (three attempts), one that is not ready in time is not; and
+killing Triton leaves no process of its group behind before the next one starts.
 
 The metrics are served over a loopback HTTP server in the format Triton's /metrics writes for the moe backend's
 custom gauges (labels model, version and, with more than one instance, instance)."""
 from __future__ import annotations
 
 import http.server
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
+import psutil
 import pytest
 
+from openai_frontend import triton_server, watchdog as watchdog_module
+from openai_frontend.triton_server import TritonError
 from openai_frontend.watchdog import BackendWatchdog, read_engine_gauges
 
 
@@ -80,3 +90,78 @@ def test_idle_or_stepping_engines_are_never_a_stall(metrics_server):
     assert dog._check_progress(read_engine_gauges(url), 0.0) is None
     reason = dog._check_progress(read_engine_gauges(url), 1.5)
     assert reason is not None and reason.startswith("the engine made no step") and "instance" not in reason
+
+
+class ScriptedTriton:
+    """Stands in for the tritonserver process only: each start either comes up, exits while loading, or loads
+    for ever (``outcomes``: 'ready', 'exits', 'hangs'). The watchdog's restart policy is what runs for real."""
+
+    model_name = "moe"
+
+    def __init__(self, outcomes: list[str]) -> None:
+        self.outcomes = outcomes
+        self.starts = 0
+        self.kills = 0
+        self.running = False
+
+    def kill(self) -> None:
+        self.kills += 1
+        self.running = False
+
+    def start(self) -> None:
+        self.starts += 1
+        self.running = True
+
+    def alive(self) -> bool:
+        return self.running
+
+    def wait_ready(self, timeout: float) -> None:
+        outcome = self.outcomes[self.starts - 1]
+        if outcome == "exits":
+            self.running = False
+            raise TritonError("tritonserver exited with code 1 while loading model 'moe'")
+        if outcome == "hangs":
+            raise TritonError(f"model 'moe' was not ready within {timeout:.0f} s")
+
+
+def restart_with(outcomes: list[str], monkeypatch) -> tuple[bool, ScriptedTriton, list]:
+    monkeypatch.setattr(watchdog_module, "START_RETRY_S", 0.01)
+    events = []
+    triton = ScriptedTriton(outcomes)
+    dog = BackendWatchdog(triton, on_down=lambda r: events.append(("down", r)), on_up=lambda: events.append("up"),
+                          on_give_up=lambda r: events.append(("give_up", r)), max_restarts=3, load_timeout_s=5)
+    dog.arm = lambda: None  # arm() scans the real tritonserver's stubs
+    return dog._handle("the python backend stub (pid 1) exited"), triton, events
+
+
+def test_a_restart_that_exits_while_starting_is_tried_again(monkeypatch):
+    watching, triton, events = restart_with(["exits", "exits", "ready"], monkeypatch)
+    assert watching and triton.starts == 3 and events[-1] == "up"
+    assert dog_gave_up(events) is None
+
+
+def test_a_restart_gives_up_after_three_exits_or_one_load_timeout(monkeypatch):
+    watching, triton, events = restart_with(["exits", "exits", "exits", "ready"], monkeypatch)
+    assert not watching and triton.starts == 3 and "restart failed" in dog_gave_up(events)
+    watching, triton, events = restart_with(["hangs", "ready"], monkeypatch)  # a load timeout is not retried
+    assert not watching and triton.starts == 1 and "not ready within 5 s" in dog_gave_up(events)
+    assert not triton.running  # the server that hung was killed
+
+
+def dog_gave_up(events: list) -> str | None:
+    return next((e[1] for e in events if isinstance(e, tuple) and e[0] == "give_up"), None)
+
+
+def test_killing_a_process_group_waits_until_none_of_it_is_left():
+    # A leader with a child in its own session, as tritonserver and its python stubs.
+    code = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while len(triton_server._group_members(leader.pid)) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = next(p for p in triton_server._group_members(leader.pid) if p != leader.pid)
+    os.killpg(leader.pid, signal.SIGKILL)
+    leader.wait()
+    assert triton_server._wait_group_gone(leader.pid, timeout=10) == []
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
