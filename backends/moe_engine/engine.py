@@ -146,7 +146,9 @@ class Engine:
             "engine: KV cache %.2f GiB = %d blocks x %d tokens (%d tokens), %d seqs, %d tokens/step, max_model_len "
             "%d, prefix caching %s, routed experts %s, device %s, %s, CUDA graphs %s, fused kernels %s, attention %s",
             self.runner.kv.nbytes / 2**30, num_blocks - 1, bs, (num_blocks - 1) * bs, self.max_num_seqs,
-            self.step_tokens, self.max_model_len, "on" if ec.enable_prefix_caching else "off",
+            self.step_tokens, self.max_model_len,
+            f"on (routing rows of cached blocks: {self.blocks.rows.nbytes / 2**20:.0f} MiB of host memory)"
+            if keep_rows else "on" if ec.enable_prefix_caching else "off",
             "on" if ec.enable_routed_experts else "off", self.device, self.dtype,
             f"off ({graphs_off})" if graphs_off else f"for decode batches up to {self.max_num_seqs}",
             ("on, bit-exact ones only" if ec.exact_kernels else "on") if self.fused else "off",

@@ -1,0 +1,105 @@
+"""Host time of the engine's steps outside the forward, with routed experts on and off.
+
+A GPU runs a prefill step without overlapping it with the host (decode steps are overlapped), so the host work of a
+prefill step (``scheduler.schedule``, ``ForwardBatch.build``, ``runner.results``, ``scheduler.process``) is time
+the GPU waits. It is measured here on the CPU with the real shape's bookkeeping sizes (Qwen3-30B-A3B's 48 layers,
+128 experts top-8: routing rows of 48 x 8 per token, 8192-token steps) and tiny widths (hidden 64), so the forward
+is cheap enough and the rest is what a real server's host does per step. Each timed call is wrapped; the forward
+itself is reported for scale only.
+
+    PYTHONPATH=backends:. python3 loadtest/bench_host_time.py                 # 64 x 1024 prompts, capture on and off
+    PYTHONPATH=backends:. python3 loadtest/bench_host_time.py --prompts 16 --prompt-len 2048 --modes on
+
+Takes about 75 s per mode on a 2-core machine (ten 8k-token steps of 48 layers).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import threading
+import time
+
+import torch
+
+from loadtest import real_shape_model as rsm
+from moe_engine import attention
+from moe_engine.engine import Engine
+from moe_engine.engine_config import EngineConfig
+from moe_engine.sampling import SamplingParams
+from moe_engine.sequence import Request
+
+
+def timed(totals: dict, counts: collections.Counter, label: str, f):
+    def g(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            totals[label] += time.perf_counter() - t0
+            counts[label] += 1
+    return g
+
+
+def run(capture: bool, prompts: int, prompt_len: int, step_tokens: int, seed: int) -> dict[str, tuple[float, int]]:
+    """{call: (ms per call, calls)} for one prefill-heavy run (each prompt generates 2 tokens)."""
+    raw = dict(rsm.QWEN3_30B_A3B, hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=4,
+               moe_intermediate_size=16, intermediate_size=64, vocab_size=1024)
+    model, cfg = rsm.build_engine_model(raw, torch.device("cpu"), torch.float32, seed=seed)
+    totals: dict[str, float] = collections.defaultdict(float)
+    counts: collections.Counter = collections.Counter()
+    build = attention.ForwardBatch.build.__func__
+    attention.ForwardBatch.build = classmethod(timed(totals, counts, "ForwardBatch.build", build))
+    try:
+        eng = Engine(model, cfg, EngineConfig(max_num_seqs=prompts, max_model_len=prompt_len + 64,
+                                              max_num_batched_tokens=step_tokens, enable_prefix_caching=True,
+                                              enable_routed_experts=capture))
+        for obj, name, label in [(eng.scheduler, "schedule", "scheduler.schedule"),
+                                 (eng.runner, "results", "runner.results"),
+                                 (eng.scheduler, "process", "scheduler.process"),
+                                 (eng.runner.model, "forward", "model.forward (for scale)")]:
+            setattr(obj, name, timed(totals, counts, label, getattr(obj, name)))
+        done, left = threading.Event(), [prompts]
+
+        def on_output(out):
+            if out.finished:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+        g = torch.Generator().manual_seed(seed)
+        for i in range(prompts):
+            ids = torch.randint(3, 1000, (prompt_len,), generator=g).tolist()
+            eng.add_request(Request(f"r{i}", ids, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0),
+                                    on_output=on_output, return_routed_experts=capture))
+        while not done.is_set():
+            eng.step()
+    finally:
+        attention.ForwardBatch.build = classmethod(build)
+    return {k: (totals[k] * 1e3 / counts[k], counts[k]) for k in totals}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--step-tokens", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--modes", default="on,off", help="routed experts on and/or off, in this order")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    results = {}
+    for mode in args.modes.split(","):
+        t0 = time.perf_counter()
+        results[mode] = run(mode == "on", args.prompts, args.prompt_len, args.step_tokens, args.seed)
+        print(f"routed experts {mode}: {time.perf_counter() - t0:.0f} s", flush=True)
+    labels = list(next(iter(results.values())))
+    print(f"\n{args.prompts} x {args.prompt_len} prompts, {args.step_tokens} tokens per step; ms per call (calls)")
+    print(f"| call | " + " | ".join(f"routed experts {m}" for m in results) + " |")
+    print("|---|" + "---:|" * len(results))
+    for label in labels:
+        cells = [f"{results[m][label][0]:.2f} ({results[m][label][1]})" if label in results[m] else "-" for m in results]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
