@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import procfs
+
 log = logging.getLogger("moe_serve")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -243,7 +245,7 @@ class TritonServer:
             "--model-control-mode=none",  # loaded at start; no load/unload/upload API afterwards
             "--disable-auto-complete-config",
             "--strict-readiness=true",
-            f"--metrics-address=127.0.0.1",
+            "--metrics-address=127.0.0.1",
             f"--metrics-port={self.ports.metrics}",
             "--allow-gpu-metrics=false",
             # Large routed-experts outputs (a 32k-token request is ~24 MB) travel through the
@@ -342,7 +344,7 @@ class TritonServer:
         if self.proc is not None:
             _signal_group(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-            left = _wait_group_gone(self.proc.pid, timeout)
+            left = procfs.wait_group_gone(self.proc.pid, timeout)
             if left:
                 log.warning("processes of tritonserver's group still there %.0f s after SIGKILL: %s", timeout, left)
         self.remove_shm()
@@ -405,34 +407,6 @@ def _die_with_parent() -> None:
     """
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Pids of the live (not zombie) processes whose process group is ``pgid`` (one /proc scan)."""
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] not in "ZX":
-            out.append(int(entry.name))
-    return out
-
-
-def _wait_group_gone(pgid: int, timeout: float) -> list[int]:
-    """Wait until no live process of group ``pgid`` is left; the pids still there after ``timeout``."""
-    if not Path("/proc/self/stat").exists():
-        return []  # not Linux: nothing to scan
-    deadline = time.monotonic() + timeout
-    while True:
-        left = _group_members(pgid)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -18,15 +18,14 @@ is shutting down, or when the restarted server exits while starting three times 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from .procfs import descendants, process_state
 from .triton_server import TritonError, TritonServer
 
 log = logging.getLogger("moe_serve")
@@ -38,42 +37,6 @@ READY_FAILURES = 3
 HEALTHY_RESETS_RESTARTS_S = 600.0
 START_ATTEMPTS = 3  # per restart: tritonserver exiting while it starts is tried again (after 1 s, then 2 s)
 START_RETRY_S = 1.0
-
-
-# --------------------------------------------------------------------------- /proc
-
-
-def process_state(pid: int) -> str | None:
-    """One-letter state from /proc/<pid>/stat (R, S, D, T, t, Z, X, ...), None when gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2]  # the name (field 2) may contain spaces and parentheses
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """{pid: name} of every process below ``pid`` (one /proc scan)."""
-    parents: dict[int, tuple[int, str]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        parents[int(entry.name)] = (ppid, name)
-    out: dict[int, str] = {}
-    frontier = [pid]
-    while frontier:
-        p = frontier.pop()
-        for child, (ppid, name) in parents.items():
-            if ppid == p and child not in out:
-                out[child] = name
-                frontier.append(child)
-    return out
 
 
 # --------------------------------------------------------------------------- engine gauges

@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from openai_frontend import triton_server, watchdog as watchdog_module
+from openai_frontend import procfs, watchdog as watchdog_module
 from openai_frontend.triton_server import TritonError
 from openai_frontend.watchdog import BackendWatchdog, read_engine_gauges
 
@@ -157,11 +157,11 @@ def test_killing_a_process_group_waits_until_none_of_it_is_left():
     code = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
     leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     deadline = time.monotonic() + 10
-    while len(triton_server._group_members(leader.pid)) < 2:
+    while len(procfs.group_members(leader.pid)) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    child = next(p for p in triton_server._group_members(leader.pid) if p != leader.pid)
+    child = next(p for p in procfs.group_members(leader.pid) if p != leader.pid)
     os.killpg(leader.pid, signal.SIGKILL)
     leader.wait()
-    assert triton_server._wait_group_gone(leader.pid, timeout=10) == []
+    assert procfs.wait_group_gone(leader.pid, timeout=10) == []
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
