@@ -399,9 +399,11 @@ def attend(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq] per-head sink logits (GPT-OSS), or None
     fused: bool = False,  # write the cache with the fused kernel
+    kv_stored: bool = False,  # the caller wrote k/v into the cache already (kernels.qk_norm_rope's kv_cache)
 ) -> torch.Tensor:  # [T, Hq, Dv]
     """Write this step's k/v into the cache, then attend causally within each sequence."""
-    store_kv(k, v, cache, batch, fused)
+    if not kv_stored:
+        store_kv(k, v, cache, batch, fused)
     if batch.use_kernels:
         return attend_kernels(q, k, v, cache, batch, scale, sliding_window, sinks)
     Hq = q.shape[1]

@@ -250,10 +250,15 @@ if triton is not None:
         q_ptr, qvar_ptr, qw_ptr, qout_ptr, sq, Hq,
         k_ptr, kvar_ptr, kw_ptr, kout_ptr, sk, Hk,
         cos_ptr, sin_ptr, eps,
+        v_ptr, sv, ck_ptr, cv_ptr, slot_ptr, sck, sck_h, scv, scv_h,
         HEAD_NORM: tl.constexpr, HAS_NORM: tl.constexpr, D: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr, VAR_HERE: tl.constexpr,
+        STORE_KV: tl.constexpr,
     ):
-        """Token program_id(0): q (program_id(1) == 0) or k -> normed (optional) and rotated, [H, D] out."""
+        """Token program_id(0): q (program_id(1) == 0) or k -> normed (optional) and rotated, [H, D] out.
+        STORE_KV: the k program also writes the rotated k and the token's v ([Hk, D] at v_ptr + row * sv) into
+        the paged cache at the token's slot, as _store_kv_kernel would (the same values: k as the k output holds
+        it, cast to the cache's dtype), saving that kernel's launch and its reads."""
         row = tl.program_id(0)
         if tl.program_id(1) == 0:
             y, h, d, m = _normed_rotated(q_ptr, qvar_ptr, qw_ptr, cos_ptr, sin_ptr, row, sq, Hq, eps,
@@ -262,7 +267,13 @@ if triton is not None:
         else:
             y, h, d, m = _normed_rotated(k_ptr, kvar_ptr, kw_ptr, cos_ptr, sin_ptr, row, sk, Hk, eps,
                                          HEAD_NORM, HAS_NORM, D, BLOCK_H, BLOCK_D, DT, VAR_HERE)
-            tl.store(kout_ptr + row * Hk * D + h * D + d, y.to(kout_ptr.dtype.element_ty), mask=m)
+            k_out = y.to(kout_ptr.dtype.element_ty)
+            tl.store(kout_ptr + row * Hk * D + h * D + d, k_out, mask=m)
+            if STORE_KV:
+                slot = tl.load(slot_ptr + row)
+                tl.store(ck_ptr + slot * sck + h * sck_h + d, k_out.to(ck_ptr.dtype.element_ty), mask=m)
+                v = tl.load(v_ptr + row * sv + h * D + d, mask=m)
+                tl.store(cv_ptr + slot * scv + h * scv_h + d, v.to(cv_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _route_kernel(
@@ -458,9 +469,13 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hk, D]
     """Optional q/k RMSNorm tails, then half-style rotary, for q and k in one launch. Without ``q_var`` /
-    ``k_var`` a norm sums its mean of squares in the kernel (equal within float32 summation order)."""
+    ``k_var`` a norm sums its mean of squares in the kernel (equal within float32 summation order).
+    ``kv_cache`` = (v [T, Hk*D] (or [T, Hk, D]), cache_k, cache_v [num_blocks, block_size, Hk, D], slot_mapping
+    [T] long): the same launch also writes the rotated k and v into the cache at each token's slot, exactly what
+    ``store_kv(k_out, v, ...)`` writes."""
     T, D = q.shape[0], head_dim
     qr, kr = q.reshape(T, -1), k.reshape(T, -1)
     if qr.stride(-1) != 1:
@@ -470,6 +485,16 @@ def qk_norm_rope(
     Hq, Hk = qr.shape[1] // D, kr.shape[1] // D
     q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     k_out = torch.empty(T, Hk, D, dtype=k.dtype, device=k.device)
+    if kv_cache is not None:
+        v, cache_k, cache_v, slots = kv_cache
+        vr = v.reshape(T, -1)
+        if vr.stride(-1) != 1:
+            vr = vr.contiguous()
+        assert vr.shape[1] == Hk * D and cache_k.shape[2:] == cache_v.shape[2:] == (Hk, D), "k/v/cache shapes"
+        kv_args = (vr, vr.stride(0), cache_k, cache_v, slots,
+                   cache_k.stride(1), cache_k.stride(2), cache_v.stride(1), cache_v.stride(2))
+    else:
+        kv_args = (kr, 0, kr, kr, kr, 0, 0, 0, 0)  # unused (STORE_KV off)
     if T:
         has_norm = norm != "none"
         var_here = has_norm and q_var is None
@@ -479,9 +504,10 @@ def qk_norm_rope(
             qr.stride(0), Hq,
             kr, k_var.contiguous() if has_norm and not var_here else kr, k_weight if has_norm else kr, k_out,
             kr.stride(0), Hk,
-            cos.contiguous(), sin.contiguous(), eps,
+            cos.contiguous(), sin.contiguous(), eps, *kv_args,
             HEAD_NORM=norm == "head", HAS_NORM=has_norm, D=D,
             BLOCK_H=_pow2(max(Hq, Hk)), BLOCK_D=_pow2(D), DT=_DT[q.dtype], VAR_HERE=var_here,
+            STORE_KV=kv_cache is not None,
         )
     return q_out, k_out
 

@@ -127,9 +127,10 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
         if self.fused and self.rope_style == "half" and self.clip_qkv is None and cos.shape[-1] == self.head_dim \
                 and self.tp_slices is None:
-            q, k = self._fused_norm_rope(q, k, cos, sin)  # [T, Hq, D], [T, Hkv, D]
+            # [T, Hq, D], [T, Hkv, D]; k and v written into the cache by the same launch
+            q, k = self._fused_norm_rope(q, k, cos, sin, (v, cache.k, cache.v, batch.slot_mapping))
             v = v.view(T, self.num_kv_heads, self.head_dim)
-            out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks, fused=True)
+            out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks, kv_stored=True)
             return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
         if self.qk_norm == "full":
             q, k = self._full_norm(q, k)
@@ -195,20 +196,22 @@ class Attention(nn.Module):
         full_k = self.tp.all_gather(k).view(W, T, -1).permute(1, 0, 2).reshape(T, -1)
         return self.q_norm(full_q)[:, q0:q1].contiguous(), self.k_norm(full_k)[:, k0:k1].contiguous()
 
-    def _fused_norm_rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """The q/k norms (if any) and the rotary of both in three launches (squares, torch's means, the rest)."""
+    def _fused_norm_rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, kv_cache) -> tuple[Tensor, Tensor]:
+        """The q/k norms (if any) and the rotary of both in three launches (squares, torch's means, the rest; one
+        without norms or within rounding), the last one also writing k and v into the cache (``kv_cache``: see
+        ``kernels.qk_norm_rope``)."""
         if self.qk_norm == "none":
-            return kernels.qk_norm_rope(q, k, cos, sin, self.head_dim)
+            return kernels.qk_norm_rope(q, k, cos, sin, self.head_dim, kv_cache=kv_cache)
         if self.within_rounding:  # one launch: the means summed in the kernel
             return kernels.qk_norm_rope(q, k, cos, sin, self.head_dim, self.qk_norm, q_weight=self.q_norm.weight,
-                                        k_weight=self.k_norm.weight, eps=self.eps)
+                                        k_weight=self.k_norm.weight, eps=self.eps, kv_cache=kv_cache)
         T, D = q.shape[0], self.head_dim
         _, q_sq, k_sq = kernels.add_square(q, x2=k)  # [T, Hq*D], [T, Hkv*D] float32
         if self.qk_norm == "head":
             q_sq, k_sq = q_sq.view(T, self.num_heads, D), k_sq.view(T, self.num_kv_heads, D)
         return kernels.qk_norm_rope(
             q, k, cos, sin, D, self.qk_norm, q_sq.mean(-1, keepdim=True), k_sq.mean(-1, keepdim=True),
-            self.q_norm.weight, self.k_norm.weight, self.eps,
+            self.q_norm.weight, self.k_norm.weight, self.eps, kv_cache=kv_cache,
         )
 
 

@@ -96,7 +96,9 @@ def test_fused_forward_is_bit_identical_for_every_architecture(arch, bf16_checkp
         # every norm is fused (2 per layer + the final one; with the layer inputs' residual adds)
         assert counter.calls["rms_norm_tail"] >= 2 * model.config.num_hidden_layers + 1
         if model.config.attention.mla is None:  # MLA keeps its own attention (latent cache, complex/interleaved rope)
-            assert counter.calls["qk_norm_rope"] == counter.calls["store_kv"] == model.config.num_hidden_layers
+            # k/v go into the cache inside qk_norm_rope's launch: no store_kv launch of its own
+            assert counter.calls["qk_norm_rope"] == model.config.num_hidden_layers
+            assert "store_kv" not in counter.calls
         if arch != "gpt_oss":  # GPT-OSS's biased clamped experts keep their own path
             assert counter.calls["combine"] == len(model.config.moe_layers)
             assert counter.calls["route" if n == 6 else "route_fallback"] == len(model.config.moe_layers)
@@ -223,6 +225,31 @@ def test_one_pass_norms_equal_the_op_by_op_norms_within_rounding(dtype):
         summed_here = kernels.qk_norm_rope(q, k, cos, sin, D, mode, q_weight=wq, k_weight=wk, eps=1e-6)
         for a, b in zip(summed_here, exact):
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("norm", ["none", "head", "full"])
+def test_qk_norm_rope_writes_the_cache_exactly_as_store_kv(norm):
+    """qk_norm_rope with ``kv_cache``: the same q/k outputs as without, and the cache holds exactly what store_kv
+    writes for that k and v (v a view of a fused q/k/v GEMM's output, as the model passes it; scattered slots,
+    slots of other tokens untouched)."""
+    dtype, T, D, Hq, Hk, nb, bs = torch.bfloat16, 6, 16, 4, 2, 5, 4
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], -1)
+    angles = torch.randn(T, D // 2, generator=g).repeat(1, 2)
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    wq = (1 + 0.1 * torch.randn(Hq * D if norm == "full" else D, generator=g)).to(dtype).to(DEVICE)
+    wk = (1 + 0.1 * torch.randn(Hk * D if norm == "full" else D, generator=g)).to(dtype).to(DEVICE)
+    args = (q, k, cos, sin, D, norm) + ((None, None, wq, wk, 1e-6) if norm != "none" else ())
+    slots = torch.tensor([17, 2, 9, 10, 3, 0], device=DEVICE)
+    fill = torch.randn(nb, bs, Hk, D, generator=g).to(dtype).to(DEVICE)  # what other tokens' slots hold
+    expected_k, expected_v, cache_k, cache_v = (fill.clone() for _ in range(4))
+    q_ref, k_ref = kernels.qk_norm_rope(*args)
+    kernels.store_kv(k_ref, v.view(T, Hk, D), expected_k, expected_v, slots)
+    q_out, k_out = kernels.qk_norm_rope(*args, kv_cache=(v, cache_k, cache_v, slots))
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    assert torch.equal(cache_k, expected_k) and torch.equal(cache_v, expected_v)
+    assert not torch.equal(cache_k, fill) and torch.equal(cache_k.view(-1, Hk, D)[1], fill.view(-1, Hk, D)[1])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
