@@ -194,7 +194,7 @@ def test_killed_stub_ends_in_flight_requests_with_503_then_the_backend_comes_bac
     for region in old_regions:  # the dead server's shared memory is gone (region names are unique per stub)
         assert not region.exists()
     metrics = httpx.get(server.root_url + "/metrics").text
-    assert "moe_serve_backend_restarts_total 1.0" in metrics
+    assert "moe_serve_backend_restarts_total 1.0" in metrics, server.log_tail(200)  # this kill's restart, no other
     assert 'moe_serve_aborted_requests_total{reason="backend_failure"} 2.0' in metrics
     assert 'moe_engine_requests{model="moe",state="running",version="1"}' in metrics  # engine gauges, API port
 
