@@ -453,6 +453,11 @@ def softmax_topk(
             _softmax_topk_kernel, (T,), lr, ids, weights, E, lr.stride(0),
             forced_mask.contiguous() if forced else lr, forced_ids.contiguous() if forced else ids,
             K=top_k, BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), RENORM=renorm, DT=_DT[weights_dtype], FORCED=forced,
+            # One warp: a token's ~3K + 3 reductions over its E logits run one after another, and across 4 warps
+            # each one goes through shared memory and barriers (sm_90 PTX, E=128, K=8: 74 bar.sync with 4 warps, none
+            # with 1; `loadtest/kernel_ptx_stats.py`). The ids are the same either way (chosen with max/min); the
+            # weights' float32 sums may round differently (this router is the within-rounding one).
+            num_warps=1,
         )
     return ids, weights
 

@@ -1,0 +1,116 @@
+"""What the engine's small Triton kernels compile to on Hopper, without a GPU: barriers, shuffles, registers and
+spills per program, for a choice of num_warps.
+
+Decode steps are latency-bound: a kernel whose program runs a chain of reductions pays for every cross-warp
+reduction with shared memory and a barrier, which no profile of a single run tells apart from "the kernel is
+small". This compiles ``backends/moe_engine/kernels.py``'s kernels for sm_90 (Triton's own compiler and ptxas, both
+in the triton wheel) at the real shape's sizes (Qwen3-30B-A3B: 128 experts top-8, 32/4 heads of 128, hidden 2048)
+and counts, per num_warps:
+
+    PYTHONPATH=backends:. python3 loadtest/kernel_ptx_stats.py            # every kernel below, 1 and 4 warps
+    PYTHONPATH=backends:. python3 loadtest/kernel_ptx_stats.py --warps 1,2,4,8 --kernels softmax_topk
+
+Counts, not times: time them on the GPU (`bench_real_shape.py --profile b`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real (the tests' interpreter would not)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from moe_engine import kernels as K  # noqa: E402
+
+E, TOPK, HQ, HK, D, HIDDEN = 128, 8, 32, 4, 128, 2048
+
+KERNELS = {  # name: (kernel, signature, constexprs)
+    "softmax_topk": (
+        "_softmax_topk_kernel",
+        {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "E": "i32", "sl": "i32", "fmask_ptr": "*bf16",
+         "fids_ptr": "*i64", "K": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr", "RENORM": "constexpr",
+         "DT": "constexpr", "FORCED": "constexpr"},
+        {"K": TOPK, "BLOCK_E": E, "BLOCK_K": TOPK, "RENORM": True, "DT": 1, "FORCED": False},
+    ),
+    "route": (
+        "_route_kernel",
+        {"ids_ptr": "*i64", "pos_ptr": "*i64", "tok_ptr": "*i64", "offs_ptr": "*i32", "cap_ptr": "*i32",
+         "cap_stride": "i32", "T": "i32", "K": "i32", "E": "i32", "PAIR_PROGRAMS": "i32", "BLOCK_I": "constexpr",
+         "BLOCK_J": "constexpr", "BLOCK_E": "constexpr", "CAPTURE": "constexpr"},
+        {"BLOCK_I": 16, "BLOCK_J": 256, "BLOCK_E": 32, "CAPTURE": True},
+    ),
+    "combine": (
+        "_combine_kernel",
+        {"y_ptr": "*bf16", "ids_ptr": "*i64", "pos_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32",
+         "K": "constexpr", "BLOCK_K": "constexpr", "BLOCK": "constexpr", "DT": "constexpr"},
+        {"K": TOPK, "BLOCK_K": TOPK, "BLOCK": 1024, "DT": 1},
+    ),
+    "qk_norm_rope": (
+        "_qk_norm_rope_kernel",
+        {"q_ptr": "*bf16", "qvar_ptr": "*bf16", "qw_ptr": "*bf16", "qout_ptr": "*bf16", "sq": "i32", "Hq": "i32",
+         "k_ptr": "*bf16", "kvar_ptr": "*bf16", "kw_ptr": "*bf16", "kout_ptr": "*bf16", "sk": "i32", "Hk": "i32",
+         "cos_ptr": "*bf16", "sin_ptr": "*bf16", "eps": "fp32", "v_ptr": "*bf16", "sv": "i32", "ck_ptr": "*bf16",
+         "cv_ptr": "*bf16", "slot_ptr": "*i64", "sck": "i32", "sck_h": "i32", "scv": "i32", "scv_h": "i32",
+         "HEAD_NORM": "constexpr", "HAS_NORM": "constexpr", "D": "constexpr", "BLOCK_H": "constexpr",
+         "BLOCK_D": "constexpr", "DT": "constexpr", "VAR_HERE": "constexpr", "STORE_KV": "constexpr"},
+        {"HEAD_NORM": True, "HAS_NORM": True, "D": D, "BLOCK_H": HQ, "BLOCK_D": D, "DT": 1, "VAR_HERE": True,
+         "STORE_KV": True},
+    ),
+    "rms_norm": (
+        "_rms_norm_kernel",
+        {"x_ptr": "*bf16", "d_ptr": "*bf16", "s_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32",
+         "sx": "i32", "sd": "i32", "ss": "i32", "eps": "fp32", "BLOCK": "constexpr", "HAS_ADD": "constexpr",
+         "DT": "constexpr", "FP32_WEIGHT": "constexpr"},
+        {"BLOCK": HIDDEN, "HAS_ADD": True, "DT": 1, "FP32_WEIGHT": False},
+    ),
+}
+
+
+def stats(kernel_name: str, num_warps: int) -> dict:
+    attr, signature, constexprs = KERNELS[kernel_name]
+    src = ASTSource(fn=getattr(K, attr), signature=signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "enable_fp_fusion": False})
+    ptx = compiled.asm["ptx"]
+    out = {"bar.sync": len(re.findall(r"\b(bar|barrier)\.sync\b", ptx)), "shfl": len(re.findall(r"\bshfl\.", ptx)),
+           "ld/st.shared": len(re.findall(r"\b(ld|st)\.shared", ptx))}
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                              capture_output=True, text=True)
+    text = info.stdout + info.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
+    out["registers"] = int(regs.group(1)) if regs else None
+    out["spill stores (bytes)"] = int(spill.group(1)) if spill else None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", default=",".join(KERNELS), help=f"any of {', '.join(KERNELS)}")
+    ap.add_argument("--warps", default="1,4", help="num_warps values")
+    args = ap.parse_args()
+    warps = [int(w) for w in args.warps.split(",")]
+    cols = ["bar.sync", "shfl", "ld/st.shared", "registers", "spill stores (bytes)"]
+    print("| kernel | num_warps | " + " | ".join(cols) + " |")
+    print("|---|---:|" + "---:|" * len(cols))
+    for name in args.kernels.split(","):
+        if name not in KERNELS:
+            sys.exit(f"unknown kernel {name!r}; choose from {', '.join(KERNELS)}")
+        for w in warps:
+            s = stats(name, w)
+            print(f"| {name} | {w} | " + " | ".join(str(s[c]) for c in cols) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
