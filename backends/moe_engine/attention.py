@@ -196,9 +196,10 @@ class ForwardBatch:
         return self._masks[key]
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: ForwardBatch, fused: bool = False) -> None:
-    """Write this step's k [T, Hkv, Dk] / v [T, Hkv, Dv] into the cache at each token's slot."""
-    if fused or batch.use_kernels:  # one kernel (kernels.py) instead of two index_puts and their copies
+def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: ForwardBatch) -> None:
+    """Write this step's k [T, Hkv, Dk] / v [T, Hkv, Dv] into the cache at each token's slot (the fused rotary,
+    ``kernels.qk_norm_rope`` with ``kv_cache``, writes them itself and skips this)."""
+    if batch.use_kernels:  # one kernel (kernels.py) instead of two index_puts and their copies
         kernels.store_kv(k, v, cache.k, cache.v, batch.slot_mapping)
         return
     nb, bs = cache.k.shape[0], cache.k.shape[1]
@@ -273,6 +274,15 @@ def attend_cached(
 _dense_refused: set = set()  # (device type, dtype, head dims) whose dense causal SDPA raised: paged kernel
 
 
+def _refuse_dense(key: tuple, err: RuntimeError) -> None:
+    """Remember that no SDPA backend takes ``key``'s shapes (they stay on the paged kernel); out of memory is no
+    refusal and is raised."""
+    if isinstance(err, torch.OutOfMemoryError):
+        raise err
+    log.warning("dense causal SDPA refused %s (%s); prefill attention stays on the paged kernel", key, err)
+    _dense_refused.add(key)
+
+
 def attend_kernels(
     q: torch.Tensor,  # [T, Hq, Dk]
     k: torch.Tensor,  # [T, Hkv, Dk]: this step's keys (already in the cache)
@@ -306,10 +316,7 @@ def attend_kernels(
             lo, hi = starts[b], starts[b + 1]
             out[lo:hi] = dense_causal(q[lo:hi], k[lo:hi], v[lo:hi], scale)
     except RuntimeError as err:  # no SDPA backend takes these shapes here: the paged kernel does all of it
-        if isinstance(err, torch.OutOfMemoryError):
-            raise
-        log.warning("dense causal SDPA refused %s (%s); prefill attention stays on the paged kernel", key, err)
-        _dense_refused.add(key)
+        _refuse_dense(key, err)
         return attend_kernels(q, k, v, cache, batch, scale, sliding_window, sinks)
     if nf > 0:
         t0 = starts[nf]
@@ -381,10 +388,7 @@ def warm_dense_prefill(
                 dense_causal(q, k, v, dk**-0.5)
                 calls += 1
             except RuntimeError as err:
-                if isinstance(err, torch.OutOfMemoryError):
-                    raise
-                log.warning("dense causal SDPA refused %s (%s); prefill attention stays on the paged kernel", key, err)
-                _dense_refused.add(key)
+                _refuse_dense(key, err)
             length = bucket + 1
     return calls
 
@@ -398,12 +402,23 @@ def attend(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq] per-head sink logits (GPT-OSS), or None
-    fused: bool = False,  # write the cache with the fused kernel
-    kv_stored: bool = False,  # the caller wrote k/v into the cache already (kernels.qk_norm_rope's kv_cache)
 ) -> torch.Tensor:  # [T, Hq, Dv]
-    """Write this step's k/v into the cache, then attend causally within each sequence."""
-    if not kv_stored:
-        store_kv(k, v, cache, batch, fused)
+    """Write this step's k/v into the cache, then attend causally within each sequence (``attend_stored``)."""
+    store_kv(k, v, cache, batch)
+    return attend_stored(q, k, v, cache, batch, scale, sliding_window, sinks)
+
+
+def attend_stored(
+    q: torch.Tensor,  # [T, Hq, Dk]
+    k: torch.Tensor,  # [T, Hkv, Dk]: this step's keys, already in the cache
+    v: torch.Tensor,  # [T, Hkv, Dv]
+    cache: LayerKV,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """Attend causally within each sequence over the cache, which holds this step's k/v already."""
     if batch.use_kernels:
         return attend_kernels(q, k, v, cache, batch, scale, sliding_window, sinks)
     Hq = q.shape[1]

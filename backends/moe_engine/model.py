@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import kernels
-from .attention import ForwardBatch, LayerKV, attend, attend_cached, cached_kv, store_kv
+from .attention import ForwardBatch, LayerKV, attend, attend_cached, attend_stored, cached_kv, store_kv
 from .config import AttentionSpec, ExpertsSpec, MoEConfig, RopeSpec, RouterSpec
 from .experts import NO_ROUTING, TRITON_GEMM_MAX_PAIRS, Experts, GptOssExperts, LayerRouting, StepRouting
 from .kv_cache import KVCache, KVSpec
@@ -130,7 +130,7 @@ class Attention(nn.Module):
             # [T, Hq, D], [T, Hkv, D]; k and v written into the cache by the same launch
             q, k = self._fused_norm_rope(q, k, cos, sin, (v, cache.k, cache.v, batch.slot_mapping))
             v = v.view(T, self.num_kv_heads, self.head_dim)
-            out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks, kv_stored=True)
+            out = attend_stored(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)
             return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
         if self.qk_norm == "full":
             q, k = self._full_norm(q, k)
