@@ -75,8 +75,6 @@ KERNELS = {  # name: (kernel, signature, constexprs)
 
 def stats(kernel_name: str, num_warps: int) -> dict:
     attr, signature, constexprs = KERNELS[kernel_name]
-    # PDL on, as the engine launches them on Hopper (moe_engine/pdl.py)
-    signature, constexprs = dict(signature, PDL="constexpr"), dict(constexprs, PDL=True)
     src = ASTSource(fn=getattr(K, attr), signature=signature, constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "enable_fp_fusion": False})

@@ -40,8 +40,6 @@ if triton is not None:
     import triton.language as tl
 
     from .kernels import _round
-    from .pdl import prefetch_l2 as _prefetch_l2
-    from .pdl import wait_for_inputs as _wait_for_inputs
 
 CONFIG_ENV = "MOE_DENSE_GEMM_CONFIGS"
 CONFIG_FILE = Path(__file__).with_name("dense_gemm_configs.json")
@@ -114,18 +112,12 @@ if triton is not None:
         x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_x, s_w, s_y,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-        LINE: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr,
     ):
-        """y[rows, cols] = x[rows] @ w[cols]^T (+ b[cols]) for one [BLOCK_M, BLOCK_N] tile, over all of K.
-        With PDL, the tile's weight rows (LINE elements per 128-byte line, LINES lines per row, a power of two
-        >= the row's) are prefetched into L2 before waiting for the kernel that writes x."""
+        """y[rows, cols] = x[rows] @ w[cols]^T (+ b[cols]) for one [BLOCK_M, BLOCK_N] tile, over all of K."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row tiles of one column tile run side by side
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < M
         wcols = cols % N  # columns wrap instead of being masked on load (always in bounds); the store masks them
-        line_k = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
-        _prefetch_l2(w_ptr + wcols.to(tl.int64)[:, None] * s_w + line_k[None, :], PDL)
-        _wait_for_inputs(PDL)
         offs_k = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * s_x + offs_k[None, :]  # [BM, BK]
         w_ptrs = w_ptr + wcols.to(tl.int64)[None, :] * s_w + offs_k[:, None]  # [BK, BN]
@@ -175,7 +167,6 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: 
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, DT=_DT[x.dtype],
         UPCAST=interpreting(), PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        LINE=128 // x.element_size(), LINES=kernels._pow2(triton.cdiv(K * x.element_size(), 128)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

@@ -68,7 +68,6 @@ if triton is not None:
     from triton.language.extra import libdevice
 
     from .kernels import _round
-    from .pdl import wait_for_inputs as _wait_for_inputs
 
 CONFIG_ENV = "MOE_FUSED_MOE_CONFIGS"
 CONFIG_FILE = Path(__file__).with_name("fused_moe_configs.json")
@@ -204,11 +203,9 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, DT: tl.constexpr,
         UPCAST: tl.constexpr, PRECISE: tl.constexpr, PREC: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         """out[r, n] for the rows r of one expert tile and BLOCK_N columns n: down_proj (out = y, a = h rows) or
         gate_up with SwiGLU (out = h, a = x[tok[r]]). w: [E, N or 2N, K] with strides (s_we, s_wn, s_wk)."""
-        _wait_for_inputs(PDL)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         # grouped ordering: GROUP_M row tiles share each weight column tile while it is in L2

@@ -52,13 +52,9 @@ import os
 
 import torch
 
-from . import pdl
-
 try:
     import triton
     import triton.language as tl
-
-    from .pdl import wait_for_inputs as _wait_for_inputs
 except ImportError:  # CPU wheels of torch do not bring Triton
     triton = None
 
@@ -86,11 +82,10 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def _launch(kernel, grid, *args, **meta):
-    """Launch a kernel of this package (each takes ``PDL``: pdl.py, the overlap with the kernel before it)."""
-    if interpreting():
-        return kernel[grid](*args, PDL=False, **meta)
     # enable_fp_fusion=False: torch computes a*b + c as two roundings; an FMA would round once.
-    return kernel[grid](*args, enable_fp_fusion=False, **pdl.launch_options(args), **meta)
+    if interpreting():
+        return kernel[grid](*args, **meta)
+    return kernel[grid](*args, enable_fp_fusion=False, **meta)
 
 
 def _pow2(n: int) -> int:
@@ -116,10 +111,8 @@ if triton is not None:
         x_ptr, d_ptr, s_ptr, sq_ptr, N, sx, sd, ss,  # first tensor
         x2_ptr, sq2_ptr, N2, sx2,  # optional second tensor (no residual add)
         BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, DT: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         """Row r: s = x + d (rounded; when HAS_ADD), sq = float32(s)^2. program_id(1) == 1: the second tensor."""
-        _wait_for_inputs(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         if tl.program_id(1) == 0:
@@ -138,10 +131,8 @@ if triton is not None:
     def _rms_norm_tail_kernel(
         x_ptr, var_ptr, w_ptr, out_ptr, N, sx, eps,
         BLOCK: tl.constexpr, DT: tl.constexpr, FP32_WEIGHT: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         """out = weight * (x * rsqrt(var + eps)).to(dtype)   (or (weight * x * rsqrt(..)).to(dtype))."""
-        _wait_for_inputs(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -163,11 +154,9 @@ if triton is not None:
     def _rms_norm_kernel(
         x_ptr, d_ptr, s_ptr, w_ptr, out_ptr, N, sx, sd, ss, eps,
         BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, DT: tl.constexpr, FP32_WEIGHT: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         """Row r in one pass: s = x + d (rounded; when HAS_ADD), var = mean(float32(s)^2) summed here, then the
         tail of ``_rms_norm_tail_kernel``. Equal to the op-by-op norm within float32 summation order."""
-        _wait_for_inputs(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -183,14 +172,12 @@ if triton is not None:
         logits_ptr, ids_ptr, w_ptr, E, sl, fmask_ptr, fids_ptr,
         K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, DT: tl.constexpr,
         FORCED: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         """Token t: p = softmax(float32 logits); the K largest, in descending order (chosen on the logits, which
         order exactly as p does; ties to the lower expert id), or, for a FORCED token (routing replay), the given
         ids; weights p at those ids, divided by their sum when RENORM; rounded to the model dtype when DT says
         so. One launch for softmax, top-k, gather, sum, divide, cast; a token not forced computes the same bits
         whether or not others in its step are."""
-        _wait_for_inputs(PDL)
         t = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
         m = e < E
@@ -267,13 +254,11 @@ if triton is not None:
         HEAD_NORM: tl.constexpr, HAS_NORM: tl.constexpr, D: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr, VAR_HERE: tl.constexpr,
         STORE_KV: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         """Token program_id(0): q (program_id(1) == 0) or k -> normed (optional) and rotated, [H, D] out.
         STORE_KV: the k program also writes the rotated k and the token's v ([Hk, D] at v_ptr + row * sv) into
         the paged cache at the token's slot, as _store_kv_kernel would (the same values: k as the k output holds
         it, cast to the cache's dtype), saving that kernel's launch and its reads."""
-        _wait_for_inputs(PDL)
         row = tl.program_id(0)
         if tl.program_id(1) == 0:
             y, h, d, m = _normed_rotated(q_ptr, qvar_ptr, qw_ptr, cos_ptr, sin_ptr, row, sq, Hq, eps,
@@ -294,7 +279,6 @@ if triton is not None:
     def _route_kernel(
         ids_ptr, pos_ptr, tok_ptr, offs_ptr, cap_ptr, cap_stride, T, K, E, PAIR_PROGRAMS,
         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, CAPTURE: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         """Pairs i = slot * T + token (slot-major, HF's order) sorted stably by expert id, by counting: a pair's
         row is the number of pairs with a smaller id, or the same id and a smaller i. Programs 0..PAIR_PROGRAMS-1
@@ -303,7 +287,6 @@ if triton is not None:
         offsets), BLOCK_E experts each. CAPTURE: each pair's id is also written to the routing capture buffer
         (int32 [T, K] rows). Small row blocks and wide column blocks: a decode step's few hundred pairs spread
         over many programs, each with one or two passes over the pairs (latency, not work, sets the time)."""
-        _wait_for_inputs(PDL)
         pid = tl.program_id(0)
         N = T * K
         jj = tl.arange(0, BLOCK_J)
@@ -337,11 +320,9 @@ if triton is not None:
     def _combine_kernel(
         y_ptr, ids_ptr, pos_ptr, w_ptr, out_ptr, N,
         K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         """out[t] = sum over token t's experts in ascending id order of round(y[row] * weight), rounding after
         every add (HF's per-expert index_add_ loop). y: [pairs, N] expert outputs in grouped order."""
-        _wait_for_inputs(PDL)
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < N
@@ -372,9 +353,7 @@ if triton is not None:
         sk_t, sk_h, sv_t, sv_h,  # source strides (token, head); last dim contiguous
         sck, sck_h, scv, scv_h,  # cache strides (slot, head): [num_blocks * block_size, H, D] views
         H, DK: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-        PDL: tl.constexpr,
     ):
-        _wait_for_inputs(PDL)
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t)
         h = tl.arange(0, BLOCK_H)[:, None]

@@ -44,13 +44,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import pdl
-
 try:
     import triton
     import triton.language as tl
-
-    from .pdl import wait_for_inputs as _wait_for_inputs
 except ImportError:  # CPU wheels of torch do not bring Triton
     triton = None
 
@@ -113,10 +109,8 @@ if triton is not None:
         s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,  # cache strides (block, offset, head); unit last stride
         H, DK: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         """Token program_id(0): its k [H, DK] and v [H, DV] copied to slot_mapping[t] (skipped when < 0)."""
-        _wait_for_inputs(PDL)
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot < 0:
@@ -241,11 +235,9 @@ if triton is not None:
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         """Program (query tile, kv head): BLOCK_Q tokens of one sequence x its G query heads, rows m ->
         (token m // G, head kvh * G + m % G)."""
-        _wait_for_inputs(PDL)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q)
@@ -302,12 +294,10 @@ if triton is not None:
         Hq: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
         HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         """Program (sequence, kv head, split) of a decode step: the G heads' one query over split's share of
         the keys (whole tiles, split evenly at run time). Empty splits write (-inf, 0, 0). The split count is
         the grid's third dimension (one compiled kernel for every count)."""
-        _wait_for_inputs(PDL)
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -355,10 +345,8 @@ if triton is not None:
         out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, cu_ptr, s_ot, s_oh, num_splits,
         Hq: tl.constexpr, SPLITS_PAD: tl.constexpr,
         DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         """Program (sequence, query head): out = sum_s exp2(m_s - M) acc_s / (sum_s exp2(m_s - M) l_s [+ sink])."""
-        _wait_for_inputs(PDL)
         seq = tl.program_id(0)
         head = tl.program_id(1)
         tok = tl.load(cu_ptr + seq)
@@ -397,13 +385,9 @@ def _check_triton(device: torch.device) -> None:
 
 
 def _launch(kernel, grid, *args, num_warps: int | None = None, num_stages: int | None = None, **meta):
-    """Every kernel here takes ``PDL`` (pdl.py: the overlap with the kernel before it on the stream)."""
-    if interpreting():
-        return kernel[grid](*args, PDL=False, **meta)
-    options = pdl.launch_options(args)
-    if num_warps is None:
-        return kernel[grid](*args, **options, **meta)
-    return kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **options, **meta)
+    if interpreting() or num_warps is None:
+        return kernel[grid](*args, **meta)
+    return kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **meta)
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:

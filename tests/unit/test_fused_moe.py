@@ -236,7 +236,7 @@ for bucket in sys.argv[1:]:
         N, K = (768, 2048) if gate_up else (2048, 768)  # Qwen3-30B-A3B
         consts = dict(s_wk=1, GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                       GROUP_M=cfg.GROUP_M, BLOCK_E=128, EVEN_K=K % cfg.BLOCK_K == 0, DT=1, UPCAST=False, PRECISE=True,
-                      PREC="tf32", PDL=True)
+                      PREC="tf32")
         sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "tok_ptr": "*i64", "offs_ptr": "*i32",
                **{n: "i32" for n in ("E", "N", "K", "num_pid_m", "s_a", "s_we", "s_wn", "s_out")},
                **{n: "constexpr" for n in consts}}
