@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import dense_gemm, kernels
+from . import kernels
 from .attention import ForwardBatch, LayerKV, attend, attend_cached, attend_stored, cached_kv, store_kv
 from .config import AttentionSpec, ExpertsSpec, MoEConfig, RopeSpec, RouterSpec
 from .experts import NO_ROUTING, TRITON_GEMM_MAX_PAIRS, Experts, GptOssExperts, LayerRouting, StepRouting
@@ -131,7 +131,7 @@ class Attention(nn.Module):
             q, k = self._fused_norm_rope(q, k, cos, sin, (v, cache.k, cache.v, batch.slot_mapping))
             v = v.view(T, self.num_kv_heads, self.head_dim)
             out = attend_stored(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)
-            return self._o(out.reshape(T, self.num_heads * self.head_dim))
+            return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
         if self.qk_norm == "full":
             q, k = self._full_norm(q, k)
         if self.clip_qkv is not None:
@@ -143,7 +143,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin, self.rope_style), apply_rotary(k, cos, sin, self.rope_style)
         out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)  # [T, Hq, D]
-        return self._o(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The q, k and v projections: one GEMM over [Wq; Wk; Wv] when ``fuse_qkv`` laid the three weights out
@@ -151,15 +151,8 @@ class Attention(nn.Module):
         fused = self.within_rounding and self._qkv_weight()
         if fused:
             w, b = fused
-            sizes = [p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)]
-            return dense_gemm.linear(x, w, b).split(sizes, -1)  # small steps: one launch, no split-K pass
+            return F.linear(x, w, b).split([p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)], -1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
-    def _o(self, out: Tensor) -> Tensor:
-        """The output projection; within rounding, small steps take dense_gemm's one-launch GEMM."""
-        if self.within_rounding:
-            return dense_gemm.linear(out, self.o_proj.weight, self.o_proj.bias)
-        return self.o_proj(out)
 
     def _qkv_weight(self) -> tuple[Tensor, Tensor | None] | None:
         """[Nq + 2 Nkv, H] (and the bias) viewing the three projections' parameters, if they lie back to back in
