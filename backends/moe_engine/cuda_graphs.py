@@ -19,9 +19,12 @@ length, and every other op is row-wise.
 The captured routing ids are written into the engine's step buffer, as in an eager step; graphs that capture
 routing and graphs that do not are kept apart, so a step with no request asking for routing does no capture work.
 
-Graphs are captured lazily, the first time a bucket is needed, share one memory pool and write their logits into
-one buffer: they never run concurrently, and a step's logits are sampled (on the same stream) before the next
-replay.
+Every batch bucket's graph at the shortest key bucket is captured when the engine starts (``capture_all``,
+largest first): the first capture of a batch size compiles its kernels' specialisations (1-3 s on an H200 at
+the Qwen3-30B-A3B shape), which a request would otherwise wait for the first time that many sequences decode
+together. Other key buckets (and routing off) are captured the first time a step needs them, a warm capture
+(~0.15 s there). Graphs share one memory pool and write their logits into one buffer: they never run
+concurrently, and a step's logits are sampled (on the same stream) before the next replay.
 """
 from __future__ import annotations
 
@@ -136,15 +139,8 @@ class DecodeGraphs:
             table_rows[i, :w] = table[:w]
         slot_blocks = table_rows[np.arange(n), pos // bs]
         scalars[self._SLOT, :n] = slot_blocks * bs + pos % bs
-        if B > n:  # padding rows: token 0 at position 0 of the null block
-            scalars[self._IDS : self._POS + 1, n:B] = 0
-            scalars[self._SLOT, n:B] = self.kv.null_block * bs
-            scalars[self._LEN, n:B] = 1
-            table_rows[n:B, :nb] = self.kv.null_block
-        # This buffer's previous copy (two steps ago) finished before that step's results were read. Only the
-        # scalars and the first B table rows travel.
-        self._inputs[: 4 * M + B * self.max_blocks].copy_(self._host[self._parity][: 4 * M + B * self.max_blocks],
-                                                         non_blocking=True)
+        self._pad(scalars, table_rows, n, B, nb)
+        self._upload(B)
         if on_device:
             self._scalars[self._IDS, :n].copy_(token_ids)
         key = (B, Lk, capture, capture and capture_weights)
@@ -153,6 +149,41 @@ class DecodeGraphs:
             g = self._graphs[key] = self._capture(*key)
         g.replay()
         return self.logits[:n]
+
+    @torch.inference_mode()
+    def capture_all(self, capture: bool) -> None:
+        """Capture every batch bucket's graph at the shortest key bucket now, largest first (the smaller graphs'
+        memory comes out of the pool the largest one made), on rows that are all padding."""
+        t0 = time.monotonic()
+        Lk = self.kv_lens[0]
+        nb = -(-Lk // self.block_size)
+        M = self.max_batch
+        for B in reversed(self.batch_sizes):
+            key = (B, Lk, capture, False)
+            if key in self._graphs:
+                continue
+            self._parity ^= 1
+            host = self._host_np[self._parity]
+            self._pad(host[: 4 * M].reshape(4, M), host[4 * M :].reshape(M, self.max_blocks), 0, B, nb)
+            self._upload(B)
+            self._graphs[key] = self._capture(*key, level=logging.DEBUG)
+        log.info("captured CUDA graphs for decode batches of %s sequences, routing %s, in %.1f s",
+                 ", ".join(map(str, self.batch_sizes)), "on" if capture else "off", time.monotonic() - t0)
+
+    def _pad(self, scalars: np.ndarray, table_rows: np.ndarray, n: int, B: int, nb: int) -> None:
+        """Rows n..B of the staging buffer as padding: token 0 at position 0 of the null block."""
+        if B > n:
+            scalars[self._IDS : self._POS + 1, n:B] = 0
+            scalars[self._SLOT, n:B] = self.kv.null_block * self.block_size
+            scalars[self._LEN, n:B] = 1
+            table_rows[n:B, :nb] = self.kv.null_block
+
+    def _upload(self, B: int) -> None:
+        """The staged scalars and the first B table rows to the device. This staging buffer's previous copy (two
+        steps ago) finished before that step's results were read."""
+        M = self.max_batch
+        self._inputs[: 4 * M + B * self.max_blocks].copy_(self._host[self._parity][: 4 * M + B * self.max_blocks],
+                                                         non_blocking=True)
 
     def _forward(self, B: int, Lk: int, capture: bool, capture_weights: bool) -> None:
         ids, positions, slots, seq_lens = (self._scalars[i, :B] for i in range(4))
@@ -177,7 +208,8 @@ class DecodeGraphs:
         hidden = self.model(ids, batch, self.kv, routing=routing)  # [B, H]
         self.model.compute_logits(hidden, out=self.logits[:B])  # [B, V] float32
 
-    def _capture(self, B: int, Lk: int, capture: bool, capture_weights: bool) -> torch.cuda.CUDAGraph:
+    def _capture(self, B: int, Lk: int, capture: bool, capture_weights: bool,
+                 level: int = logging.INFO) -> torch.cuda.CUDAGraph:
         t0 = time.monotonic()
         current = torch.cuda.current_stream()
         self._stream.wait_stream(current)
@@ -199,8 +231,8 @@ class DecodeGraphs:
                 if gc_was_enabled:
                     gc.enable()
         current.wait_stream(self._stream)
-        log.info(
-            "captured a CUDA graph for decode steps of %d sequences, %d keys, routing %s%s (%.0f ms; %d graphs)",
+        log.log(
+            level, "captured a CUDA graph for decode steps of %d sequences, %d keys, routing %s%s (%.0f ms; %d graphs)",
             B, Lk, "on" if capture else "off", " with weights" if capture_weights else "",
             (time.monotonic() - t0) * 1e3, len(self._graphs) + 1,
         )

@@ -76,6 +76,21 @@ def test_graph_replayed_decode_equals_eager_decode(tiny_cuda):
 
 
 @cuda
+def test_engine_captures_every_batch_bucket_at_start(tiny_cuda):
+    """A batch size's first graph compiles its kernels (seconds at real shapes): done when the engine starts, so
+    decode batches of any size up to max_num_seqs replay without a capture while the contexts stay short."""
+    cfg, model = tiny_cuda
+    engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_seqs=12, kv_cache_memory_bytes=256 << 20))
+    at_start = set(engine.graphs._graphs)
+    assert at_start == {(B, engine.graphs.kv_lens[0], True, False) for B in batch_buckets(12)}
+    for n in (5, 12):
+        out = [submit(engine, prompt_of(9, 70 + i), max_tokens=6, ignore_eos=True) for i in range(n)]
+        run_all(engine, out)
+        assert all(len(c.tokens) == 6 for c in out)
+    assert set(engine.graphs._graphs) == at_start  # 9 + 6 tokens: the shortest key bucket, already captured
+
+
+@cuda
 def test_graph_decode_without_routing_requests_skips_capture(tiny_cuda):
     cfg, model = tiny_cuda
     # Prefix caching off: with it on, every step captures (cached blocks keep their routing rows).
