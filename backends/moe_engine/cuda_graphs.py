@@ -158,6 +158,8 @@ class DecodeGraphs:
         Lk = self.kv_lens[0]
         nb = -(-Lk // self.block_size)
         M = self.max_batch
+        log.info("capturing CUDA graphs for decode batches of up to %d sequences (%d sizes) ...", M,
+                 len(self.batch_sizes))
         for B in reversed(self.batch_sizes):
             key = (B, Lk, capture, False)
             if key in self._graphs:
