@@ -646,10 +646,15 @@ def markdown(ctx) -> str:
     load = res["cases"].get("b", {}).get("routing_load") or {}
     load = (f"busiest expert {load['max_over_mean']:.2f}x the mean, {load['distinct_per_step']:.1f} experts per layer "
             f"per step (uniform: {load['distinct_uniform']:.1f})") if load else "not measured"
+    changed = env.get("git_uncommitted") or []
+    # A copy of the tree whose .git is older than its files (a remote run) shows as a commit plus changes.
+    code = env.get("git_commit", "?") + (f" with {len(changed)} files changed or added since ("
+                                         f"{', '.join(c[3:] for c in changed[:4])}{', ...' if len(changed) > 4 else ''})"
+                                         if changed else "")
     lines = [
         f"# Real-shape benchmark: {res['shape']['name']} (scale {ctx.args.scale}), {env.get('gpu') or env['device']}",
         "",
-        f"`{res['command']}` at {res['timestamp_utc']}; git {env.get('git_commit', '?')}; torch {env['torch']}, "
+        f"`{res['command']}` at {res['timestamp_utc']}; git {code}; torch {env['torch']}, "
         f"triton {env.get('triton', '-')}, transformers {env.get('transformers', '-')}; {env['dtype']}.",
         f"Random weights, {ctx.args.init} init (real_shape_model.py): not a trained model's routing; what the warm-up "
         f"of b routed: {load}. Copy bandwidth {_f(bw and bw / 1e9, '{:,.0f}')} GB/s; batch-1 roofline "

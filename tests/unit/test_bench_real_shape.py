@@ -67,6 +67,11 @@ def test_every_case_runs_through_the_engine_and_reports_sane_numbers(tiny_run):
                 "| d | peak running", "| hf | engine / HF"):
         assert row in report, row
     assert res["environment"]["torch"] == torch.__version__ and res["bandwidth"]["bytes_per_s"] > 0
+    # the code measured: the commit, and whether files differed from it (a remote copy of the tree carries an older
+    # .git: the report must not pass its files off as that commit)
+    env = res["environment"]
+    assert f"git {env['git_commit']}" in report
+    assert ("files changed or added since" in report) == bool(env["git_uncommitted"])
 
 
 def test_weight_bytes_per_token_of_the_real_shape_is_the_issues_6_1_gb():
