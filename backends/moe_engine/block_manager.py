@@ -35,6 +35,10 @@ class BlockTable:
     blocks: list[int] = field(default_factory=list)
     cache_key: object = None  # sequences share cached blocks only with equal keys
     hashes: list[int] = field(default_factory=list)  # hash of each registered (full, computed) block, in order
+    # BlockManager.block_hashes: the chained hashes of the full blocks of the sequence's tokens so far, under
+    # memo_key (a sequence's full blocks never change; a new cache key starts the memo again)
+    memo: list[int] = field(default_factory=list)
+    memo_key: object = None
 
 
 class BlockManager:
@@ -95,16 +99,34 @@ class BlockManager:
             parent = self._hash(parent, tuple(tokens[j * bs : (j + 1) * bs]), cache_key)
             yield parent
 
-    def match_prefix(self, tokens: list[int], cache_key: object) -> list[int]:
+    def block_hashes(self, table: BlockTable, tokens: list[int], num_blocks: int) -> list[int]:
+        """``prefix_hashes`` of a sequence's ``tokens`` under its table's key, computed once per block: admitting a
+        sequence looks its blocks up, checks whether another sequence is computing the next one and claims the
+        rest, and registering them hashes them again; a 7,800-token prompt's 487 blocks cost ~0.8 ms a pass here,
+        and a multi-turn agent's turn admits 32 of them at once, before its first step."""
+        if table.memo_key != table.cache_key:
+            table.memo.clear()
+            table.memo_key = table.cache_key
+        memo, bs = table.memo, self.block_size
+        parent = memo[-1] if memo else None
+        for block in zip(*[iter(tokens[len(memo) * bs : num_blocks * bs])] * bs):  # the new blocks, as tuples
+            parent = self._hash(parent, block, table.cache_key)
+            memo.append(parent)
+        return memo[:num_blocks]
+
+    def match_prefix(self, tokens: list[int], cache_key: object, hashes: list[int] | None = None) -> list[int]:
         """The cached blocks that hold a prefix of ``tokens`` (whole blocks; at least one token is left to
-        compute, so that the last token's logits come from a forward)."""
+        compute, so that the last token's logits come from a forward). ``hashes``: the blocks' ``block_hashes``,
+        if the caller has them."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         hits: list[int] = []
-        for j, h in enumerate(self.prefix_hashes(tokens, cache_key, (len(tokens) - 1) // bs)):
+        full = (len(tokens) - 1) // bs
+        hashes = hashes[:full] if hashes is not None else self.prefix_hashes(tokens, cache_key, full)
+        for h, block in zip(hashes, zip(*[iter(tokens[: full * bs])] * bs)):
             b = self.cached.get(h)
-            if b is None or self.block_tokens[b] != tuple(tokens[j * bs : (j + 1) * bs]):
+            if b is None or self.block_tokens[b] != block:  # (a hash collision would differ here)
                 break
             hits.append(b)
         return hits
@@ -175,10 +197,11 @@ class BlockManager:
         bs = self.block_size
         full = min(num_computed // bs, len(table.blocks))
         parent = table.hashes[-1] if table.hashes else None
+        memo = table.memo if table.memo_key == table.cache_key else []  # hashed at admission, most of the time
         row_blocks, row_starts = [], []  # blocks whose rows are stored, and where their rows start in ``rows``
         for j in range(len(table.hashes), full):
             chunk = tuple(tokens[j * bs : (j + 1) * bs])
-            h = self._hash(parent, chunk, table.cache_key)
+            h = memo[j] if j < len(memo) else self._hash(parent, chunk, table.cache_key)
             b = table.blocks[j]
             table.hashes.append(h)
             parent = h

@@ -186,7 +186,8 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            hits = [] if seq.req.needs_full_prompt else self.blocks.match_prefix(seq.tokens, seq.table.cache_key)
+            hits = [] if seq.req.needs_full_prompt else self.blocks.match_prefix(
+                seq.tokens, seq.table.cache_key, self._hashes(seq, (len(seq.tokens) - 1) // self.blocks.block_size))
             if self._being_computed(seq, len(hits)):
                 i += 1
                 continue
@@ -209,10 +210,13 @@ class Scheduler:
             planned.append((seq, n))
             budget -= n
 
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        return self.blocks.block_hashes(seq.table, seq.tokens, num_blocks)
+
     def _being_computed(self, seq: Sequence, num_hits: int) -> bool:
         if not self._computing or seq.req.needs_full_prompt or len(seq.tokens) - 1 < (num_hits + 1) * self.blocks.block_size:
             return False
-        h = list(self.blocks.prefix_hashes(seq.tokens, seq.table.cache_key, num_hits + 1))[-1]
+        h = self._hashes(seq, num_hits + 1)[-1]
         owner = self._computing.get(h)
         return owner is not None and owner is not seq
 
@@ -221,7 +225,7 @@ class Scheduler:
         if not self.blocks.enable_prefix_caching:
             return
         full = (len(seq.tokens) - 1) // self.blocks.block_size
-        for j, h in enumerate(self.blocks.prefix_hashes(seq.tokens, seq.table.cache_key, full)):
+        for j, h in enumerate(self._hashes(seq, full)):
             if j >= num_hits and h not in self._computing:
                 self._computing[h] = seq
                 seq.claims.append(h)

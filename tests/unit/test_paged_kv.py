@@ -175,6 +175,40 @@ def test_prefix_cache_off_serves_nothing_from_the_cache(tiny):
 # ----------------------------------------------------------------------------- block manager
 
 
+def test_block_hashes_are_computed_once_per_block_and_follow_the_cache_key(monkeypatch):
+    """A sequence's chained block hashes, memoised on its table (admission reads them three times, register once
+    more): the same values as hashing from scratch, extended as the tokens grow, started again under a new key
+    (a weight update re-keys waiting sequences), and the same hits and registrations as without the memo."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    calls = []
+    plain_hash = bm._hash
+    monkeypatch.setattr(bm, "_hash", lambda *a: calls.append(1) or plain_hash(*a))
+    tokens = list(range(100, 118))  # 4 full blocks + 2 tokens
+    t = BlockTable()
+    assert bm.block_hashes(t, tokens, 4) == list(bm.prefix_hashes(tokens, None, 4))
+    calls.clear()
+    assert bm.block_hashes(t, tokens, 2) == list(bm.prefix_hashes(tokens, None, 2))[:2]
+    assert bm.block_hashes(t, tokens, 4) == list(bm.prefix_hashes(tokens, None, 4))
+    assert len(calls) == 2 + 4  # only prefix_hashes' own: the memo hashed nothing again
+    tokens += [1, 2]  # a decode step completes block 5
+    calls.clear()
+    assert bm.block_hashes(t, tokens, 5) == list(bm.prefix_hashes(tokens, None, 5))
+    assert len(calls) == 1 + 5  # one new block hashed, plus prefix_hashes' five
+    t.cache_key = ("epoch", 1)
+    assert bm.block_hashes(t, tokens, 5) == list(bm.prefix_hashes(tokens, ("epoch", 1), 5))
+    assert bm.block_hashes(t, tokens, 5) != list(bm.prefix_hashes(tokens, None, 5))
+    # registering from the memo and matching through it agree with the plain path
+    a = BlockTable(cache_key=("epoch", 1))
+    assert bm.allocate(a, len(tokens))
+    bm.block_hashes(a, tokens, 5)
+    bm.register(a, tokens, num_computed=len(tokens))
+    assert a.hashes == list(bm.prefix_hashes(tokens, ("epoch", 1), 5))
+    # 20 tokens: 5 full blocks, of which a prompt may take 4 from the cache (its last token is computed)
+    assert bm.match_prefix(tokens, ("epoch", 1), bm.block_hashes(t, tokens, 5)) == a.blocks[:4]
+    assert bm.match_prefix(tokens, ("epoch", 1)) == a.blocks[:4]
+    assert bm.match_prefix(tokens, None) == []
+
+
 def test_block_manager_shares_reference_counted_blocks_and_evicts_least_recently_freed():
     bm = BlockManager(num_blocks=8, block_size=4, routing_shape=(2, 1), routing_dtype=np.uint8)
     tokens = list(range(10))  # 2 full blocks + 2 tokens
