@@ -209,6 +209,15 @@ def test_block_hashes_are_computed_once_per_block_and_follow_the_cache_key(monke
     assert bm.match_prefix(tokens, None) == []
 
 
+def test_an_engine_without_prefix_caching_hashes_no_blocks(tiny, monkeypatch):
+    engine = make_engine(tiny, enable_prefix_caching=False)
+    calls = []
+    monkeypatch.setattr(engine.blocks, "_hash", lambda *a: calls.append(a) or 0)
+    out = [submit(engine, prompt_of(40, seed), max_tokens=3, ignore_eos=True) for seed in (1, 1, 2)]
+    run_all(engine, out)
+    assert all(len(c.tokens) == 3 for c in out) and calls == []
+
+
 def test_block_manager_shares_reference_counted_blocks_and_evicts_least_recently_freed():
     bm = BlockManager(num_blocks=8, block_size=4, routing_shape=(2, 1), routing_dtype=np.uint8)
     tokens = list(range(10))  # 2 full blocks + 2 tokens
