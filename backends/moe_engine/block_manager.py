@@ -92,18 +92,12 @@ class BlockManager:
     def _hash(self, parent: int | None, tokens: tuple[int, ...], key: object) -> int:
         return hash((parent, tokens, key))
 
-    def prefix_hashes(self, tokens: list[int], cache_key: object, num_blocks: int):
-        """Hashes of the first ``num_blocks`` full blocks of ``tokens`` (each chained to its parent's), lazily."""
-        bs, parent = self.block_size, None
-        for j in range(num_blocks):
-            parent = self._hash(parent, tuple(tokens[j * bs : (j + 1) * bs]), cache_key)
-            yield parent
-
     def block_hashes(self, table: BlockTable, tokens: list[int], num_blocks: int) -> list[int]:
-        """``prefix_hashes`` of a sequence's ``tokens`` under its table's key, computed once per block: admitting a
-        sequence looks its blocks up, checks whether another sequence is computing the next one and claims the
-        rest, and registering them hashes them again; a 7,800-token prompt's 487 blocks cost ~0.8 ms a pass here,
-        and a multi-turn agent's turn admits 32 of them at once, before its first step."""
+        """Hashes of the first ``num_blocks`` full blocks of a sequence's ``tokens`` under its table's key, each
+        chained to its parent's, computed once per block and kept on the table: admitting a sequence looks its
+        blocks up, checks whether another sequence is computing the next one and claims the rest, and registering
+        reads them again; a 7,800-token prompt's 487 blocks cost ~0.8 ms a pass here, and a multi-turn agent's
+        turn admits 32 of them at once, before its first step."""
         if table.memo_key != table.cache_key:
             table.memo.clear()
             table.memo_key = table.cache_key
@@ -114,17 +108,15 @@ class BlockManager:
             memo.append(parent)
         return memo[:num_blocks]
 
-    def match_prefix(self, tokens: list[int], cache_key: object, hashes: list[int] | None = None) -> list[int]:
-        """The cached blocks that hold a prefix of ``tokens`` (whole blocks; at least one token is left to
-        compute, so that the last token's logits come from a forward). ``hashes``: the blocks' ``block_hashes``,
-        if the caller has them."""
+    def match_prefix(self, table: BlockTable, tokens: list[int]) -> list[int]:
+        """The cached blocks that hold a prefix of ``tokens`` under ``table``'s key (whole blocks; at least one
+        token is left to compute, so that the last token's logits come from a forward)."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         hits: list[int] = []
         full = (len(tokens) - 1) // bs
-        hashes = hashes[:full] if hashes is not None else self.prefix_hashes(tokens, cache_key, full)
-        for h, block in zip(hashes, zip(*[iter(tokens[: full * bs])] * bs)):
+        for h, block in zip(self.block_hashes(table, tokens, full), zip(*[iter(tokens[: full * bs])] * bs)):
             b = self.cached.get(h)
             if b is None or self.block_tokens[b] != block:  # (a hash collision would differ here)
                 break
@@ -196,15 +188,13 @@ class BlockManager:
             return
         bs = self.block_size
         full = min(num_computed // bs, len(table.blocks))
-        parent = table.hashes[-1] if table.hashes else None
-        memo = table.memo if table.memo_key == table.cache_key else []  # hashed at admission, most of the time
+        hashes = self.block_hashes(table, tokens, full)  # hashed at admission, most of the time
         row_blocks, row_starts = [], []  # blocks whose rows are stored, and where their rows start in ``rows``
         for j in range(len(table.hashes), full):
             chunk = tuple(tokens[j * bs : (j + 1) * bs])
-            h = memo[j] if j < len(memo) else self._hash(parent, chunk, table.cache_key)
+            h = hashes[j]
             b = table.blocks[j]
             table.hashes.append(h)
-            parent = h
             if h in self.cached:  # the same prefix was computed twice (two cold requests at once): keep the first
                 continue
             if self.rows is not None:

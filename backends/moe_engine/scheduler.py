@@ -186,10 +186,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            hits = []
-            if self.blocks.enable_prefix_caching and not seq.req.needs_full_prompt:
-                full = (len(seq.tokens) - 1) // self.blocks.block_size
-                hits = self.blocks.match_prefix(seq.tokens, seq.table.cache_key, self._hashes(seq, full))
+            hits = [] if seq.req.needs_full_prompt else self.blocks.match_prefix(seq.table, seq.tokens)
             if self._being_computed(seq, len(hits)):
                 i += 1
                 continue

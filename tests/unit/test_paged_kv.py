@@ -175,38 +175,44 @@ def test_prefix_cache_off_serves_nothing_from_the_cache(tiny):
 # ----------------------------------------------------------------------------- block manager
 
 
+def chained_hashes(tokens: list[int], key: object, num_blocks: int, bs: int) -> list[int]:
+    """The definition: block j's hash = hash((block j-1's hash, block j's tokens, the cache key))."""
+    out, parent = [], None
+    for j in range(num_blocks):
+        parent = hash((parent, tuple(tokens[j * bs : (j + 1) * bs]), key))
+        out.append(parent)
+    return out
+
+
 def test_block_hashes_are_computed_once_per_block_and_follow_the_cache_key(monkeypatch):
-    """A sequence's chained block hashes, memoised on its table (admission reads them three times, register once
-    more): the same values as hashing from scratch, extended as the tokens grow, started again under a new key
-    (a weight update re-keys waiting sequences), and the same hits and registrations as without the memo."""
+    """A sequence's chained block hashes, kept on its table (admission reads them three times, register once
+    more): the definition's values, each block hashed once as the tokens grow, started again under a new key (a
+    weight update re-keys waiting sequences), and what lookups and registrations use."""
     bm = BlockManager(num_blocks=16, block_size=4)
     calls = []
     plain_hash = bm._hash
     monkeypatch.setattr(bm, "_hash", lambda *a: calls.append(1) or plain_hash(*a))
     tokens = list(range(100, 118))  # 4 full blocks + 2 tokens
     t = BlockTable()
-    assert bm.block_hashes(t, tokens, 4) == list(bm.prefix_hashes(tokens, None, 4))
-    calls.clear()
-    assert bm.block_hashes(t, tokens, 2) == list(bm.prefix_hashes(tokens, None, 2))[:2]
-    assert bm.block_hashes(t, tokens, 4) == list(bm.prefix_hashes(tokens, None, 4))
-    assert len(calls) == 2 + 4  # only prefix_hashes' own: the memo hashed nothing again
+    assert bm.block_hashes(t, tokens, 4) == chained_hashes(tokens, None, 4, 4)
+    assert bm.block_hashes(t, tokens, 2) == chained_hashes(tokens, None, 2, 4)
+    assert bm.block_hashes(t, tokens, 4) == chained_hashes(tokens, None, 4, 4)
+    assert len(calls) == 4  # each block once
     tokens += [1, 2]  # a decode step completes block 5
-    calls.clear()
-    assert bm.block_hashes(t, tokens, 5) == list(bm.prefix_hashes(tokens, None, 5))
-    assert len(calls) == 1 + 5  # one new block hashed, plus prefix_hashes' five
+    assert bm.block_hashes(t, tokens, 5) == chained_hashes(tokens, None, 5, 4)
+    assert len(calls) == 5  # one new block hashed
     t.cache_key = ("epoch", 1)
-    assert bm.block_hashes(t, tokens, 5) == list(bm.prefix_hashes(tokens, ("epoch", 1), 5))
-    assert bm.block_hashes(t, tokens, 5) != list(bm.prefix_hashes(tokens, None, 5))
-    # registering from the memo and matching through it agree with the plain path
+    assert bm.block_hashes(t, tokens, 5) == chained_hashes(tokens, ("epoch", 1), 5, 4)
+    assert chained_hashes(tokens, ("epoch", 1), 5, 4) != chained_hashes(tokens, None, 5, 4)
+    # registering and matching read them
     a = BlockTable(cache_key=("epoch", 1))
     assert bm.allocate(a, len(tokens))
-    bm.block_hashes(a, tokens, 5)
     bm.register(a, tokens, num_computed=len(tokens))
-    assert a.hashes == list(bm.prefix_hashes(tokens, ("epoch", 1), 5))
+    assert a.hashes == chained_hashes(tokens, ("epoch", 1), 5, 4)
     # 20 tokens: 5 full blocks, of which a prompt may take 4 from the cache (its last token is computed)
-    assert bm.match_prefix(tokens, ("epoch", 1), bm.block_hashes(t, tokens, 5)) == a.blocks[:4]
-    assert bm.match_prefix(tokens, ("epoch", 1)) == a.blocks[:4]
-    assert bm.match_prefix(tokens, None) == []
+    assert bm.match_prefix(t, tokens) == a.blocks[:4]
+    assert bm.match_prefix(BlockTable(cache_key=("epoch", 1)), tokens) == a.blocks[:4]
+    assert bm.match_prefix(BlockTable(), tokens) == []
 
 
 def test_an_engine_without_prefix_caching_hashes_no_blocks(tiny, monkeypatch):
@@ -228,13 +234,13 @@ def test_block_manager_shares_reference_counted_blocks_and_evicts_least_recently
     bm.register(a, tokens, num_computed=10, rows=rows, rows_start=0)
     assert bm.num_cached == 2  # the partial third block is not registered
 
-    hits = bm.match_prefix(tokens, None)
+    hits = bm.match_prefix(BlockTable(), tokens)
     assert hits == a.blocks[:2]
     b = BlockTable()
     bm.take_hits(b, hits, len(tokens))
     assert bm.ref_count[a.blocks[0]] == 2
     np.testing.assert_array_equal(bm.cached_rows(hits), rows[:8])
-    assert bm.match_prefix(tokens, "forced") == []  # another cache key never shares
+    assert bm.match_prefix(BlockTable(cache_key="forced"), tokens) == []  # another cache key never shares
 
     bm.free_table(a)
     bm.free_table(b)
@@ -298,4 +304,4 @@ def test_register_stores_each_new_blocks_rows_from_where_its_rows_start():
     bm.register(u, other, 20, rows_u, 0)
     np.testing.assert_array_equal(bm.cached_rows(u.blocks[2:5]), rows_u[8:20])
     np.testing.assert_array_equal(bm.cached_rows(t.blocks[:2]), rows[:8])
-    assert bm.match_prefix(other + [1], None) == t.blocks[:2] + u.blocks[2:5]
+    assert bm.match_prefix(BlockTable(), other + [1]) == t.blocks[:2] + u.blocks[2:5]
