@@ -253,12 +253,18 @@ def decode_case(B, L, args, device, dtype, timer, rows, check_rows):
         print(_fmt(row, "GB/s"), flush=True)
 
 
-PREFILL_CONFIGS = [  # --sweep: (label, config)
+def _prefill(bm: int, tn: int, warps: int, stages: int) -> pa.KernelConfig:
+    return pa.KernelConfig(prefill_block_m=bm, prefill_tile_n=tn, prefill_num_warps=warps, prefill_num_stages=stages)
+
+
+PREFILL_CONFIGS = [  # --sweep: (label, config); run23_attention_sweep.txt swept 57 such configs on an H200
     ("default", pa.DEFAULT_CONFIG),
-    ("bm64 tn64 w4", pa.KernelConfig(prefill_block_m=64, prefill_tile_n=64, prefill_num_warps=4)),
-    ("bm128 tn32 w8", pa.KernelConfig(prefill_block_m=128, prefill_tile_n=32, prefill_num_warps=8)),
-    ("bm128 tn64 w8 s3", pa.KernelConfig(prefill_block_m=128, prefill_tile_n=64, prefill_num_warps=8, num_stages=3)),
-    ("bm128 tn128 w8", pa.KernelConfig(prefill_block_m=128, prefill_tile_n=128, prefill_num_warps=8)),
+    ("bm128 tn64 w8 s2 (before run23)", _prefill(128, 64, 8, 2)),
+    ("bm256 tn64 w8 s3", _prefill(256, 64, 8, 3)),
+    ("bm128 tn64 w4 s3", _prefill(128, 64, 4, 3)),
+    ("bm128 tn32 w4 s4", _prefill(128, 32, 4, 4)),
+    ("bm64 tn64 w4 s2", _prefill(64, 64, 4, 2)),
+    ("bm256 tn128 w16 s2", _prefill(256, 128, 16, 2)),
 ]
 
 

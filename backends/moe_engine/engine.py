@@ -173,10 +173,13 @@ class Engine:
         self.parallel = parallel
         if parallel is not None:
             parallel.attach(self.runner, on_death=self.fail)
-        elif self.runner.graphs is not None:
-            # Now rather than when a batch size first decodes (a request would wait for the kernels' compilation).
-            # Tensor-parallel ranks capture in lockstep, collectives inside: lazily, when steps reach them all.
-            self.runner.graphs.capture_all(capture=self.runner.capture_buf is not None)
+        else:
+            # Kernels compile now rather than inside the first requests of each step shape or batch size.
+            # Tensor-parallel ranks run in lockstep, collectives inside: lazily, when steps reach them all.
+            if cuda and self.fused:
+                self.runner.warm_prefill(self.max_num_seqs)
+            if self.runner.graphs is not None:
+                self.runner.graphs.capture_all(capture=self.runner.capture_buf is not None)
 
     def _graphs_off_reason(self, model: torch.nn.Module) -> str | None:
         """Why decode steps run eagerly, or None when they replay CUDA graphs."""

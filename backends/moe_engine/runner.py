@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import attention
+from . import attention, fused_moe
 from .attention import ForwardBatch
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache, KVSpec, bytes_per_block
@@ -175,6 +175,33 @@ class ReleasableMemory:
         self.kv = KVCache(self.model.kv_layout(), self._kv_blocks, self.block_size, self.dtype, self.device)
 
 
+def prefill_warm_shapes(step_tokens: int, top_k: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """(tokens, sequences) of the prefill steps ``ModelRunner.warm_prefill`` runs at start.
+
+    Triton compiles a kernel once per class of its integer arguments (1, a multiple of 16, anything else), and the
+    fused MoE picks its tiles by the step's (token, slot) pairs (``fused_moe.BUCKETS``). So per pair bucket that a
+    step of 2..step_tokens tokens can land in, the largest token count of each (tokens, pairs) class found there
+    (both multiples of 16; only the pairs; neither). Their sequence counts cycle through 1, 16 and 3 (the attention
+    kernel's classes), at most max_num_seqs and the step's tokens. Steps of one token are the decode graphs' work,
+    captured separately."""
+    shapes: list[tuple[int, int]] = []
+    prev = 0
+    for _, top in fused_moe.BUCKETS:
+        lo = max(prev // top_k + 1, 2)
+        hi = step_tokens if top is None else min(top // top_k, step_tokens)
+        prev = top if top is not None else prev
+        seen: set[tuple[bool, bool]] = set()
+        for tokens in range(hi, lo - 1, -1):
+            cls = (tokens % 16 == 0, tokens * top_k % 16 == 0)
+            if cls not in seen:
+                seen.add(cls)
+                seqs = (1, 16, 3)[len(shapes) % 3]
+                shapes.append((tokens, max(1, min(seqs, tokens, max_num_seqs))))
+            if len(seen) == 3:
+                break
+    return shapes
+
+
 class ModelRunner(ReleasableMemory):
     def __init__(
         self,
@@ -248,6 +275,31 @@ class ModelRunner(ReleasableMemory):
             calls = attention.warm_dense_prefill(shapes, self.device, self.dtype, max_tokens)
         log.info("dense prefill attention: %d plans warmed for prompts of %d-%d tokens in %.1f s", calls,
                  attention.DENSE_PREFILL_MIN_TOKENS, max_tokens, time.perf_counter() - t)
+
+    @torch.inference_mode()
+    def warm_prefill(self, max_num_seqs: int) -> None:
+        """Run the prefill steps of ``prefill_warm_shapes`` on throwaway inputs, so that their kernels compile now
+        and not inside the first requests of each shape (on an H200 0.9-1.2 s per new class at the real shape,
+        multiturn trace of run 23). Each step is sequences of one token and one longer chunk last, all from
+        position 0, reading and writing only the null block; routing is captured as a serving step would."""
+        K = self.routing_shape[1]
+        shapes = prefill_warm_shapes(self.step_tokens, K, max_num_seqs)
+        log.info("warming prefill kernels: %d step shapes of %d-%d tokens ...", len(shapes),
+                 min(t for t, _ in shapes), max(t for t, _ in shapes))
+        t0 = time.perf_counter()
+        for T, B in shapes:
+            lens = [1] * (B - 1) + [T - (B - 1)]
+            step = StepInputs(
+                ids=[i % self.model.config.vocab_size for i in range(T)], context=[0] * B, query_lens=lens,
+                tables=[[self.null_block] * -(-n // self.block_size) for n in lens],
+                want_routing=self.capture_buf is not None, samplers=list(range(B)),
+            )
+            logits, _ = self.forward(step)
+            torch.argmax(logits, dim=-1)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("warmed prefill kernels for steps of %s tokens in %.1f s",
+                 ", ".join(f"{T} ({B} seqs)" for T, B in shapes), time.perf_counter() - t0)
 
     @torch.inference_mode()
     def launch(

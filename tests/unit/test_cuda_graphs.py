@@ -10,8 +10,10 @@ import torch
 
 from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
+from moe_engine import fused_moe, kernels, paged_attention, sampling_kernels
 from moe_engine.cuda_graphs import batch_buckets, kv_len_buckets
 from moe_engine.engine import Engine, EngineConfig
+from moe_engine.runner import prefill_warm_shapes
 
 from .test_engine import prompt_of, run_all, submit
 
@@ -31,6 +33,25 @@ def test_kv_len_buckets_cover_the_model_length_at_most_doubling(max_len):
     assert sizes[-1] == max_len and sizes == sorted(set(sizes))
     for lo, hi in zip(sizes, sizes[1:]):
         assert hi <= 2 * lo
+
+
+@pytest.mark.parametrize("step_tokens,top_k", [(8192, 8), (512, 2), (64, 4), (2048, 6), (100, 1)])
+def test_prefill_warm_shapes_cover_every_step_size_class(step_tokens, top_k):
+    """Every prefill step of 2..step_tokens tokens shares its fused-MoE pair bucket and the Triton classes of its
+    token and pair counts with a step the engine runs at start; the sequence counts cover 1, a multiple of 16
+    and neither."""
+    shapes = prefill_warm_shapes(step_tokens, top_k, max_num_seqs=64)
+
+    def key(t: int) -> tuple:
+        return fused_moe.bucket_of(t * top_k), t % 16 == 0, t * top_k % 16 == 0
+
+    warmed = {key(t) for t, _ in shapes}
+    assert [t for t in range(2, step_tokens + 1) if key(t) not in warmed] == []
+    assert all(2 <= t <= step_tokens and 1 <= b <= min(t, 64) for t, b in shapes)
+    assert len(shapes) == len(set(shapes))
+    seqs = {b for _, b in shapes}
+    assert 1 in seqs and 16 in seqs and seqs - {1, 16}
+    assert max(b for _, b in prefill_warm_shapes(step_tokens, top_k, max_num_seqs=2)) <= 2
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -88,6 +109,33 @@ def test_engine_captures_every_batch_bucket_at_start(tiny_cuda):
         run_all(engine, out)
         assert all(len(c.tokens) == 6 for c in out)
     assert set(engine.graphs._graphs) == at_start  # 9 + 6 tokens: the shortest key bucket, already captured
+
+
+def _compiled_variants() -> int:
+    """Kernels compiled so far by this process for the engine's Triton kernels (all devices, all variants)."""
+    n = 0
+    for module in (kernels, fused_moe, paged_attention, sampling_kernels):
+        for fn in vars(module).values():
+            caches = getattr(fn, "device_caches", None)  # a JITFunction (module-level helpers too)
+            if isinstance(caches, dict):
+                n += sum(len(c[0]) for c in caches.values())
+    return n
+
+
+@cuda
+def test_engine_start_compiles_the_prefill_kernels(tiny_cuda):
+    """A prefill step of a new size class compiles kernels (about a second each at real shapes): the engine runs
+    one step of each class at start, so prompts of other lengths, alone or together, compile nothing new."""
+    cfg, model = tiny_cuda
+    engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_seqs=20, max_num_batched_tokens=128,
+                                             kv_cache_memory_bytes=256 << 20))
+    before = _compiled_variants()
+    assert before > 0
+    for lens in ([37], [20, 33, 50], [5] * 17, [120], [9, 64]):
+        out = [submit(engine, prompt_of(n, 300 + n + i), max_tokens=3, ignore_eos=True) for i, n in enumerate(lens)]
+        run_all(engine, out)
+        assert all(len(c.tokens) == 3 for c in out)
+    assert _compiled_variants() == before
 
 
 @cuda

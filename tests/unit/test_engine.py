@@ -306,3 +306,19 @@ def test_overlapped_decode_abort_and_refill(tiny):
     for got, want in zip([other, after], alone):
         assert got.tokens == want.tokens
         np.testing.assert_array_equal(got.routing, want.routing)
+
+
+def test_prefill_warm_up_leaves_cache_and_results_untouched(tiny):
+    """The start-up prefill steps (``ModelRunner.warm_prefill``, run on GPUs) write only the null block: cached
+    prefixes, their routing rows and new requests give what they gave before it ran."""
+    engine = make_engine(tiny, max_num_seqs=8, max_num_batched_tokens=96, enable_prefix_caching=True)
+    prompts = [prompt_of(40, 7), prompt_of(23, 8)]
+    first = [submit(engine, p, max_tokens=5, ignore_eos=True) for p in prompts]
+    run_all(engine, first)
+    engine.runner.warm_prefill(engine.max_num_seqs)
+    again = [submit(engine, p, max_tokens=5, ignore_eos=True) for p in prompts]
+    run_all(engine, again)
+    assert engine.stats()["prefix_cache_hits"] > 0
+    for a, b in zip(first, again):
+        assert b.tokens == a.tokens
+        np.testing.assert_array_equal(b.routing, a.routing)
