@@ -154,14 +154,18 @@ class Users:
 
 
 class EngineBackend:
-    """The engine's public API in-process: a turn's requests are submitted at once, outputs arrive by callback."""
+    """The engine's public API in-process: a turn's requests are submitted together (``Engine.add_requests``),
+    outputs arrive by callback."""
 
 
-    def __init__(self, model, cfg, ecfg):
+    def __init__(self, model, cfg, ecfg, step_trace: bool = False):
         from moe_engine.engine import Engine
 
         self.cfg = cfg
         self.engine = Engine(model, cfg, ecfg)
+        self.steps: list[dict] | None = [] if step_trace else None
+        if step_trace:
+            self._trace_steps()
         self.engine.start()
         # the wire dtype the server would use (uint8 up to 256 experts); no frontend import: the GPU image
         # has no pybase64
@@ -171,6 +175,29 @@ class EngineBackend:
     def cache_counters(self) -> tuple[float, float]:
         s = self.engine.stats()
         return s["prefix_cache_queries"], s["prefix_cache_hits"]
+
+    def _trace_steps(self) -> None:
+        """--step-trace: time every step of this engine (launch called -> results read, on the host clock) with
+        its tokens, sequences and prefill chunks; ``run_turn`` logs a turn's prefill steps."""
+        runner, steps = self.engine.runner, self.steps
+        launch, results = runner.launch, runner.results
+
+        def traced_launch(plan, *a, **k):
+            t = time.perf_counter()
+            step = launch(plan, *a, **k)
+            chunks = [(n, c) for (_, n), c in zip(plan.items, plan.context) if n > 1]
+            step.trace = dict(t_launch=t, tokens=plan.num_tokens, seqs=len(plan.items),
+                              prefill_tokens=sum(n for n, _ in chunks), prefill_seqs=len(chunks),
+                              prefill_context=sum(c for _, c in chunks) // max(1, len(chunks)))
+            return step
+
+        def traced_results(step):
+            out = results(step)
+            if getattr(step, "trace", None) is not None:
+                steps.append(dict(step.trace, t_done=time.perf_counter()))
+            return out
+
+        runner.launch, runner.results = traced_launch, traced_results
 
     def run_turn(self, convs: list[Conversation], out_tokens: int, timeout: float) -> list[Result]:
         from moe_engine.engine import Request
@@ -201,13 +228,29 @@ class EngineBackend:
             return on_output
 
         sampling = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
+        reqs = []
         for i, c in enumerate(convs):
             self._ids += 1
-            self.engine.add_request(Request(request_id=f"mt-{self._ids}", prompt_token_ids=list(c.prompt),
-                                            sampling=sampling, return_routed_experts=True,
-                                            routed_experts_prompt_start=c.start(), on_output=callback(i)))
+            reqs.append(Request(request_id=f"mt-{self._ids}", prompt_token_ids=list(c.prompt), sampling=sampling,
+                                return_routed_experts=True, routed_experts_prompt_start=c.start(),
+                                on_output=callback(i)))
+        # Together: the turn's first step sees every request (one add_request after another let the engine start
+        # with the first few, and which few varied from turn to turn and run to run).
+        first = len(self.steps) if self.steps is not None else 0
+        self.engine.add_requests(reqs)
         if not done.wait(timeout):
             raise TimeoutError(f"a turn took longer than {timeout:.0f} s")
+        if self.steps is not None:
+            for st in self.steps[first:]:
+                st["t_launch"] -= t0
+                st["t_done"] -= t0
+                if st["prefill_tokens"]:
+                    log(f"  step {1e3 * st['t_launch']:7.1f} -> {1e3 * st['t_done']:7.1f} ms: {st['tokens']} tokens, "
+                        f"{st['seqs']} sequences; prefill {st['prefill_tokens']} tokens of {st['prefill_seqs']} "
+                        f"sequences after {st['prefill_context']} cached tokens (mean)")
+            ttft = sorted(r.ttft_s for r in results if r.ttft_s is not None)
+            if ttft:
+                log(f"  TTFT min / p50 / max {1e3 * ttft[0]:.0f} / {1e3 * pct(ttft, 50):.0f} / {1e3 * ttft[-1]:.0f} ms")
         L, K = self.cfg.num_hidden_layers, self.cfg.num_experts_per_tok
         for r, p in zip(results, parts):
             r.output_tokens = len(r.reply_ids)
@@ -591,7 +634,7 @@ def engine_mode(args) -> tuple[list[dict], str]:
         ecfg = EngineConfig(max_num_seqs=args.conversations, max_model_len=max_len, enable_routed_experts=True,
                             enable_prefix_caching=name.startswith("on"), **extra)
         rsm.free_device_memory(device)
-        b = EngineBackend(model, cfg, ecfg)
+        b = EngineBackend(model, cfg, ecfg, step_trace=args.step_trace)
         log(f"engine for {name}: {ecfg}; stats {b.engine.stats()}")
         return b
 
@@ -630,6 +673,8 @@ def parse_args(argv=None):
     g.add_argument("--endpoints", default="generate,chat")
     g = p.add_argument_group("engine mode")
     g.add_argument("--device", default="cuda")
+    g.add_argument("--step-trace", action="store_true", help="log every turn's prefill steps (start and end on "
+                   "the host clock, tokens, sequences, cached context)")
     g.add_argument("--shape", default="qwen3-30b-a3b", choices=("qwen3-30b-a3b", "tiny"))
     g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"))
     g.add_argument("--init", default="balanced", choices=("balanced", "std0.02"))

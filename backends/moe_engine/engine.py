@@ -262,34 +262,57 @@ class Engine:
             )
 
     def add_request(self, req: Request) -> None:
-        self.validate(req)
+        self.add_requests([req])
+
+    def add_requests(self, reqs: list[Request]) -> None:
+        """Submit requests together (a rollout batch, a multi-turn agent's turn): the engine's next step sees all of
+        them, where one ``add_request`` after another lets the loop start a step with the first few (and the rest
+        wait for it). All or none: any invalid request, a duplicate id or a full queue raises and submits none;
+        the message names the request's index when there are several."""
+        for i, req in enumerate(reqs):
+            try:
+                self.validate(req)
+            except InvalidRequestError as exc:
+                if len(reqs) == 1:
+                    raise
+                raise InvalidRequestError(f"requests[{i}]: {exc}", param=exc.param) from exc
         with self._cv:
             if self.dead is not None or self._stop:
                 raise EngineStoppedError("the engine is not running")
-            if req.request_id in self._known_ids:
-                raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
-            if len(self.scheduler.waiting) + len(self._held) + len(self._inbox) >= self.ecfg.max_waiting:
+            seen: set[str] = set()
+            for i, req in enumerate(reqs):
+                if req.request_id in self._known_ids or req.request_id in seen:
+                    where = f"requests[{i}]: " if len(reqs) > 1 else ""
+                    raise InvalidRequestError(f"{where}request id {req.request_id!r} is already in use",
+                                              param="request_id")
+                seen.add(req.request_id)
+            if len(self.scheduler.waiting) + len(self._held) + len(self._inbox) + len(reqs) > self.ecfg.max_waiting:
                 raise EngineOverloadedError(
                     f"the engine's waiting queue is full ({self.ecfg.max_waiting} requests); retry later"
                 )
-            self._known_ids.add(req.request_id)
-            seq = Sequence(
-                req=req,
-                sampler=make_state(req.sampling, self.device),
-                tokens=list(req.prompt_token_ids),
-                num_prompt=len(req.prompt_token_ids),
-            )
-            key = []
-            if req.cache_salt:  # only requests of the same salt share cached blocks
-                key.append(("salt", req.cache_salt))
-            if req.replay_routed_experts is not None:
-                # Blocks computed under forced routing are shared only with the same replay, never with requests
-                # routed by the router's own choice (and never the other way round).
-                req.replay_routed_experts = np.ascontiguousarray(req.replay_routed_experts, dtype=np.int64)
-                key.append(("replay", hashlib.sha1(req.replay_routed_experts.tobytes()).hexdigest()))
-            seq.table.cache_key = tuple(key) or None
-            self._inbox.append(("add", seq))
+            for req in reqs:
+                self._enqueue(req)
             self._cv.notify_all()
+
+    def _enqueue(self, req: Request) -> None:
+        """A validated request into the inbox (the caller holds the lock and notifies)."""
+        self._known_ids.add(req.request_id)
+        seq = Sequence(
+            req=req,
+            sampler=make_state(req.sampling, self.device),
+            tokens=list(req.prompt_token_ids),
+            num_prompt=len(req.prompt_token_ids),
+        )
+        key = []
+        if req.cache_salt:  # only requests of the same salt share cached blocks
+            key.append(("salt", req.cache_salt))
+        if req.replay_routed_experts is not None:
+            # Blocks computed under forced routing are shared only with the same replay, never with requests
+            # routed by the router's own choice (and never the other way round).
+            req.replay_routed_experts = np.ascontiguousarray(req.replay_routed_experts, dtype=np.int64)
+            key.append(("replay", hashlib.sha1(req.replay_routed_experts.tobytes()).hexdigest()))
+        seq.table.cache_key = tuple(key) or None
+        self._inbox.append(("add", seq))
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed at the next step and it ends with "abort"."""

@@ -322,3 +322,56 @@ def test_prefill_warm_up_leaves_cache_and_results_untouched(tiny):
     for a, b in zip(first, again):
         assert b.tokens == a.tokens
         np.testing.assert_array_equal(b.routing, a.routing)
+
+
+def _request(engine, prompt, rid=None, collector=None) -> Request:
+    return Request(request_id=rid or engine.new_request_id(), prompt_token_ids=list(prompt),
+                   sampling=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                   return_routed_experts=True, on_output=collector)
+
+
+def test_add_requests_starts_a_batch_in_one_step(tiny):
+    """A running engine given a batch through add_requests prefills all of it in its first step (one request
+    after another lets the loop start with the first few); outputs equal those of requests sent alone."""
+    engine = make_engine(tiny, max_num_seqs=16, max_num_batched_tokens=512)
+    prompts = [prompt_of(11 + 3 * i, 40 + i) for i in range(12)]
+    first_step: dict[int, int] = {}
+    collectors = []
+    for i in range(12):
+        c = Collector()
+
+        def on_output(out, c=c, i=i):
+            if out.new_token_ids and i not in first_step:
+                first_step[i] = engine.num_steps
+            c(out)
+        collectors.append((c, on_output))
+    engine.start()
+    try:
+        engine.add_requests([_request(engine, p, collector=cb) for p, (_, cb) in zip(prompts, collectors)])
+        assert all(c.done.wait(60) for c, _ in collectors)
+    finally:
+        engine.shutdown()
+    assert set(first_step.values()) == {1}
+    alone = make_engine(tiny)
+    for p, (c, _) in zip(prompts, collectors):
+        ref = submit(alone, p, max_tokens=3, ignore_eos=True)
+        run_all(alone, [ref])
+        assert c.tokens == ref.tokens
+        np.testing.assert_array_equal(c.routing, ref.routing)
+
+
+def test_add_requests_is_all_or_none(tiny):
+    engine = make_engine(tiny, max_waiting=4)
+    good = [prompt_of(9, 1), prompt_of(9, 2)]
+    bad_token = [5, 6, 10**6]
+    with pytest.raises(InvalidRequestError, match=r"requests\[1\]: input_ids: token id 1000000"):
+        engine.add_requests([_request(engine, good[0]), _request(engine, bad_token), _request(engine, good[1])])
+    with pytest.raises(InvalidRequestError, match=r"requests\[1\]: request id 'twice' is already in use"):
+        engine.add_requests([_request(engine, good[0], "twice"), _request(engine, good[1], "twice")])
+    with pytest.raises(EngineOverloadedError):
+        engine.add_requests([_request(engine, good[i % 2]) for i in range(5)])
+    assert engine.num_unfinished == 0 and not engine.step()  # nothing of the refused batches was queued
+    c = [Collector() for _ in good]
+    engine.add_requests([_request(engine, p, "twice" if i else None, c[i]) for i, p in enumerate(good)])
+    run_all(engine, c)
+    assert [len(x.tokens) for x in c] == [3, 3]
