@@ -321,8 +321,10 @@ class Scheduler:
         first = max(c, seq.rows_sent)
         rows = step_rows[first - c :] if first < c + n else step_rows[:0]
         if seq.rows_sent < c:  # positions before c were served from the cache: their stored rows go first
-            cached = self.blocks.cached_rows(seq.table.blocks[: c // self.blocks.block_size])
-            rows = np.concatenate([cached[seq.rows_sent : c], rows]) if cached is not None else rows
+            bs = self.blocks.block_size
+            lo = seq.rows_sent // bs  # only the blocks holding unsent rows (a prompt start skips the rest)
+            cached = self.blocks.cached_rows(seq.table.blocks[lo : c // bs])
+            rows = np.concatenate([cached[seq.rows_sent - lo * bs :], rows]) if cached is not None else rows
         out.routed_experts = rows
         if seq.req.return_routed_weights and step_weights is not None:
             out.routed_weights = step_weights[first - c :] if first < c + n else step_weights[:0]
