@@ -1,0 +1,122 @@
+"""Wall time of eager prefill steps at the Qwen3-30B-A3B shape, with a cProfile and a torch.profiler table.
+
+Prefill steps run outside CUDA graphs: the host issues ~1,650 kernel launches per step (48 layers), so a small
+step costs its host time whatever the GPU does. Steps of 1 x 64 up to 27 x 300 new tokens, then 2 x 300 new tokens
+after 7,488 cached ones (a multi-turn turn), each timed from ``Engine.step()`` to a device sync (the median of 3),
+after a warm-up that compiles every size; one step of each kind under cProfile (host functions by own time) and one
+under torch.profiler (host ops, device time). Random bf16 weights built on the GPU (real_shape_model.py); ~1 minute
+on an H200 (``loadtest/reports/real_shape/run23_prefill_host_time.txt``).
+
+    PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py
+    PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py --device cpu    # the tiny shape: a smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import random
+import time
+
+import torch
+
+import real_shape_model as rsm
+from moe_engine.engine import Engine, EngineConfig, Request
+from moe_engine.sampling import SamplingParams
+
+
+class Bench:
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        dev = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
+        shape, dtype = ("qwen3-30b-a3b", torch.bfloat16) if self.cuda else ("tiny", torch.float32)
+        self.model, self.cfg = rsm.build_engine_model(rsm.SHAPES[shape], dev, dtype, 0, "balanced")
+        self.engine = Engine(self.model, self.cfg, EngineConfig(
+            max_num_seqs=32, max_model_len=8016 if self.cuda else 512, enable_routed_experts=True,
+            enable_prefix_caching=True))
+        self.rng = random.Random(0)
+        self.ids = 0
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def prompts(self, n: int, length: int) -> list[list[int]]:
+        return [[self.rng.randrange(self.cfg.vocab_size) for _ in range(length)] for _ in range(n)]
+
+    def submit(self, prompts: list[list[int]]) -> None:
+        reqs = []
+        for p in prompts:
+            self.ids += 1
+            reqs.append(Request(request_id=f"r{self.ids}", prompt_token_ids=p, return_routed_experts=True,
+                                sampling=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
+        self.engine.add_requests(reqs)
+
+    def drain(self) -> None:
+        while self.engine.num_unfinished:
+            self.engine.step()
+        self.sync()
+
+    def timed_step(self, profile: str | None = None) -> float:
+        """ms of the next step (a prefill: the requests were just submitted)."""
+        self.sync()
+        t = time.perf_counter()
+        if profile == "cprofile":
+            prof = cProfile.Profile()
+            prof.enable()
+            self.engine.step()
+            self.sync()
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(28)
+            print(out.getvalue()[:6000])
+        elif profile == "torch":
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            with torch_profile(activities=acts) as prof:
+                self.engine.step()
+                self.sync()
+            device_us = sum(e.self_device_time_total for e in prof.key_averages())
+            print(f"    device kernel time {device_us / 1e3:.1f} ms (under the profiler)")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        else:
+            self.engine.step()
+            self.sync()
+        return (time.perf_counter() - t) * 1e3
+
+    def case(self, n: int, length: int, reps: int = 3, prefix: list[list[int]] | None = None,
+             profile: str | None = None) -> None:
+        walls = []
+        for r in range(reps):
+            ps = self.prompts(n, length) if prefix is None else [p + self.prompts(1, length)[0] for p in prefix]
+            self.submit(ps)
+            walls.append(self.timed_step(profile if r == reps - 1 else None))
+            self.drain()
+        over = "" if prefix is None else f" over {len(prefix[0])} cached"
+        print(f"prefill step {n} x {length} new tokens{over}: wall {', '.join(f'{w:.1f}' for w in sorted(walls))} "
+              f"ms", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    args = ap.parse_args()
+    b = Bench(args.device)
+    for n, length in ((1, 300), (2, 300), (8, 300), (27, 300), (1, 64)):  # compile every size first
+        b.submit(b.prompts(n, length))
+        b.drain()
+    for n, length in ((1, 64), (1, 300), (2, 300), (8, 300), (27, 300)):
+        b.case(n, length)
+    b.case(2, 300, reps=2, profile="cprofile")
+    b.case(2, 300, reps=2, profile="torch")
+    prefix = b.prompts(2, 7488 if b.cuda else 96)  # cached context: a multi-turn agent's later turn
+    b.submit(prefix)
+    b.drain()
+    b.case(2, 300, prefix=prefix)
+    b.case(2, 300, reps=2, prefix=prefix, profile="cprofile")
+
+
+if __name__ == "__main__":
+    main()
