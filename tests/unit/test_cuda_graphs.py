@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from moe_engine import fused_moe, kernels, paged_attention, sampling_kernels
 from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
-from moe_engine import fused_moe, kernels, paged_attention, sampling_kernels
 from moe_engine.cuda_graphs import batch_buckets, kv_len_buckets
 from moe_engine.engine import Engine, EngineConfig
 from moe_engine.runner import prefill_warm_shapes
