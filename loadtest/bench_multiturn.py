@@ -56,6 +56,7 @@ import argparse
 import concurrent.futures
 import datetime as dt
 import json
+import logging
 import math
 import os
 import random
@@ -709,6 +710,9 @@ def _jsonable(x):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.mode == "engine":  # the engine's own lines (KV cache, kernel warm-up, graph capture) in the log
+        logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s %(levelname)s: %(message)s")
+        logging.getLogger("moe_engine").setLevel(logging.INFO)
     command = "bench_multiturn.py " + " ".join(sys.argv[1:] if argv is None else argv)
     log(f"{command}; out {args.out}")
     runs, setup = (server_mode if args.mode == "server" else engine_mode)(args)
