@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import threading
@@ -195,7 +196,13 @@ def test_killed_stub_ends_in_flight_requests_with_503_then_the_backend_comes_bac
         assert not region.exists()
     metrics = httpx.get(server.root_url + "/metrics").text
     assert "moe_serve_backend_restarts_total 1.0" in metrics, server.log_tail(200)  # this kill's restart, no other
-    assert 'moe_serve_aborted_requests_total{reason="backend_failure"} 2.0' in metrics
+    # The server ends the requests still in flight when the watchdog sees the death, counted as aborted; a request
+    # whose Triton stream reported the dead stub first ended by itself (with the same 503 checked above). Which path
+    # each took is a race, so the count is checked against the server's own log line for that abort.
+    ended = sum(int(n) for n in re.findall(r"ended (\d+) in-flight request\(s\): backend_failure",
+                                           server.log_tail(1_000_000)))
+    counted = re.search(r'moe_serve_aborted_requests_total\{reason="backend_failure"\} ([0-9.]+)', metrics)
+    assert (float(counted.group(1)) if counted else 0.0) == ended <= 2, server.log_tail(200)
     assert 'moe_engine_requests{model="moe",state="running",version="1"}' in metrics  # engine gauges, API port
 
 
