@@ -43,7 +43,7 @@ from .engine_config import EngineConfig
 from .errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
 from .kv_cache import blocks_for_budget
 from .paged_attention import available as paged_attention_available
-from .runner import LaunchedStep, ModelRunner, kv_cache_budget
+from .runner import LaunchedStep, ModelRunner, kv_cache_budget, log_late_compiles
 from .sampling import SamplingParams, make_state
 from .scheduler import Scheduler
 from .sequence import Request, RequestOutput, Sequence
@@ -180,6 +180,8 @@ class Engine:
                 self.runner.warm_prefill(self.max_num_seqs)
             if self.runner.graphs is not None:
                 self.runner.graphs.capture_all(capture=self.runner.capture_buf is not None)
+            if cuda and self.fused:
+                log_late_compiles()
 
     def _graphs_off_reason(self, model: torch.nn.Module) -> str | None:
         """Why decode steps run eagerly, or None when they replay CUDA graphs."""

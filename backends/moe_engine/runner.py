@@ -202,6 +202,32 @@ def prefill_warm_shapes(step_tokens: int, top_k: int, max_num_seqs: int) -> list
     return shapes
 
 
+def log_late_compiles() -> bool:
+    """From now on, log a warning whenever a Triton kernel variant is first needed in this process (compiled, or
+    loaded from Triton's disk cache): after the start-up warm-up and graph capture, that happens inside a step,
+    which then waits (about a second at real shapes), and the line names the kernel and its argument classes, so
+    that the warm-up can be taught the shape. Process-wide (Triton's ``jit_cache_hook``); False where this Triton
+    has no such hook. Idempotent."""
+    try:
+        import triton
+        knobs = triton.knobs.runtime
+    except (ImportError, AttributeError):
+        return False
+    if getattr(knobs.jit_cache_hook, "_moe_late_compiles", False):
+        return True
+    previous = knobs.jit_cache_hook
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        if not already_compiled:
+            log.warning("kernel variant first used after start-up, inside a step: %s", repr)
+        return previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
+                        already_compiled=already_compiled) if previous is not None else None
+
+    hook._moe_late_compiles = True
+    knobs.jit_cache_hook = hook
+    return True
+
+
 class ModelRunner(ReleasableMemory):
     def __init__(
         self,

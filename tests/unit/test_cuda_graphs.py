@@ -139,6 +139,25 @@ def test_engine_start_compiles_the_prefill_kernels(tiny_cuda):
 
 
 @cuda
+def test_a_kernel_variant_first_used_after_start_is_logged(tiny_cuda, caplog):
+    """After start-up a new kernel variant compiles inside a step (a stall): the engine logs it with its name."""
+    cfg, model = tiny_cuda
+    Engine(model, cfg, EngineConfig(max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=256 << 20))
+    q = torch.randn(40, 4, 16, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(8, 16, 2, 16, device="cuda", dtype=torch.bfloat16)
+    tables = torch.arange(8, device="cuda", dtype=torch.int32).reshape(2, 4)
+    cu = torch.tensor([0, 20, 40], device="cuda", dtype=torch.int32)
+    seq_lens = torch.tensor([30, 50], device="cuda", dtype=torch.int32)
+    odd = paged_attention.KernelConfig(prefill_block_m=64, prefill_tile_n=32, prefill_num_warps=2,
+                                       prefill_num_stages=1)  # tiles nothing else in the suite uses
+    with caplog.at_level("WARNING", logger="moe_engine.runner"):
+        paged_attention.paged_attention(q, k_cache, k_cache, tables, cu, seq_lens, max_query_len=20, max_seq_len=50,
+                                        scale=0.25, config=odd)
+        torch.cuda.synchronize()
+    assert any("first used after start-up" in r.message and "_attn_2d_kernel" in r.message for r in caplog.records)
+
+
+@cuda
 def test_graph_decode_without_routing_requests_skips_capture(tiny_cuda):
     cfg, model = tiny_cuda
     # Prefix caching off: with it on, every step captures (cached blocks keep their routing rows).
