@@ -174,13 +174,15 @@ class Engine:
         if parallel is not None:
             parallel.attach(self.runner, on_death=self.fail)
         else:
-            # Kernels compile now rather than inside the first requests of each step shape or batch size.
-            # Tensor-parallel ranks run in lockstep, collectives inside: lazily, when steps reach them all.
-            if cuda and self.fused:
+            # Kernels compile now rather than inside the first requests of each step shape or batch size; any
+            # compiled later is logged. Tensor-parallel ranks run in lockstep, collectives inside: lazily, when
+            # steps reach them all.
+            triton_kernels = cuda and self.fused
+            if triton_kernels:
                 self.runner.warm_prefill(self.max_num_seqs)
             if self.runner.graphs is not None:
                 self.runner.graphs.capture_all(capture=self.runner.capture_buf is not None)
-            if cuda and self.fused:
+            if triton_kernels:
                 log_late_compiles()
 
     def _graphs_off_reason(self, model: torch.nn.Module) -> str | None:
