@@ -91,6 +91,9 @@ class KernelConfig:
 DEFAULT_CONFIG = KernelConfig()
 
 
+MAX_SPLITS = 64  # choose_num_splits's largest count; the merge kernel is compiled once for up to this many
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
     """Recommended split count for a decode step, from host ints only (1 = no split, the 2-D kernel).
 
@@ -101,7 +104,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     programs = max(num_seqs * num_kv_heads, 1)
     want = _pow2(-(-2 * num_sms // programs))
     by_length = max(max_seq_len // 512, 1)
-    return max(1, min(want, 1 << (by_length.bit_length() - 1), 64))
+    return max(1, min(want, 1 << (by_length.bit_length() - 1), MAX_SPLITS))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -233,7 +236,11 @@ if triton is not None:
             m_i = m_new
         return m_i, l_i, acc
 
-    @triton.jit
+    # Integers that vary from step to step are not specialised (Triton compiles a variant per class of an integer
+    # argument: 1, a multiple of 16, other): a step whose sequence count or block-table width falls in a class
+    # no earlier step had would wait for a compile (1-2 s at real shapes) inside serving. They index nothing
+    # that the divisibility hint would speed up.
+    @triton.jit(do_not_specialize=["num_seqs", "s_bt"])
     def _attn_2d_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, sinks_ptr, tables_ptr, cu_ptr, seq_lens_ptr,
         num_seqs, scale_log2, window,
@@ -291,7 +298,7 @@ if triton is not None:
         tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + dv[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["s_bt"])
     def _attn_split_kernel(
         part_m_ptr, part_l_ptr, part_acc_ptr,  # [B, Hq, S], [B, Hq, S], [B, Hq, S, DV_PAD] float32
         q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, cu_ptr, seq_lens_ptr,
@@ -347,7 +354,7 @@ if triton is not None:
         dv = tl.arange(0, DV_PAD)
         tl.store(part_acc_ptr + part[:, None] * DV_PAD + dv[None, :], acc, mask=row_ok[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _merge_splits_kernel(
         out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, cu_ptr, s_ot, s_oh, num_splits,
         Hq: tl.constexpr, SPLITS_PAD: tl.constexpr,
@@ -555,7 +562,7 @@ def paged_attention(
             _merge_splits_kernel, (B, Hq),
             out, part_m, part_l, part_acc, sinks if sinks is not None else part_m, cu_seqlens_q,
             out.stride(0), out.stride(1), num_splits,
-            Hq=Hq, SPLITS_PAD=_pow2(num_splits), DV=Dv, DV_PAD=common["DV_PAD"],
+            Hq=Hq, SPLITS_PAD=max(_pow2(num_splits), MAX_SPLITS), DV=Dv, DV_PAD=common["DV_PAD"],
             HAS_SINKS=sinks is not None, num_warps=4, num_stages=1,
         )
         return out

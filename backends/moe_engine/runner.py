@@ -181,8 +181,9 @@ def prefill_warm_shapes(step_tokens: int, top_k: int, max_num_seqs: int) -> list
     Triton compiles a kernel once per class of its integer arguments (1, a multiple of 16, anything else), and the
     fused MoE picks its tiles by the step's (token, slot) pairs (``fused_moe.BUCKETS``). So per pair bucket that a
     step of 2..step_tokens tokens can land in, the largest token count of each (tokens, pairs) class found there
-    (both multiples of 16; only the pairs; neither). Their sequence counts cycle through 1, 16 and 3 (the attention
-    kernel's classes), at most max_num_seqs and the step's tokens. Steps of one token are the decode graphs' work,
+    (both multiples of 16; only the pairs; neither). Their sequence counts cycle through 1, 16 and 3 (the classes of
+    the sampling kernels' row count; the attention kernels do not specialise on sequence counts or block-table
+    widths), at most max_num_seqs and the step's tokens. Steps of one token are the decode graphs' work,
     captured separately."""
     shapes: list[tuple[int, int]] = []
     prev = 0
@@ -202,6 +203,28 @@ def prefill_warm_shapes(step_tokens: int, top_k: int, max_num_seqs: int) -> list
     return shapes
 
 
+def _variant_of(fn, compile: dict, fallback: str) -> str:
+    """One line naming a Triton kernel variant by what selects it: ``kernel[num_warps, num_stages](...)`` with
+    ``name=value`` for its constants (declared constexprs and integers specialised to 1), ``name%16`` for
+    integers compiled as multiples of 16 and ``name`` for other integers: the classes a warm-up has to reach.
+    (Triton 3.6's own ``repr`` pairs the names with the characters of the cache key.) ``fallback`` where the
+    hook's data has another form."""
+    try:
+        signature = compile["signature"]  # {name: type}: "i32", "*bf16", "fp32", "constexpr", ...
+        names = list(signature)
+        constants = {names[path[0]]: value for path, value in compile["constants"].items() if len(path) == 1}
+        aligned = {names[path[0]] for path, attrs in compile["configs"][0].items() if len(path) == 1 and attrs}
+        args = []
+        for name, kind in signature.items():
+            if name in constants:
+                args.append(f"{name}={constants[name]}")
+            elif kind[:1] in ("i", "u"):
+                args.append(f"{name}%16" if name in aligned else name)
+        return f"{fn.name}[num_warps={compile['num_warps']}, num_stages={compile['num_stages']}]({', '.join(args)})"
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return fallback
+
+
 def log_late_compiles() -> bool:
     """From now on, log a warning whenever a Triton kernel variant is first needed in this process (compiled, or
     loaded from Triton's disk cache): after the start-up warm-up and graph capture, that happens inside a step,
@@ -219,7 +242,7 @@ def log_late_compiles() -> bool:
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         if not already_compiled:
-            log.warning("kernel variant first used after start-up, inside a step: %s", repr)
+            log.warning("kernel variant first used after start-up, inside a step: %s", _variant_of(fn, compile, repr))
         return previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                         already_compiled=already_compiled) if previous is not None else None
 

@@ -125,16 +125,20 @@ def _compiled_variants() -> int:
 @cuda
 def test_engine_start_compiles_the_prefill_kernels(tiny_cuda):
     """A prefill step of a new size class compiles kernels (about a second each at real shapes): the engine runs
-    one step of each class at start, so prompts of other lengths, alone or together, compile nothing new."""
+    one step of each class at start, so prompts of other lengths, alone or together, after cached prefixes or
+    not, and decode steps at longer contexts (graphs captured later) compile nothing new."""
     cfg, model = tiny_cuda
     engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_seqs=20, max_num_batched_tokens=128,
                                              kv_cache_memory_bytes=256 << 20))
     before = _compiled_variants()
     assert before > 0
-    for lens in ([37], [20, 33, 50], [5] * 17, [120], [9, 64]):
+    # [250]: a block table 16 wide, alone, then decode graphs of a longer key bucket; 240 + 15 x 3 (twice, the
+    # second time from the prefix cache): 16 sequences, a multiple of 16, in mixed steps.
+    for lens in ([37], [20, 33, 50], [5] * 17, [120], [9, 64], [250], [240] + [3] * 15, [240] + [3] * 15):
         out = [submit(engine, prompt_of(n, 300 + n + i), max_tokens=3, ignore_eos=True) for i, n in enumerate(lens)]
         run_all(engine, out)
         assert all(len(c.tokens) == 3 for c in out)
+    assert engine.stats()["prefix_cache_hits"] > 0
     assert _compiled_variants() == before
 
 
@@ -154,7 +158,10 @@ def test_a_kernel_variant_first_used_after_start_is_logged(tiny_cuda, caplog):
         paged_attention.paged_attention(q, k_cache, k_cache, tables, cu, seq_lens, max_query_len=20, max_seq_len=50,
                                         scale=0.25, config=odd)
         torch.cuda.synchronize()
-    assert any("first used after start-up" in r.message and "_attn_2d_kernel" in r.message for r in caplog.records)
+    # One line naming the kernel, its launch options and the argument classes that select the variant.
+    lines = [r.message for r in caplog.records if "first used after start-up" in r.message]
+    assert any("_attn_2d_kernel[num_warps=2, num_stages=1](" in m and "BLOCK_M=64" in m and "TILE_N=32" in m
+               and "num_seqs," in m for m in lines), lines
 
 
 @cuda
