@@ -159,7 +159,7 @@ class EngineBackend:
     outputs arrive by callback."""
 
 
-    def __init__(self, model, cfg, ecfg, step_trace: bool = False):
+    def __init__(self, model, cfg, ecfg, step_trace: bool = False, profile: tuple[int, str] | None = None):
         from moe_engine.engine import Engine
 
         self.cfg = cfg
@@ -167,6 +167,11 @@ class EngineBackend:
         self.steps: list[dict] | None = [] if step_trace else None
         if step_trace:
             self._trace_steps()
+        self.turn_no = 0  # set by AgentRun.turn before run_turn (0: a warm-up)
+        self.profile = profile  # (turn, path): cProfile the engine thread's steps of that turn into path
+        self._profiler = None
+        if profile is not None:
+            self._profile_steps()
         self.engine.start()
         # the wire dtype the server would use (uint8 up to 256 experts); no frontend import: the GPU image
         # has no pybase64
@@ -200,7 +205,45 @@ class EngineBackend:
 
         runner.launch, runner.results = traced_launch, traced_results
 
+    def _profile_steps(self) -> None:
+        """--profile-turn: each engine step of the chosen turn runs under cProfile in the engine thread (admission,
+        launch, results and output processing; the submitting thread's validation is timed apart)."""
+        import cProfile
+
+        step = self.engine.step
+
+        def profiled_step():
+            prof = self._profiler
+            if prof is None:
+                return step()
+            prof.enable()
+            try:
+                return step()
+            finally:
+                prof.disable()
+
+        self.engine.step = profiled_step
+        self._cprofile = cProfile
+
+    def _write_profile(self, prof, submit_s: float, gc_ms: list[float]) -> None:
+        import io
+        import pstats
+
+        turn, path = self.profile
+        buf = io.StringIO()
+        buf.write(f"turn {turn}: engine thread's steps under cProfile (timings inflated by the profiler); "
+                  f"add_requests (validation, submitting thread) {1e3 * submit_s:.1f} ms; garbage collections "
+                  f"during the turn: {len(gc_ms)}, {sum(gc_ms):.1f} ms (largest {max(gc_ms, default=0):.1f} ms)\n")
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(30)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            f.write(buf.getvalue())
+        log(f"  profile of turn {turn} written to {path}")
+
     def run_turn(self, convs: list[Conversation], out_tokens: int, timeout: float) -> list[Result]:
+        import gc
+
         from moe_engine.engine import Request
         from moe_engine.sampling import SamplingParams
 
@@ -238,8 +281,27 @@ class EngineBackend:
         # Together: the turn's first step sees every request (one add_request after another let the engine start
         # with the first few, and which few varied from turn to turn and run to run).
         first = len(self.steps) if self.steps is not None else 0
+        profiling = self.profile is not None and self.turn_no == self.profile[0]
+        gc_ms: list[float] = []
+
+        def on_gc(phase, info, t=[0.0]):
+            if phase == "start":
+                t[0] = time.perf_counter()
+            else:
+                gc_ms.append(1e3 * (time.perf_counter() - t[0]))
+
+        if profiling:
+            gc.callbacks.append(on_gc)
+            self._profiler = self._cprofile.Profile()
+        t_submit = time.perf_counter()
         self.engine.add_requests(reqs)
-        if not done.wait(timeout):
+        submit_s = time.perf_counter() - t_submit
+        finished = done.wait(timeout)
+        if profiling:
+            prof, self._profiler = self._profiler, None
+            gc.callbacks.remove(on_gc)
+            self._write_profile(prof, submit_s, gc_ms)
+        if not finished:
             raise TimeoutError(f"a turn took longer than {timeout:.0f} s")
         if self.steps is not None:
             for st in self.steps[first:]:
@@ -368,6 +430,7 @@ class AgentRun:
                 c.prompt = c.prompt + self.users.ids(i, turn, args.user_tokens)
         self.script[turn] = [(c.prompt, c.prev_total) for c in convs]
         backend = self.backend
+        backend.turn_no = turn
         q0, h0 = backend.cache_counters()
         results = backend.run_turn(convs, args.output_tokens, timeout=args.turn_timeout)
         wall = max(r.end_s or 0.0 for r in results)
@@ -635,7 +698,10 @@ def engine_mode(args) -> tuple[list[dict], str]:
         ecfg = EngineConfig(max_num_seqs=args.conversations, max_model_len=max_len, enable_routed_experts=True,
                             enable_prefix_caching=name.startswith("on"), **extra)
         rsm.free_device_memory(device)
-        b = EngineBackend(model, cfg, ecfg, step_trace=args.step_trace)
+        profile = None
+        if args.profile_turn and name.startswith("on"):
+            profile = (args.profile_turn, os.path.join(args.out or ".", f"profile_{name}_turn{args.profile_turn}.txt"))
+        b = EngineBackend(model, cfg, ecfg, step_trace=args.step_trace, profile=profile)
         log(f"engine for {name}: {ecfg}; stats {b.engine.stats()}")
         return b
 
@@ -674,6 +740,9 @@ def parse_args(argv=None):
     g.add_argument("--endpoints", default="generate,chat")
     g = p.add_argument_group("engine mode")
     g.add_argument("--device", default="cuda")
+    g.add_argument("--profile-turn", type=int, default=0, help="cProfile the engine thread's steps of this turn of "
+                   "the cache-on run (with the submitting thread's add_requests time and the garbage collections) "
+                   "into OUT/profile_<run>_turn<K>.txt")
     g.add_argument("--step-trace", action="store_true", help="log every turn's prefill steps (start and end on "
                    "the host clock, tokens, sequences, cached context)")
     g.add_argument("--shape", default="qwen3-30b-a3b", choices=("qwen3-30b-a3b", "tiny"))

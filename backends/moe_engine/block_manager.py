@@ -114,18 +114,21 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        hits: list[int] = []
         full = (len(tokens) - 1) // bs
-        for h, block in zip(self.block_hashes(table, tokens, full), zip(*[iter(tokens[: full * bs])] * bs)):
-            b = self.cached.get(h)
-            if b is None or self.block_tokens[b] != block:  # (a hash collision would differ here)
-                break
-            hits.append(b)
+        # Whole lists at a time (map, index, list equality run in C): a multi-turn agent's turn admits 32 prompts
+        # of ~490 cached blocks each before its first step, where a loop per block cost ~0.3 ms a prompt.
+        hits = list(map(self.cached.get, self.block_hashes(table, tokens, full)))
+        if None in hits:
+            del hits[hits.index(None):]
+        stored = list(map(self.block_tokens.__getitem__, hits))
+        mine = list(zip(*[iter(tokens[: len(hits) * bs])] * bs))
+        if stored != mine:  # a hash collision: the blocks up to the first differing one
+            del hits[next(j for j, (a, b) in enumerate(zip(stored, mine)) if a != b):]
         return hits
 
     def can_allocate(self, num_new_blocks: int, hits: list[int] = (), watermark: bool = False) -> bool:
         """Whether ``num_new_blocks`` fresh blocks (plus taking ``hits`` out of the free list) fit."""
-        taken_free = sum(1 for b in hits if self.ref_count[b] == 0)
+        taken_free = list(map(self.ref_count.__getitem__, hits)).count(0)
         reserve = self.watermark_blocks if watermark else 0
         return self.num_free - taken_free - num_new_blocks >= reserve
 
@@ -137,12 +140,13 @@ class BlockManager:
         assert not table.blocks
         self.query_tokens += num_tokens
         self.hit_tokens += len(hits) * self.block_size
+        ref, free = self.ref_count, self.free
         for b in hits:
-            if self.ref_count[b] == 0:
-                del self.free[b]
-            self.ref_count[b] += 1
-            table.blocks.append(b)
-            table.hashes.append(self.block_hash[b])
+            if ref[b] == 0:
+                del free[b]
+            ref[b] += 1
+        table.blocks.extend(hits)
+        table.hashes.extend(map(self.block_hash.__getitem__, hits))
 
     def allocate(self, table: BlockTable, num_tokens: int) -> bool:
         """Grow ``table`` to cover ``num_tokens`` tokens; False (and nothing taken) if the blocks are not free."""
