@@ -23,7 +23,7 @@ Every batch bucket's graph at the shortest key bucket is captured when the engin
 largest first): the first capture of a batch size compiles its kernels' specialisations (1-3 s on an H200 at
 the Qwen3-30B-A3B shape), which a request would otherwise wait for the first time that many sequences decode
 together. Other key buckets (and routing off) are captured the first time a step needs them, a warm capture
-(~0.15 s there). Graphs share one memory pool and write their logits into one buffer: they never run
+(~0.15 s there): ``warm_split_kernels`` has compiled, at start, the split-decode kernel variants only they use. Graphs share one memory pool and write their logits into one buffer: they never run
 concurrently, and a step's logits are sampled (on the same stream) before the next replay.
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ import time
 import numpy as np
 import torch
 
+from . import paged_attention
 from .attention import ForwardBatch
 from .experts import StepRouting
 from .kv_cache import KVCache
@@ -171,6 +172,47 @@ class DecodeGraphs:
             self._graphs[key] = self._capture(*key, level=logging.DEBUG)
         log.info("captured CUDA graphs for decode batches of %s sequences, routing %s, in %.1f s",
                  ", ".join(map(str, self.batch_sizes)), "on" if capture else "off", time.monotonic() - t0)
+
+    def split_counts(self, B: int, Lk: int) -> tuple[int, ...]:
+        """The split-decode counts a graph of B sequences at Lk keys runs its layers' attention with (the paged
+        kernels' rule, per distinct kv-head count of the layers)."""
+        heads = sorted({layer.k.shape[2] for layer in self.kv})
+        return tuple(paged_attention.choose_num_splits(B, h, Lk) for h in heads)
+
+    @torch.inference_mode()
+    def warm_split_kernels(self, capture: bool) -> int:
+        """Run, eagerly and on padding rows, one decode forward for each split count that only the graphs of longer
+        key buckets use (captured when first reached): the split-decode merge kernel compiles once per power of two
+        of its count, which would otherwise happen inside such a capture, in the middle of serving (0.3-1 s at the
+        Qwen3-30B-A3B shape: turns 2 and 3 of the multi-turn benchmark). Returns the number of forwards run."""
+        if not self.use_kernels:
+            return 0
+        t0 = time.monotonic()
+        M = self.max_batch
+        seen = {self.split_counts(B, self.kv_lens[0]) for B in self.batch_sizes}
+        todo = []
+        for Lk in self.kv_lens[1:]:
+            for B in self.batch_sizes:
+                counts = self.split_counts(B, Lk)
+                if counts not in seen:
+                    seen.add(counts)
+                    todo.append((B, Lk))
+        current = torch.cuda.current_stream()
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            for B, Lk in todo:
+                self._parity ^= 1
+                host = self._host_np[self._parity]
+                self._pad(host[: 4 * M].reshape(4, M), host[4 * M :].reshape(M, self.max_blocks), 0, B,
+                          -(-Lk // self.block_size))
+                self._upload(B)
+                self._forward(B, Lk, capture, False)
+        current.wait_stream(self._stream)
+        torch.cuda.current_stream().synchronize()
+        if todo:
+            log.info("ran decode steps of %s (sequences, keys) for their attention split counts in %.1f s",
+                     ", ".join(f"({B}, {Lk})" for B, Lk in todo), time.monotonic() - t0)
+        return len(todo)
 
     def _pad(self, scalars: np.ndarray, table_rows: np.ndarray, n: int, B: int, nb: int) -> None:
         """Rows n..B of the staging buffer as padding: token 0 at position 0 of the null block."""

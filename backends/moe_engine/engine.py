@@ -182,6 +182,8 @@ class Engine:
                 self.runner.warm_prefill(self.max_num_seqs)
             if self.runner.graphs is not None:
                 self.runner.graphs.capture_all(capture=self.runner.capture_buf is not None)
+                if triton_kernels:
+                    self.runner.graphs.warm_split_kernels(capture=self.runner.capture_buf is not None)
             if triton_kernels:
                 log_late_compiles()
 

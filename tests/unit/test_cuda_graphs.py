@@ -143,6 +143,25 @@ def test_engine_start_compiles_the_prefill_kernels(tiny_cuda):
 
 
 @cuda
+def test_decode_at_longer_contexts_compiles_nothing_after_start(tiny_cuda):
+    """The graphs of longer key buckets are captured when first reached, and their attention splits its keys
+    (split-decode kernels, a merge variant per power-of-two split count): those variants compile at start, so
+    decoding after long prompts, alone and together, waits for no compile."""
+    cfg, model = tiny_cuda
+    engine = Engine(model, cfg, EngineConfig(max_model_len=2048, max_num_seqs=4, kv_cache_memory_bytes=256 << 20))
+    graphs = engine.graphs
+    splits = {c for B in graphs.batch_sizes for Lk in graphs.kv_lens for c in graphs.split_counts(B, Lk)}
+    assert len(splits - {1}) >= 2  # the case this test is about: several split counts past the first key bucket
+    before = _compiled_variants()
+    for lens in ([1500], [700], [1500, 700, 300]):
+        out = [submit(engine, prompt_of(n, 900 + n + i), max_tokens=3, ignore_eos=True) for i, n in enumerate(lens)]
+        run_all(engine, out)
+        assert all(len(c.tokens) == 3 for c in out)
+    assert len({k[1] for k in graphs._graphs}) >= 3  # graphs of longer key buckets were captured on the way
+    assert _compiled_variants() == before
+
+
+@cuda
 def test_a_kernel_variant_first_used_after_start_is_logged(tiny_cuda, caplog):
     """After start-up a new kernel variant compiles inside a step (a stall): the engine logs it with its name."""
     cfg, model = tiny_cuda
