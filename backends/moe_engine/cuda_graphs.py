@@ -23,8 +23,9 @@ Every batch bucket's graph at the shortest key bucket is captured when the engin
 largest first): the first capture of a batch size compiles its kernels' specialisations (1-3 s on an H200 at
 the Qwen3-30B-A3B shape), which a request would otherwise wait for the first time that many sequences decode
 together. Other key buckets (and routing off) are captured the first time a step needs them, a warm capture
-(~0.15 s there): ``warm_split_kernels`` has compiled, at start, the split-decode kernel variants only they use. Graphs share one memory pool and write their logits into one buffer: they never run
-concurrently, and a step's logits are sampled (on the same stream) before the next replay.
+(70-150 ms there): ``warm_split_kernels`` has compiled, at start, the split-decode kernel variants only they use.
+Graphs share one memory pool and write their logits into one buffer: they never run concurrently, and a step's
+logits are sampled (on the same stream) before the next replay.
 """
 from __future__ import annotations
 
