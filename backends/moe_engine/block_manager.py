@@ -9,7 +9,10 @@ Prefix caching (on by default, as vLLM): a block whose ``block_size`` tokens are
 with the same blocks takes them (reference counted) instead of computing them again. The cache key holds
 everything else that changes the keys and values of those tokens (e.g. forced routing): sequences with different
 keys never share blocks. A freed block keeps its hash and contents until it is handed out again: free blocks are
-reused least-recently-freed first, so the most recently used prefixes stay longest.
+reused least-recently-freed first, so the most recently used prefixes stay longest. A hit is checked beyond the
+hash: the block's tokens are the prompt's, and it follows the hit before it (each registered block records its
+parent block and that block's generation, bumped whenever a block is handed out), so blocks are shared only
+between equal token histories even where hashes collide.
 
 Routing rows travel with the cached blocks: when a block is registered, its tokens' routed experts
 [block_size, num_hidden_layers, top_k] are stored beside it (host memory, sized with the KV cache), so that a
@@ -39,6 +42,9 @@ class BlockTable:
     # memo_key (a sequence's full blocks never change; a new cache key starts the memo again)
     memo: list[int] = field(default_factory=list)
     memo_key: object = None
+    # The cached block that stands for the last registered block of this table, with its generation: what the
+    # next block registers as its parent (None before the first block).
+    link: tuple[int, int] | None = None
 
 
 class BlockManager:
@@ -57,6 +63,14 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # guards against hash collisions
+        # ... with what each registered block follows: (parent block, the parent's generation then), None for a
+        # first block. A block's generation counts the times it was handed out, so a prefix hit is taken only
+        # where every block follows the hit before it as that block was when they were registered: blocks are
+        # shared only between equal token histories, whatever the hashes do (Python's hash can be made to
+        # collide on purpose; vLLM moved to sha256 for that). Keys, values and routing rows of one prefix never
+        # reach a request with another.
+        self.block_parent: list[tuple[int, int] | None] = [None] * num_blocks
+        self.block_gen = [0] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id (registered blocks, in use or free)
         # Free blocks, least recently freed first (OrderedDict: O(1) removal when a cached free block is hit).
         self.free: collections.OrderedDict[int, None] = collections.OrderedDict((b, None) for b in range(num_blocks))
@@ -124,6 +138,11 @@ class BlockManager:
         mine = list(zip(*[iter(tokens[: len(hits) * bs])] * bs))
         if stored != mine:  # a hash collision: the blocks up to the first differing one
             del hits[next(j for j, (a, b) in enumerate(zip(stored, mine)) if a != b):]
+        # Each hit follows the one before it (the first follows nothing): the same history, not just a hash.
+        have = list(map(self.block_parent.__getitem__, hits))
+        want = [None, *zip(hits[:-1], map(self.block_gen.__getitem__, hits[:-1]))][: len(hits)]
+        if have != want:
+            del hits[next(j for j, (a, b) in enumerate(zip(have, want)) if a != b):]
         return hits
 
     def can_allocate(self, num_new_blocks: int, hits: list[int] = (), watermark: bool = False) -> bool:
@@ -147,6 +166,7 @@ class BlockManager:
             ref[b] += 1
         table.blocks.extend(hits)
         table.hashes.extend(map(self.block_hash.__getitem__, hits))
+        table.link = (hits[-1], self.block_gen[hits[-1]]) if hits else None
 
     def allocate(self, table: BlockTable, num_tokens: int) -> bool:
         """Grow ``table`` to cover ``num_tokens`` tokens; False (and nothing taken) if the blocks are not free."""
@@ -158,6 +178,7 @@ class BlockManager:
         for _ in range(need):
             b, _ = self.free.popitem(last=False)  # least recently freed: the coldest cached prefix goes first
             self._evict(b)
+            self.block_gen[b] += 1
             self.ref_count[b] = 1
             table.blocks.append(b)
         return True
@@ -171,6 +192,7 @@ class BlockManager:
                 self.free[b] = None
         table.blocks.clear()
         table.hashes.clear()
+        table.link = None
 
     def _evict(self, b: int) -> None:
         h = self.block_hash[b]
@@ -179,6 +201,7 @@ class BlockManager:
                 del self.cached[h]
             self.block_hash[b] = None
             self.block_tokens[b] = None
+            self.block_parent[b] = None
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -199,7 +222,11 @@ class BlockManager:
             h = hashes[j]
             b = table.blocks[j]
             table.hashes.append(h)
-            if h in self.cached:  # the same prefix was computed twice (two cold requests at once): keep the first
+            parent, table.link = table.link, (b, self.block_gen[b])  # children follow this block, unless ...
+            c = self.cached.get(h)
+            if c is not None:  # the same prefix was computed twice (two cold requests at once): keep the first
+                if self.block_tokens[c] == chunk and self.block_parent[c] == parent:
+                    table.link = (c, self.block_gen[c])  # ... the cached twin stands for it
                 continue
             if self.rows is not None:
                 lo = j * bs - rows_start
@@ -210,6 +237,7 @@ class BlockManager:
             self.cached[h] = b
             self.block_hash[b] = h
             self.block_tokens[b] = chunk
+            self.block_parent[b] = parent
         if row_blocks:  # one copy (and cast) for all of them: half the time of a copy per block
             n, lo = len(row_blocks), row_starts[0]
             if row_starts[-1] - lo == (n - 1) * bs:  # consecutive (the usual case): a view, no gather

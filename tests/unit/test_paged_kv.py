@@ -285,6 +285,56 @@ def submit_salted(engine, prompt, salt):
     return c
 
 
+def colliding_hash(parent, tokens, key):
+    """A chained block hash that ignores the parent: equal blocks after different histories collide, as crafted
+    inputs can make Python's hash collide."""
+    return hash((tokens, key))
+
+
+def test_a_hash_collision_never_shares_a_block_across_different_histories(monkeypatch):
+    """With hashes that collide, a prompt still takes only blocks whose whole history is its own: a block of
+    another history with the same tokens and the same hash is not a hit (its keys, values and routing rows
+    were computed after other tokens)."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    monkeypatch.setattr(bm, "_hash", colliding_hash)
+    a0, b0, x, y = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]
+    tables = {}
+    for name, tokens in (("a", a0 + x + [0]), ("c", b0 + y + [0])):  # cached: a0 | x and b0 | y
+        t = tables[name] = BlockTable()
+        assert bm.allocate(t, len(tokens))
+        bm.register(t, tokens, num_computed=len(tokens))
+    # b0 | x: block 0 is c's, block 1's tokens and (colliding) hash are a's, after a0 and not b0
+    assert bm.match_prefix(BlockTable(), b0 + x + [0]) == tables["c"].blocks[:1]
+    assert bm.match_prefix(BlockTable(), a0 + x + [0]) == tables["a"].blocks[:2]  # a's own history: both
+    # a block handed out again (its generation moves on) no longer stands for what followed it
+    for t in tables.values():
+        bm.free_table(t)
+    while bm.num_free:  # hand every block out again, a's and c's included
+        assert bm.allocate(BlockTable(), 4)
+    assert bm.match_prefix(BlockTable(), a0 + x + [0]) == []
+
+
+def test_a_hash_collision_gives_the_tokens_and_rows_of_a_cold_run(tiny, monkeypatch):
+    """End to end, with colliding block hashes: a prompt whose second block repeats another prompt's second block
+    after a different first block gets exactly what a cold run gives (the other prompt's keys and values for
+    those tokens would change its logits and routing)."""
+    engine = make_engine(tiny, max_model_len=256)
+    monkeypatch.setattr(engine.blocks, "_hash", colliding_hash)
+    a0, b0, x, y = (prompt_of(BS, seed) for seed in (21, 22, 23, 24))
+    first = [submit(engine, p, max_tokens=4, ignore_eos=True) for p in (a0 + x + [7], b0 + y + [7])]
+    run_all(engine, first)
+    probe = b0 + x + [7]
+    before = engine.stats()["prefix_cache_hits"]
+    warm = submit(engine, probe, max_tokens=6, ignore_eos=True)
+    run_all(engine, [warm])
+    assert engine.stats()["prefix_cache_hits"] - before == BS  # b0 from the cache, x computed again
+    fresh = make_engine(tiny, max_model_len=256, enable_prefix_caching=False)
+    cold = submit(fresh, probe, max_tokens=6, ignore_eos=True)
+    run_all(fresh, [cold])
+    assert warm.tokens == cold.tokens
+    np.testing.assert_array_equal(warm.routing, cold.routing)
+
+
 def test_register_stores_each_new_blocks_rows_from_where_its_rows_start():
     """Rows arrive per step (rows_start = the step's first position); each newly registered block stores its own
     16 x L x K rows in the cache's dtype, and a block some other table registered first keeps that table's rows."""
