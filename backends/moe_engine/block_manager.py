@@ -129,20 +129,15 @@ class BlockManager:
             return []
         bs = self.block_size
         full = (len(tokens) - 1) // bs
-        # Whole lists at a time (map, index, list equality run in C): a multi-turn agent's turn admits 32 prompts
-        # of ~490 cached blocks each before its first step, where a loop per block cost ~0.3 ms a prompt.
-        hits = list(map(self.cached.get, self.block_hashes(table, tokens, full)))
-        if None in hits:
-            del hits[hits.index(None):]
-        stored = list(map(self.block_tokens.__getitem__, hits))
-        mine = list(zip(*[iter(tokens[: len(hits) * bs])] * bs))
-        if stored != mine:  # a hash collision: the blocks up to the first differing one
-            del hits[next(j for j, (a, b) in enumerate(zip(stored, mine)) if a != b):]
-        # Each hit follows the one before it (the first follows nothing): the same history, not just a hash.
-        have = list(map(self.block_parent.__getitem__, hits))
-        want = [None, *zip(hits[:-1], map(self.block_gen.__getitem__, hits[:-1]))][: len(hits)]
-        if have != want:
-            del hits[next(j for j, (a, b) in enumerate(zip(have, want)) if a != b):]
+        hits: list[int] = []
+        parent = None  # each hit follows the one before it (the first follows nothing): the same history
+        cached, tokens_of, parent_of, gen = self.cached, self.block_tokens, self.block_parent, self.block_gen
+        for h, block in zip(self.block_hashes(table, tokens, full), zip(*[iter(tokens[: full * bs])] * bs)):
+            b = cached.get(h)
+            if b is None or tokens_of[b] != block or parent_of[b] != parent:  # (a collision would differ here)
+                break
+            hits.append(b)
+            parent = (b, gen[b])
         return hits
 
     def can_allocate(self, num_new_blocks: int, hits: list[int] = (), watermark: bool = False) -> bool:
