@@ -68,7 +68,8 @@ class BlockManager:
         # where every block follows the hit before it as that block was when they were registered: blocks are
         # shared only between equal token histories, whatever the hashes do (Python's hash can be made to
         # collide on purpose; vLLM moved to sha256 for that). Keys, values and routing rows of one prefix never
-        # reach a request with another.
+        # reach a request with another. (A parent is not handed out again while a child is cached: blocks are freed
+        # tail first and reused least recently freed first, so a cached entry never goes stale this way.)
         self.block_parent: list[tuple[int, int] | None] = [None] * num_blocks
         self.block_gen = [0] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id (registered blocks, in use or free)
