@@ -306,7 +306,7 @@ def test_a_hash_collision_never_shares_a_block_across_different_histories(monkey
     # b0 | x: block 0 is c's, block 1's tokens and (colliding) hash are a's, after a0 and not b0
     assert bm.match_prefix(BlockTable(), b0 + x + [0]) == tables["c"].blocks[:1]
     assert bm.match_prefix(BlockTable(), a0 + x + [0]) == tables["a"].blocks[:2]  # a's own history: both
-    # a block handed out again (its generation moves on) no longer stands for what followed it
+    # blocks handed out again hold other contents: none of them is a hit any more
     for t in tables.values():
         bm.free_table(t)
     while bm.num_free:  # hand every block out again, a's and c's included
