@@ -255,5 +255,6 @@ class BlockManager:
         for b in list(self.cached.values()):
             self.block_hash[b] = None
             self.block_tokens[b] = None
+            self.block_parent[b] = None
         self.cached.clear()
         return n
