@@ -158,18 +158,13 @@ class DecodeGraphs:
         memory comes out of the pool the largest one made), on rows that are all padding."""
         t0 = time.monotonic()
         Lk = self.kv_lens[0]
-        nb = -(-Lk // self.block_size)
-        M = self.max_batch
-        log.info("capturing CUDA graphs for decode batches of up to %d sequences (%d sizes) ...", M,
+        log.info("capturing CUDA graphs for decode batches of up to %d sequences (%d sizes) ...", self.max_batch,
                  len(self.batch_sizes))
         for B in reversed(self.batch_sizes):
             key = (B, Lk, capture, False)
             if key in self._graphs:
                 continue
-            self._parity ^= 1
-            host = self._host_np[self._parity]
-            self._pad(host[: 4 * M].reshape(4, M), host[4 * M :].reshape(M, self.max_blocks), 0, B, nb)
-            self._upload(B)
+            self._stage_padding(B, Lk)
             self._graphs[key] = self._capture(*key, level=logging.DEBUG)
         log.info("captured CUDA graphs for decode batches of %s sequences, routing %s, in %.1f s",
                  ", ".join(map(str, self.batch_sizes)), "on" if capture else "off", time.monotonic() - t0)
@@ -189,7 +184,6 @@ class DecodeGraphs:
         if not self.use_kernels:
             return 0
         t0 = time.monotonic()
-        M = self.max_batch
         seen = {self.split_counts(B, self.kv_lens[0]) for B in self.batch_sizes}
         todo = []
         for Lk in self.kv_lens[1:]:
@@ -202,18 +196,23 @@ class DecodeGraphs:
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             for B, Lk in todo:
-                self._parity ^= 1
-                host = self._host_np[self._parity]
-                self._pad(host[: 4 * M].reshape(4, M), host[4 * M :].reshape(M, self.max_blocks), 0, B,
-                          -(-Lk // self.block_size))
-                self._upload(B)
+                self._stage_padding(B, Lk)
                 self._forward(B, Lk, capture, False)
         current.wait_stream(self._stream)
-        torch.cuda.current_stream().synchronize()
+        current.synchronize()
         if todo:
             log.info("ran decode steps of %s (sequences, keys) for their attention split counts in %.1f s",
                      ", ".join(f"({B}, {Lk})" for B, Lk in todo), time.monotonic() - t0)
         return len(todo)
+
+    def _stage_padding(self, B: int, Lk: int) -> None:
+        """Static inputs of B rows that are all padding, for a capture or a warm-up at Lk keys."""
+        M = self.max_batch
+        self._parity ^= 1
+        host = self._host_np[self._parity]
+        self._pad(host[: 4 * M].reshape(4, M), host[4 * M :].reshape(M, self.max_blocks), 0, B,
+                  -(-Lk // self.block_size))
+        self._upload(B)
 
     def _pad(self, scalars: np.ndarray, table_rows: np.ndarray, n: int, B: int, nb: int) -> None:
         """Rows n..B of the staging buffer as padding: token 0 at position 0 of the null block."""
