@@ -54,11 +54,15 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import cProfile
 import datetime as dt
+import gc
+import io
 import json
 import logging
 import math
 import os
+import pstats
 import random
 import re
 import sys
@@ -208,8 +212,6 @@ class EngineBackend:
     def _profile_steps(self) -> None:
         """--profile-turn: each engine step of the chosen turn runs under cProfile in the engine thread (admission,
         launch, results and output processing; the submitting thread's validation is timed apart)."""
-        import cProfile
-
         step = self.engine.step
 
         def profiled_step():
@@ -223,12 +225,8 @@ class EngineBackend:
                 prof.disable()
 
         self.engine.step = profiled_step
-        self._cprofile = cProfile
 
     def _write_profile(self, prof, submit_s: float, gc_ms: list[float]) -> None:
-        import io
-        import pstats
-
         turn, path = self.profile
         buf = io.StringIO()
         buf.write(f"turn {turn}: engine thread's steps under cProfile (timings inflated by the profiler); "
@@ -242,8 +240,6 @@ class EngineBackend:
         log(f"  profile of turn {turn} written to {path}")
 
     def run_turn(self, convs: list[Conversation], out_tokens: int, timeout: float) -> list[Result]:
-        import gc
-
         from moe_engine.engine import Request
         from moe_engine.sampling import SamplingParams
 
@@ -292,7 +288,7 @@ class EngineBackend:
 
         if profiling:
             gc.callbacks.append(on_gc)
-            self._profiler = self._cprofile.Profile()
+            self._profiler = cProfile.Profile()
         t_submit = time.perf_counter()
         self.engine.add_requests(reqs)
         submit_s = time.perf_counter() - t_submit
