@@ -557,8 +557,8 @@ def profile_case(ctx) -> None:
     lm_alone = rsm.time_lm_head(ctx.model, n)
     summ.update(case=case, phase=phase, batch=n, trace=trace.name + ".gz", lm_head_alone_ms=lm_alone and lm_alone * 1e3)
     ctx.current.update(summ)
-    log(f"profile {case}:{phase}: {n_steps} steps, wall {summ['wall_per_step_ms']:.2f} ms/step, device busy "
-        f"{summ['busy_per_step_ms']:.2f} ms/step" + (f"; lm_head alone at {n} rows {lm_alone * 1e3:.3f} ms" if lm_alone else ""))
+    log(f"profile {case}:{phase}: {n_steps} steps ({summ['trace_steps']} with kernels in the trace), wall "
+        f"{summ['wall_per_step_ms']:.2f} ms/step, device busy {summ['busy_per_step_ms']:.2f} ms/step" + (f"; lm_head alone at {n} rows {lm_alone * 1e3:.3f} ms" if lm_alone else ""))
     for cls, ms in summ["classes_ms_per_step"].items():
         log(f"  {cls:14s} {ms:8.3f} ms/step")
     for k in summ["top_kernels"][:15]:

@@ -120,3 +120,19 @@ def test_profile_busy_time_is_the_union_of_kernel_intervals():
     assert s["busy_per_step_ms"] == pytest.approx((15 + 4) / 2 / 1e3)
     assert s["kernel_time_per_step_ms"] == pytest.approx((10 + 10 + 4) / 2 / 1e3)
     assert s["classes_ms_per_step"] == pytest.approx({"dense GEMMs": 5e-3, "routing": 5e-3, "copies": 2e-3})
+
+
+def test_profile_divides_device_time_by_the_decode_steps_the_trace_holds():
+    # The engine counted 3 steps in the window, but one was launched before the profiler started: only two
+    # lm_head GEMMs (one per decode step) and their layers' kernels are in the trace.
+    events = []
+    for step in range(2):
+        t = 100 * step
+        events += [{"ph": "X", "cat": "kernel", "name": "_moe_gemm_kernel", "ts": t, "dur": 30},
+                   {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_384x8_64x4_2x1_v_bz_TNT", "ts": t + 40,
+                    "dur": 20}]
+    s = rsm.summarize_trace(events, steps=3, wall_s=300e-6, lm_head_min_us=15)
+    assert (s["steps"], s["trace_steps"]) == (3, 2)
+    assert s["wall_per_step_ms"] == pytest.approx(0.1)
+    assert s["busy_per_step_ms"] == pytest.approx(50e-3)
+    assert s["classes_ms_per_step"] == pytest.approx({"expert GEMMs": 30e-3, "lm_head": 20e-3})
