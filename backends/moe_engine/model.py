@@ -131,7 +131,9 @@ class Attention(nn.Module):
             q, k = self._fused_norm_rope(q, k, cos, sin, (v, cache.k, cache.v, batch.slot_mapping))
             v = v.view(T, self.num_kv_heads, self.head_dim)
             out = attend_stored(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)
-            return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+            return kernels.decode_linear(out.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight,
+                                         self.o_proj.bias, self.within_rounding,
+                                         kernels.O_PROJ_SMALL_LINEAR_TOKENS)  # [T, H]
         if self.qk_norm == "full":
             q, k = self._full_norm(q, k)
         if self.clip_qkv is not None:

@@ -83,7 +83,8 @@ class SoftmaxTopKRouter(Router):
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size), requires_grad=False)  # [E, H]
 
     def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)  # [T, E] in the model dtype (bf16 logits for a bf16 model)
+        # [T, E] in the model dtype (bf16 logits for a bf16 model); decode steps: kernels.small_linear
+        logits = kernels.decode_linear(x, self.weight, None, self.within_rounding, kernels.ROUTER_SMALL_LINEAR_TOKENS)
         if self.within_rounding:  # kernels.softmax_topk: the lines below in one launch
             return kernels.softmax_topk(logits, self.top_k, self.norm_topk_prob,
                                         torch.float32 if self.weights_fp32 else logits.dtype,

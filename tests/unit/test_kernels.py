@@ -197,6 +197,29 @@ def test_fused_router_chooses_the_same_experts_with_weights_within_rounding(dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_small_linear_equals_f_linear_within_rounding(dtype):
+    """kernels.small_linear (decode steps' router and projections): F.linear's result within float32 summation
+    order, rounded to the model dtype as F.linear rounds it; with and without a bias, widths not a power of two,
+    a strided input (a view of a wider tensor); only for steps it is meant for."""
+    g = torch.Generator().manual_seed(11)
+    for T, N, H in ((1, 128, 256), (5, 60, 96), (16, 37, 200)):
+        wide = torch.randn(T, H + 8, generator=g).to(dtype).to(DEVICE)
+        x = wide[:, 4:H + 4]  # row stride H + 8
+        w = (torch.randn(N, H, generator=g) / H**0.5).to(dtype).to(DEVICE)
+        b = torch.randn(N, generator=g).to(dtype).to(DEVICE)
+        for bias in (None, b):
+            y = kernels.small_linear(x, w, bias)
+            assert y.shape == (T, N) and y.dtype == dtype
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias))
+            exact = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+            # float32 sums: within a few ulps of the exact result (bf16: the rounding of it)
+            torch.testing.assert_close(y.double(), exact, rtol=1e-5 if dtype == torch.float32 else 8e-3,
+                                       atol=1e-5 if dtype == torch.float32 else 8e-3)
+    assert kernels.small_linear_fits(4, 8192, 4) and not kernels.small_linear_fits(5, 2048, 4)
+    assert not kernels.small_linear_fits(1, 8193, 4) and not kernels.small_linear_fits(0, 64, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_one_pass_norms_equal_the_op_by_op_norms_within_rounding(dtype):
     """kernels.rms_norm (the residual add, the mean of squares summed in the kernel, the tail) and qk_norm_rope
     summing its own means: the add bit for bit, the norms within float32 summation order."""
@@ -254,11 +277,11 @@ def test_qk_norm_rope_writes_the_cache_exactly_as_store_kv(norm):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_checkpoints, monkeypatch):
-    """The whole forward with the one-pass norms, the fused router and one q/k/v GEMM (what a GPU runs by
-    default): float32, the routed ids equal the op-by-op forward's in slot order and the logits agree within
+    """The whole forward with the one-pass norms, the fused router, one q/k/v GEMM and, for decode-sized steps,
+    small_linear's router logits and o_proj (what a GPU runs by default): float32, the routed ids equal the op-by-op forward's in slot order and the logits agree within
     rounding; bf16 (the serving dtype), the logits agree within bf16 rounding of the hidden states."""
     counter = LaunchCounter(monkeypatch)
-    for name in ("rms_norm", "softmax_topk"):
+    for name in ("rms_norm", "softmax_topk", "small_linear"):
         fn = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _name=name, **kw: (
             counter.calls.__setitem__(_name, counter.calls.get(_name, 0) + 1), _fn(*a, **kw))[1])
@@ -276,6 +299,17 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
         assert counter.calls["rms_norm"] >= 2 * L + 1  # every layer norm (and the final one) in one pass
         if model.config.router.kind == "softmax_topk":
             assert counter.calls["softmax_topk"] == len(model.config.moe_layers)
+        # decode-sized steps (one token; three): the routers' logits (and at one token o_proj) in small_linear
+        for n in (1, 3):
+            counter.calls.clear()
+            (ref_logits, ref_routed), (logits, routed) = forward_both_ways(model, prompt_of(n, seed=n), True)
+            if dtype == torch.float32:
+                assert torch.equal(routed, ref_routed), (arch, n)
+                torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+            else:
+                torch.testing.assert_close(logits, ref_logits, rtol=0.05, atol=0.05)
+            if model.config.router.kind == "softmax_topk":
+                assert counter.calls["small_linear"] >= len(model.config.moe_layers), (arch, n)
         if model.config.attention.mla is None:  # q/k/v weights laid out as one tensor: one GEMM
             attn = model.model.layers[0].self_attn
             assert attn._qkv_weight() is not None

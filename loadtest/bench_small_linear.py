@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""kernels.small_linear against cuBLAS (F.linear) for the dense GEMMs of a decode step of a few tokens.
+
+For each projection of the real shape (Qwen3-30B-A3B: router 128 x 2048, q/k/v 5120 x 2048, o 2048 x 4096) and
+each step size T: both ways of computing ``x @ W.T`` over 48 different weights (one per layer, so the weights come
+from HBM, not L2) captured in one CUDA graph, replayed ``--reps`` times; the median time per GEMM and the weight
+bytes over it. Also the largest difference from a float32 reference and the share of outputs equal to cuBLAS's.
+
+    PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --out OUT      # one H200: ~1 minute
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+from moe_engine import kernels  # noqa: E402
+
+SHAPES = {"router": (128, 2048), "qkv": (5120, 2048), "o": (2048, 4096)}  # name: (N outputs, H inputs)
+
+
+def graph_time(fn, xs, ws, reps: int) -> float:
+    """Seconds per GEMM: ``fn(x, w)`` for each of the layers' weights, captured once, replayed ``reps`` times."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for x, w in zip(xs, ws):  # compile and warm outside the capture
+            fn(x, w)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for x, w in zip(xs, ws):
+            fn(x, w)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(ws))
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="1,2,4,8,16")
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows, t0 = [], time.perf_counter()
+    print(f"bench_small_linear on {torch.cuda.get_device_name(dev)}; torch {torch.__version__}; {args.layers} weights "
+          f"per projection, {args.reps} graph replays", flush=True)
+    for name, (N, H) in SHAPES.items():
+        ws = [(torch.randn(N, H, device=dev, generator=g) / H**0.5).to(dt) for _ in range(args.layers)]
+        for T in (int(t) for t in args.tokens.split(",")):
+            xs = [torch.randn(T, H, device=dev, generator=g).to(dt) for _ in range(args.layers)]
+            t_cublas = graph_time(F.linear, xs, ws, args.reps)
+            t_small = graph_time(kernels.small_linear, xs, ws, args.reps)
+            ref = F.linear(xs[0].float(), ws[0].float())
+            ours, theirs = kernels.small_linear(xs[0], ws[0]), F.linear(xs[0], ws[0])
+            gb = N * H * 2 / 1e9
+            row = dict(name=name, N=N, H=H, T=T, cublas_us=t_cublas * 1e6, small_us=t_small * 1e6,
+                       cublas_tbps=gb / t_cublas / 1e3, small_tbps=gb / t_small / 1e3,
+                       speedup=t_cublas / t_small, max_err_small=(ours.float() - ref).abs().max().item(),
+                       max_err_cublas=(theirs.float() - ref).abs().max().item(),
+                       equal_to_cublas=(ours == theirs).float().mean().item())
+            rows.append(row)
+            print(f"{name:6s} {N:5d}x{H:<5d} T={T:2d}  cuBLAS {row['cublas_us']:6.2f} us ({row['cublas_tbps']:.2f} TB/s)"
+                  f"  small_linear {row['small_us']:6.2f} us ({row['small_tbps']:.2f} TB/s)  {row['speedup']:.2f}x  "
+                  f"max err {row['max_err_small']:.2e} (cuBLAS {row['max_err_cublas']:.2e}), "
+                  f"{100 * row['equal_to_cublas']:.1f}% equal  [{time.perf_counter() - t0:.0f} s]", flush=True)
+        del ws
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "small_linear.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
