@@ -22,6 +22,7 @@ blocks handed out from a shuffled free list (block tables not contiguous).
     .venv/bin/python loadtest/bench_paged_attention.py --sweep --cases prefill --reps 10
     .venv/bin/python loadtest/bench_paged_attention.py --cases prefill --sdpa-backends  # + cuDNN, efficient
     .venv/bin/python loadtest/bench_paged_attention.py --cases dense  # the engine's dense prefill per length
+    .venv/bin/python loadtest/bench_paged_attention.py --cases layers  # short decodes, 48 layers per graph
 
 ``--check`` exits 1 if an error exceeds 2% of the reference's largest magnitude. ``--smoke`` runs tiny shapes
 on the CPU under Triton's interpreter (tests the script, measures nothing).
@@ -63,7 +64,8 @@ def parse_args():
     p.add_argument("--sdpa-backends", action="store_true",
                    help="prefill: time every SDPA backend (flash, cudnn, efficient; GQA or repeated K/V)")
     p.add_argument("--cases", default="decode,prefill", help="comma-separated: decode, prefill, dense (first-call "
-                   "and steady host/device time of attention.dense_causal per prompt length and SDPA backend)")
+                   "and steady host/device time of attention.dense_causal per prompt length and SDPA backend), "
+                   "layers (short-context decode, 48 layers per CUDA graph, every split count and key tile)")
     return p.parse_args()
 
 
@@ -253,6 +255,57 @@ def decode_case(B, L, args, device, dtype, timer, rows, check_rows):
         print(_fmt(row, "GB/s"), flush=True)
 
 
+def layers_case(device, dtype, reps: int, block_size: int) -> None:
+    """Short-context decode as a model runs it: one call per layer (48 layers, each its own cache), all in one
+    CUDA graph, time per call = replay / 48 (a single call's event timing is mostly launch latency at this size);
+    split counts 1-16 and key tiles 64 / 128, B sequences x L keys (batch-1 decode of case a: L 128-384)."""
+    layers = 48
+    print(f"layers: {layers} calls per graph replay, {reps} replays; us per call")
+    for B, lens in ((1, (128, 256, 384, 512, 1024)), (4, (256, 512, 1024)), (16, (512, 1024, 2048)),
+                    (32, (512, 1024, 2048))):
+        for L in lens:
+            caches = [make_cache(B, L, block_size, device, dtype, seed=i) for i in range(layers)]
+            g = torch.Generator(device=device).manual_seed(1)
+            qs = [torch.randn(B, HQ, D, device=device, dtype=dtype, generator=g) for _ in range(layers)]
+            cu = torch.arange(B + 1, device=device, dtype=torch.int32)
+            seq_lens = torch.full((B,), L, device=device, dtype=torch.int32)
+            out = torch.empty(B, HQ, D, device=device, dtype=dtype)
+            cells = []
+            for tile_n in (64, 128):
+                config = pa.KernelConfig(decode_tile_n=tile_n)
+                for ns in (1, 2, 4, 8, 16):
+                    if ns > 1 and L // ns < 32:
+                        continue
+
+                    def run(_ns=ns, _c=config):
+                        for q, (k, v, t) in zip(qs, caches):
+                            pa.paged_attention(q, k, v, t, cu, seq_lens, max_query_len=1, max_seq_len=L, scale=SCALE,
+                                               out=out, num_splits=_ns, config=_c)
+
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        run()
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        run()
+                    times = []
+                    for _ in range(reps):
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        graph.replay()
+                        end.record()
+                        end.synchronize()
+                        times.append(start.elapsed_time(end) * 1e3 / layers)
+                    cells.append((statistics.median(times), f"tile {tile_n} splits {ns}"))
+            chosen = pa.choose_num_splits(B, HKV, L)
+            best = min(cells)
+            print(f"  B={B} L={L:5d} (engine: splits {chosen}, tile {pa.DEFAULT_CONFIG.decode_tile_n}): best "
+                  f"{best[1]} {best[0]:.2f} us | " + ", ".join(f"{n} {t:.2f}" for t, n in cells), flush=True)
+            del caches
+
+
 def _prefill(bm: int, tn: int, warps: int, stages: int) -> pa.KernelConfig:
     return pa.KernelConfig(prefill_block_m=bm, prefill_tile_n=tn, prefill_num_warps=warps, prefill_num_stages=stages)
 
@@ -423,6 +476,11 @@ def main() -> int:
             print("--cases dense needs a CUDA GPU (it times cuDNN's and FlashAttention's kernels)")
             return 2
         dense_case(torch.device("cuda"), torch.bfloat16)
+    if "layers" in args.cases.split(","):
+        if not torch.cuda.is_available():
+            print("--cases layers needs a CUDA GPU (CUDA graphs)")
+            return 2
+        layers_case(torch.device("cuda"), torch.bfloat16, args.reps or 20, args.block_size)
     if args.smoke:
         device, dtype = torch.device("cpu"), torch.bfloat16
         decode_shapes, prefill_shapes, reps, warmup = [(1, 40), (3, 100)], [(2, 64, 32), (2, 64, 64)], 1, 0

@@ -7,6 +7,7 @@ from HBM, not L2) captured in one CUDA graph, replayed ``--reps`` times; the med
 bytes over it. Also the largest difference from a float32 reference and the share of outputs equal to cuBLAS's.
 
     PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --out OUT      # one H200: ~1 minute
+    PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --sweep --tokens 1,2,4   # + tile / warps configs
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", default=None)
+    p.add_argument("--sweep", action="store_true", help="also every (weight elements per program, warps) config")
     args = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -75,6 +77,17 @@ def main() -> None:
                        speedup=t_cublas / t_small, max_err_small=(ours.float() - ref).abs().max().item(),
                        max_err_cublas=(theirs.float() - ref).abs().max().item(),
                        equal_to_cublas=(ours == theirs).float().mean().item())
+            if args.sweep:
+                row["sweep"] = {}
+                for tile in (2048, 4096, 8192, 16384, 32768):
+                    for warps in (2, 4, 8, 16):
+                        if tile < H or tile // H > 64:
+                            continue
+                        fn = lambda x, w, _t=tile, _w=warps: kernels.small_linear(x, w, tile=_t, num_warps=_w)
+                        row["sweep"][f"tile {tile} warps {warps}"] = graph_time(fn, xs, ws, args.reps) * 1e6
+                best = min(row["sweep"], key=row["sweep"].get)
+                print(f"    sweep: best {best} {row['sweep'][best]:.2f} us; " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in row["sweep"].items()), flush=True)
             rows.append(row)
             print(f"{name:6s} {N:5d}x{H:<5d} T={T:2d}  cuBLAS {row['cublas_us']:6.2f} us ({row['cublas_tbps']:.2f} TB/s)"
                   f"  small_linear {row['small_us']:6.2f} us ({row['small_tbps']:.2f} TB/s)  {row['speedup']:.2f}x  "

@@ -474,7 +474,10 @@ def small_linear_fits(T: int, H: int, max_tokens: int) -> bool:
     return 0 < T <= max_tokens and _pow2(H) <= _SMALL_LINEAR_TILE
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def small_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    tile: int = _SMALL_LINEAR_TILE, num_warps: int = 4,  # loadtest/bench_small_linear.py --sweep tries others
+) -> torch.Tensor:
     """F.linear(x, weight, bias) for a step of a few tokens (``decode_linear`` says which): x [T, H], weight [N, H]
     -> [T, N] in x's dtype, each output a float32 sum in this kernel's order (equal to cuBLAS's within float32
     summation order, then the same rounding to the model dtype). The programs split the N outputs, each
@@ -483,14 +486,14 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     xr = _rows(x)
     T, H = xr.shape
     N = weight.shape[0]
-    assert 0 < T and _pow2(H) <= _SMALL_LINEAR_TILE and weight.shape[1] == H and weight.stride(-1) == 1, (
-        x.shape, weight.shape)
+    assert 0 < T and _pow2(H) <= tile and weight.shape[1] == H and weight.stride(-1) == 1, (x.shape, weight.shape)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     block_h = _pow2(H)
-    block_n = max(1, min(_SMALL_LINEAR_TILE // block_h, _pow2(N)))
+    block_n = max(1, min(tile // block_h, _pow2(N)))
     _launch(_small_linear_kernel, (triton.cdiv(N, block_n),), xr, weight, weight if bias is None else bias, y,
             T, N, H, xr.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_N=block_n, BLOCK_H=block_h, HAS_BIAS=bias is not None, DT=_DT[x.dtype])
+            BLOCK_N=block_n, BLOCK_H=block_h, HAS_BIAS=bias is not None, DT=_DT[x.dtype],
+            **({} if interpreting() else {"num_warps": num_warps}))
     return y.view(*x.shape[:-1], N)
 
 

@@ -89,19 +89,26 @@ class KernelConfig:
 
 
 DEFAULT_CONFIG = KernelConfig()
+SPLIT_MIN_KEYS = 64  # choose_num_splits: keys per split range (the decode key tile)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
     """Recommended split count for a decode step, from host ints only (1 = no split, the 2-D kernel).
 
-    Splits only while (sequence, kv head) programs are fewer than two waves of the GPU, each split keeping at
-    least 512 keys; a power of two, at most 64. Under CUDA graphs pass the largest ``max_seq_len`` a graph
-    replays with (e.g. max_model_len): the kernel sizes each sequence's ranges from its own length, and splits
-    beyond a short sequence's keys do no work."""
+    Splits only while (sequence, kv head) programs are fewer than two waves of the GPU: into the power of two
+    that covers max_seq_len in ranges of 64 keys (one key tile), at most 64; no split up to 128 keys. The 2-D
+    kernel walks a sequence's keys one tile after another, so at a few hundred keys a handful of programs is
+    latency-bound: a batch-1 decode over 384 keys takes 11.3 us per layer unsplit and 6.8 us in 8 splits, 512
+    keys 15.9 vs 7.2 us (H200, 48 layers per CUDA graph; ``loadtest/reports/real_shape/run28_*``; the earlier
+    rule kept 512 keys per split and never split these). Under CUDA graphs pass the largest ``max_seq_len`` a
+    graph replays with (e.g. its key bucket): the kernel sizes each sequence's ranges from its own length, and
+    splits beyond a short sequence's keys do no work."""
+    if max_seq_len <= 2 * SPLIT_MIN_KEYS:
+        return 1
     programs = max(num_seqs * num_kv_heads, 1)
     want = _pow2(-(-2 * num_sms // programs))
-    by_length = max(max_seq_len // 512, 1)
-    return max(1, min(want, 1 << (by_length.bit_length() - 1), 64))
+    by_length = _pow2(-(-max_seq_len // SPLIT_MIN_KEYS))
+    return max(1, min(want, by_length, 64))
 
 
 # --------------------------------------------------------------------------------------------------------

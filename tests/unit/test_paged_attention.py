@@ -381,11 +381,14 @@ def test_bad_arguments_raise_clear_errors():
 
 
 def test_num_splits_rule():
-    """Split only while programs are scarce, keep >= 512 keys per split, powers of two, at most 64."""
-    for num_seqs in (1, 2, 16, 64, 256):
-        for max_len in (100, 1024, 8192, 32768):
+    """Split only while programs are scarce, into ranges of about 64 keys (half as many splits would leave
+    ranges longer than that), powers of two, at most 64; never up to 128 keys."""
+    for num_seqs in (1, 2, 4, 16, 64, 256):
+        for max_len in (100, 128, 129, 256, 384, 1024, 8192, 32768):
             n = pa.choose_num_splits(num_seqs, 4, max_len, num_sms=132)
             assert n >= 1 and n & (n - 1) == 0 and n <= 64
-            assert n == 1 or max_len // n >= 512
+            assert n == 1 or (max_len > 128 and -(-max_len // (n // 2)) > 64)
             assert n == 1 or num_seqs * 4 * (n // 2) < 2 * 132  # half as many splits would not fill two waves
+    assert [pa.choose_num_splits(1, 4, L) for L in (128, 256, 384, 512, 1024)] == [1, 4, 8, 8, 16]
     assert pa.choose_num_splits(1, 4, 32768) == 64 and pa.choose_num_splits(256, 4, 32768) == 1
+    assert pa.choose_num_splits(64, 4, 1280) == 2  # a decode step of 64 sequences: two waves already
