@@ -47,6 +47,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from moe_engine import paged_attention as pa  # noqa: E402
 
+sys.path.insert(0, str(REPO / "loadtest"))
+import real_shape_model as rsm  # noqa: E402
+
 HQ, HKV, D = 32, 4, 128
 G = HQ // HKV
 SCALE = D**-0.5
@@ -282,28 +285,13 @@ def layers_case(device, dtype, reps: int, block_size: int) -> None:
                             pa.paged_attention(q, k, v, t, cu, seq_lens, max_query_len=1, max_seq_len=L, scale=SCALE,
                                                out=out, num_splits=_ns, config=_c)
 
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        run()
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        run()
-                    times = []
-                    for _ in range(reps):
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                        graph.replay()
-                        end.record()
-                        end.synchronize()
-                        times.append(start.elapsed_time(end) * 1e3 / layers)
-                    cells.append((statistics.median(times), f"tile {tile_n} splits {ns}"))
+                    us = rsm.graph_replay_seconds(run, reps) * 1e6 / layers
+                    cells.append((us, f"tile {tile_n} splits {ns}"))
             chosen = pa.choose_num_splits(B, HKV, L)
             best = min(cells)
             print(f"  B={B} L={L:5d} (engine: splits {chosen}, tile {pa.DEFAULT_CONFIG.decode_tile_n}): best "
                   f"{best[1]} {best[0]:.2f} us | " + ", ".join(f"{n} {t:.2f}" for t, n in cells), flush=True)
-            del caches
+            caches = qs = None  # free before the next shape
 
 
 def _prefill(bm: int, tn: int, warps: int, stages: int) -> pa.KernelConfig:

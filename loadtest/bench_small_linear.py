@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,32 +21,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_shape_model as rsm  # noqa: E402
 from moe_engine import kernels  # noqa: E402
 
 SHAPES = {"router": (128, 2048), "qkv": (5120, 2048), "o": (2048, 4096)}  # name: (N outputs, H inputs)
 
 
 def graph_time(fn, xs, ws, reps: int) -> float:
-    """Seconds per GEMM: ``fn(x, w)`` for each of the layers' weights, captured once, replayed ``reps`` times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for x, w in zip(xs, ws):  # compile and warm outside the capture
-            fn(x, w)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for x, w in zip(xs, ws):
-            fn(x, w)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(ws))
-    return statistics.median(times)
+    """Seconds per GEMM: ``fn(x, w)`` for each of the layers' weights, in one CUDA graph."""
+    return rsm.graph_replay_seconds(lambda: [fn(x, w) for x, w in zip(xs, ws)], reps) / len(ws)
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ bytes and FLOPs its steps must move (the rooflines the benchmark reports against
   as uniform routing hits them), ``prefill_matmul_flops``, ``measure_copy_bandwidth`` (the HBM roofline's
   denominator), ``time_lm_head``.
 - ``summarize_trace``: a torch.profiler chrome trace -> device time per op class and kernel, busy time.
+- ``graph_replay_seconds``: GPU time of a callable's launches replayed from a CUDA graph (the kernel benchmarks).
 """
 from __future__ import annotations
 
@@ -319,6 +320,29 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iter
     med = statistics.median(times)
     return {"bytes_per_s": 2 * nbytes / med, "best_bytes_per_s": 2 * nbytes / min(times), "buffer_bytes": nbytes,
             "iters": iters, "method": "copy_ of one buffer into another; (read + written bytes) / median time"}
+
+
+def graph_replay_seconds(run: Callable[[], None], reps: int) -> float:
+    """Median seconds of one replay of a CUDA graph of ``run()`` (warmed and compiled on a side stream first,
+    then captured once): the GPU time of a sequence of small launches without the host's launch latency, as the
+    engine's decode graphs run them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 @torch.no_grad()
