@@ -27,8 +27,8 @@ kernel                      replaces                                            
 ``store_kv``                the step's k and v written into the paged cache at their slots      ~4 -> 1
 ==========================  =================================================================  ==========
 
-At real model widths a batch-1 decode step is still ~23 launches per layer, and the gaps between them cost as
-much as the kernels (loadtest/reports/real_shape_h200.md). The kernels below sum inside the kernel, in their own
+With only the kernels above, a batch-1 decode step at real model widths is ~23 launches per layer, most of them
+latency-bound (a few microseconds each for kilobytes of data; loadtest/reports/real_shape_h200.md). The kernels below sum inside the kernel, in their own
 order, so their results equal the op-by-op path's within float32 rounding instead of bit for bit; the expert ids
 they choose are the same (a router chooses on its logits, whose order rounding does not change). The model uses
 them on GPUs unless ``--exact-kernels`` asks for the bit-identical set only (model.py ``use_fused_kernels``):

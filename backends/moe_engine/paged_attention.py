@@ -358,8 +358,9 @@ if triton is not None:
         dv = tl.arange(0, DV_PAD)
         tl.store(part_acc_ptr + part[:, None] * DV_PAD + dv[None, :], acc, mask=row_ok[:, None])
 
-    # SPLITS_PAD follows the split count (a variant per power of two, compiled with the graphs that first use
-    # it): padding every merge to 64 splits measured 0.4 us more per call at 1 sequence, 2-7 us at 32-64 (H200).
+    # SPLITS_PAD follows the split count (a variant per power of two, compiled at start by
+    # DecodeGraphs.warm_split_kernels): padding every merge to 64 splits measured 0.4 us more per call at 1
+    # sequence, 2-7 us at 32-64 (H200).
     @triton.jit(do_not_specialize=["num_splits"])
     def _merge_splits_kernel(
         out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, cu_ptr, s_ot, s_oh, num_splits,
