@@ -70,6 +70,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "backends"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_shape_model as rsm  # noqa: E402
+from moe_engine import kernels  # noqa: E402
 
 CASES = ("a", "b", "e", "c", "d", "hf")  # run order: engines of one size together, HF last (after freeing)
 # name -> (count, prompt, output) at scale 1
@@ -559,6 +560,10 @@ def profile_case(ctx) -> None:
     ctx.current.update(summ)
     log(f"profile {case}:{phase}: {n_steps} steps ({summ['trace_steps']} with kernels in the trace), wall "
         f"{summ['wall_per_step_ms']:.2f} ms/step, device busy {summ['busy_per_step_ms']:.2f} ms/step" + (f"; lm_head alone at {n} rows {lm_alone * 1e3:.3f} ms" if lm_alone else ""))
+    if cuda and kernels.pdl(ctx.device):
+        log("  (programmatic dependent launch on: a kernel starts before its predecessor ends and waits for it, so "
+            "the per-kernel times below include that wait and add up to more than the busy time; MOE_PDL=0 for "
+            "each kernel's own time)")
     for cls, ms in summ["classes_ms_per_step"].items():
         log(f"  {cls:14s} {ms:8.3f} ms/step")
     for k in summ["top_kernels"][:15]:

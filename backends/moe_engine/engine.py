@@ -37,6 +37,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from . import kernels
 from .block_manager import BlockManager
 from .config import MoEConfig
 from .engine_config import EngineConfig
@@ -151,7 +152,8 @@ class Engine:
             if keep_rows else "on" if ec.enable_prefix_caching else "off",
             "on" if ec.enable_routed_experts else "off", self.device, self.dtype,
             f"off ({graphs_off})" if graphs_off else f"for decode batches up to {self.max_num_seqs}",
-            ("on, bit-exact ones only" if ec.exact_kernels else "on") if self.fused else "off",
+            (("on, bit-exact ones only" if ec.exact_kernels else "on")
+             + (", programmatic dependent launch" if kernels.pdl(self.device) else "")) if self.fused else "off",
             "paged kernels" if self.runner.use_kernels else "reference (gather + SDPA)",
         )
         self._inbox: collections.deque = collections.deque()  # ("add", seq) | ("abort", id) | ("control", c)

@@ -67,7 +67,7 @@ if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from .kernels import _round
+    from .kernels import _await_inputs, _round
 
 CONFIG_ENV = "MOE_FUSED_MOE_CONFIGS"
 CONFIG_FILE = Path(__file__).with_name("fused_moe_configs.json")
@@ -202,10 +202,11 @@ if triton is not None:
         GATE_UP: tl.constexpr,  # a = x gathered by tok; w rows [0, N) gate, [N, 2N) up; SwiGLU epilogue
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, DT: tl.constexpr,
-        UPCAST: tl.constexpr, PRECISE: tl.constexpr, PREC: tl.constexpr,
+        UPCAST: tl.constexpr, PRECISE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
     ):
         """out[r, n] for the rows r of one expert tile and BLOCK_N columns n: down_proj (out = y, a = h rows) or
         gate_up with SwiGLU (out = h, a = x[tok[r]]). w: [E, N or 2N, K] with strides (s_we, s_wn, s_wk)."""
+        _await_inputs(PDL)  # (the weights a program reads depend on offs, an earlier kernel's output)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         # grouped ordering: GROUP_M row tiles share each weight column tile while it is in L2
@@ -304,7 +305,7 @@ def _gemm(a, w, out, tok, offs, N: int, K: int, cfg: TileConfig, gate_up: bool) 
                 GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 BLOCK_E=kernels._pow2(E), EVEN_K=K % cfg.BLOCK_K == 0, DT=_DT[a.dtype],
                 UPCAST=interpreting(), PRECISE=not interpreting(),
-                PREC="ieee" if a.dtype == torch.float32 else "tf32",
+                PREC="ieee" if a.dtype == torch.float32 else "tf32", PDL=kernels.pdl(a.device),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
             return

@@ -49,6 +49,7 @@ interpreter truncates float32 -> bfloat16 casts.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -56,6 +57,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU wheels of torch do not bring Triton
     triton = None
 
@@ -64,6 +66,13 @@ _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Fused routing bookkeeping compares every (token, slot) pair with every other: for steps of up to this many
 # pairs (decode batches; 4096 = 512 tokens x top-8); larger steps (prefill) sort with torch.
 ROUTE_MAX_PAIRS = 4096
+# Launch granularity of latency-bound kernels (more, smaller programs finish sooner when a step has few tokens):
+# columns per program of ``combine``, heads per program of ``qk_norm_rope`` (per-head or no norm). On the H200 at
+# the real shape (loadtest/bench_decode_kernels.py, 48 calls per CUDA graph; run31_decode_kernels.txt): combine
+# 2.85 -> 1.81 us at 1 token, 5.52 -> 3.54 us at 64 (1024 -> 256 columns); qk_norm_rope 4.39 -> 3.35 us at 1
+# token, 6.11 -> 5.52 us at 64 (all 32 q heads in one program -> 4 heads per program).
+COMBINE_BLOCK = 256
+QK_HEADS_PER_PROGRAM = 4
 
 
 def interpreting() -> bool:
@@ -82,10 +91,34 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in _DT
 
 
+# Programmatic dependent launch (PDL, Hopper and later): a kernel launched with it may start while the kernel
+# before it in the stream is still finishing; it waits (``_await_inputs``) before touching anything an earlier
+# kernel writes or reads, so results are unchanged, but its launch, its programs' start and any reads of
+# constant data (small_linear's weights) overlap the previous kernel's tail. A batch-1 decode step is ~12
+# launches per layer of a few microseconds each (loadtest/reports/real_shape_h200.md), which is what it
+# shortens. MOE_PDL=0 in the environment turns it off (read at import).
+PDL_ENV = "MOE_PDL"
+_PDL_ON = os.environ.get(PDL_ENV, "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with programmatic dependent launch (their ``PDL`` constexpr)."""
+    if not _PDL_ON or triton is None or interpreting() or device.type != "cuda":
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _launch(kernel, grid, *args, **meta):
     # enable_fp_fusion=False: torch computes a*b + c as two roundings; an FMA would round once.
     if interpreting():
         return kernel[grid](*args, **meta)
+    if meta.get("PDL"):
+        meta["launch_pdl"] = True
     return kernel[grid](*args, enable_fp_fusion=False, **meta)
 
 
@@ -94,6 +127,16 @@ def _pow2(n: int) -> int:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _await_inputs(PDL: tl.constexpr):
+        """Under programmatic dependent launch: let the next kernel in the stream launch (it waits for this one in
+        turn), then wait until the kernel before this one has completed and its writes are visible. Every program
+        of a PDL kernel calls it before it reads what an earlier kernel wrote or writes anything (an earlier kernel
+        may still read it), and before returning early (so that the kernel completes after its predecessor)."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
 
     @triton.jit
     def _round(x, DT: tl.constexpr):
@@ -154,10 +197,11 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(
         x_ptr, d_ptr, s_ptr, w_ptr, out_ptr, N, sx, sd, ss, eps,
-        BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, DT: tl.constexpr, FP32_WEIGHT: tl.constexpr,
+        BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, DT: tl.constexpr, FP32_WEIGHT: tl.constexpr, PDL: tl.constexpr,
     ):
         """Row r in one pass: s = x + d (rounded; when HAS_ADD), var = mean(float32(s)^2) summed here, then the
         tail of ``_rms_norm_tail_kernel``. Equal to the op-by-op norm within float32 summation order."""
+        _await_inputs(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -172,13 +216,14 @@ if triton is not None:
     def _softmax_topk_kernel(
         logits_ptr, ids_ptr, w_ptr, E, sl, fmask_ptr, fids_ptr,
         K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, DT: tl.constexpr,
-        FORCED: tl.constexpr,
+        FORCED: tl.constexpr, PDL: tl.constexpr,
     ):
         """Token t: p = softmax(float32 logits); the K largest, in descending order (chosen on the logits, which
         order exactly as p does; ties to the lower expert id), or, for a FORCED token (routing replay), the given
         ids; weights p at those ids, divided by their sum when RENORM; rounded to the model dtype when DT says
         so. One launch for softmax, top-k, gather, sum, divide, cast; a token not forced computes the same bits
         whether or not others in its step are."""
+        _await_inputs(PDL)
         t = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
         m = e < E
@@ -208,13 +253,14 @@ if triton is not None:
 
     @triton.jit
     def _normed_rotated(
-        x_ptr, var_ptr, w_ptr, cos_ptr, sin_ptr, row, sx, H, eps,
+        x_ptr, var_ptr, w_ptr, cos_ptr, sin_ptr, row, sx, H, h0, eps,
         HEAD_NORM: tl.constexpr, HAS_NORM: tl.constexpr, D: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr, VAR_HERE: tl.constexpr,
     ):
-        """[BLOCK_H, BLOCK_D] of one token: RMSNorm tail (full width or per head), then rotary (half style).
-        VAR_HERE: the mean of squares is summed here instead of read from var_ptr (torch's mean)."""
-        h = tl.arange(0, BLOCK_H)[:, None]
+        """[BLOCK_H, BLOCK_D] of one token, heads h0..h0+BLOCK_H-1 of its H: RMSNorm tail (full width: h0 = 0 and
+        every head in the block; or per head), then rotary (half style). VAR_HERE: the mean of squares is summed
+        here instead of read from var_ptr (torch's mean)."""
+        h = h0 + tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         m = (h < H) & (d < D)
         half: tl.constexpr = D // 2
@@ -254,19 +300,24 @@ if triton is not None:
         v_ptr, sv, ck_ptr, cv_ptr, slot_ptr, sck, sck_h, scv, scv_h,
         HEAD_NORM: tl.constexpr, HAS_NORM: tl.constexpr, D: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr, VAR_HERE: tl.constexpr,
-        STORE_KV: tl.constexpr,
+        STORE_KV: tl.constexpr, PDL: tl.constexpr,
     ):
-        """Token program_id(0): q (program_id(1) == 0) or k -> normed (optional) and rotated, [H, D] out.
-        STORE_KV: the k program also writes the rotated k and the token's v ([Hk, D] at v_ptr + row * sv) into
-        the paged cache at the token's slot, as _store_kv_kernel would (the same values: k as the k output holds
-        it, cast to the cache's dtype), saving that kernel's launch and its reads."""
+        """Token program_id(0), heads block program_id(1): the first cdiv(Hq, BLOCK_H) blocks are q's, the rest
+        k's -> normed (optional) and rotated, [BLOCK_H, D] out. A full-width norm (not HEAD_NORM) needs every head
+        of q (of k) in one block. STORE_KV: the k programs also write the rotated k and the token's v ([Hk, D] at
+        v_ptr + row * sv) into the paged cache at the token's slot, as _store_kv_kernel would (the same values: k
+        as the k output holds it, cast to the cache's dtype), saving that kernel's launch and its reads."""
+        _await_inputs(PDL)
         row = tl.program_id(0)
-        if tl.program_id(1) == 0:
-            y, h, d, m = _normed_rotated(q_ptr, qvar_ptr, qw_ptr, cos_ptr, sin_ptr, row, sq, Hq, eps,
+        q_blocks = tl.cdiv(Hq, BLOCK_H)
+        blk = tl.program_id(1)
+        if blk < q_blocks:
+            y, h, d, m = _normed_rotated(q_ptr, qvar_ptr, qw_ptr, cos_ptr, sin_ptr, row, sq, Hq, blk * BLOCK_H, eps,
                                          HEAD_NORM, HAS_NORM, D, BLOCK_H, BLOCK_D, DT, VAR_HERE)
             tl.store(qout_ptr + row * Hq * D + h * D + d, y.to(qout_ptr.dtype.element_ty), mask=m)
         else:
-            y, h, d, m = _normed_rotated(k_ptr, kvar_ptr, kw_ptr, cos_ptr, sin_ptr, row, sk, Hk, eps,
+            y, h, d, m = _normed_rotated(k_ptr, kvar_ptr, kw_ptr, cos_ptr, sin_ptr, row, sk, Hk,
+                                         (blk - q_blocks) * BLOCK_H, eps,
                                          HEAD_NORM, HAS_NORM, D, BLOCK_H, BLOCK_D, DT, VAR_HERE)
             k_out = y.to(kout_ptr.dtype.element_ty)
             tl.store(kout_ptr + row * Hk * D + h * D + d, k_out, mask=m)
@@ -280,6 +331,7 @@ if triton is not None:
     def _route_kernel(
         ids_ptr, pos_ptr, tok_ptr, offs_ptr, cap_ptr, cap_stride, T, K, E, PAIR_PROGRAMS,
         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, CAPTURE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Pairs i = slot * T + token (slot-major, HF's order) sorted stably by expert id, by counting: a pair's
         row is the number of pairs with a smaller id, or the same id and a smaller i. Programs 0..PAIR_PROGRAMS-1
@@ -288,6 +340,7 @@ if triton is not None:
         offsets), BLOCK_E experts each. CAPTURE: each pair's id is also written to the routing capture buffer
         (int32 [T, K] rows). Small row blocks and wide column blocks: a decode step's few hundred pairs spread
         over many programs, each with one or two passes over the pairs (latency, not work, sets the time)."""
+        _await_inputs(PDL)
         pid = tl.program_id(0)
         N = T * K
         jj = tl.arange(0, BLOCK_J)
@@ -320,10 +373,11 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(
         y_ptr, ids_ptr, pos_ptr, w_ptr, out_ptr, N,
-        K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
+        K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
     ):
         """out[t] = sum over token t's experts in ascending id order of round(y[row] * weight), rounding after
         every add (HF's per-expert index_add_ loop). y: [pairs, N] expert outputs in grouped order."""
+        _await_inputs(PDL)
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < N
@@ -372,18 +426,20 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _small_linear_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, T, N, H, sx, sw, sy,
-        BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
     ):
         """y[t, n] = x[t, :] . w[n, :] (+ b[n]) for every token t, rows n of this program's BLOCK_N: the weight
         slice is loaded once, in one go (one memory latency, not one per K chunk; a step of a few tokens reads
         every weight byte once, so the load is the whole cost), then each token is one multiply and one float32
-        sum over H, rounded to the model dtype as F.linear's output is."""
+        sum over H, rounded to the model dtype as F.linear's output is. Under PDL the weights (constant during a
+        step) are loaded before waiting for the previous kernel: their latency overlaps its tail."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         h = tl.arange(0, BLOCK_H)
         w = tl.load(w_ptr + n[:, None] * sw + h[None, :], mask=(n[:, None] < N) & (h[None, :] < H),
                     other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_H]
         if HAS_BIAS:
             b = tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+        _await_inputs(PDL)
         for t in range(T):
             x = tl.load(x_ptr + t * sx + h, mask=h < H, other=0.0).to(tl.float32)  # [BLOCK_H]
             y = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
@@ -444,7 +500,8 @@ def rms_norm_tail(x: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, eps:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool, delta: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool, delta: torch.Tensor | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, RMSNorm(s)) with s = x + delta (or x) in one launch, the mean of squares summed in the kernel: equal to
     the op-by-op norm within float32 summation order (not bit for bit, unlike add_square + rms_norm_tail)."""
@@ -454,7 +511,8 @@ def rms_norm(
     if R:
         _launch(
             _rms_norm_kernel, (R,), xr, dr, s, weight, out, N, xr.stride(0), dr.stride(0), s.stride(0), eps,
-            BLOCK=_pow2(N), HAS_ADD=delta is not None, DT=_DT[x.dtype], FP32_WEIGHT=fp32_weight,
+            BLOCK=_pow2(N), HAS_ADD=delta is not None, DT=_DT[x.dtype], FP32_WEIGHT=fp32_weight, PDL=pdl(x.device),
+            **({} if interpreting() or num_warps is None else {"num_warps": num_warps}),
         )
     return s.view(x.shape), out.view(x.shape)
 
@@ -492,7 +550,7 @@ def small_linear(
     block_n = max(1, min(tile // block_h, _pow2(N)))
     _launch(_small_linear_kernel, (triton.cdiv(N, block_n),), xr, weight, weight if bias is None else bias, y,
             T, N, H, xr.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_N=block_n, BLOCK_H=block_h, HAS_BIAS=bias is not None, DT=_DT[x.dtype],
+            BLOCK_N=block_n, BLOCK_H=block_h, HAS_BIAS=bias is not None, DT=_DT[x.dtype], PDL=pdl(x.device),
             **({} if interpreting() else {"num_warps": num_warps}))
     return y.view(*x.shape[:-1], N)
 
@@ -527,6 +585,7 @@ def softmax_topk(
             _softmax_topk_kernel, (T,), lr, ids, weights, E, lr.stride(0),
             forced_mask.contiguous() if forced else lr, forced_ids.contiguous() if forced else ids,
             K=top_k, BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), RENORM=renorm, DT=_DT[weights_dtype], FORCED=forced,
+            PDL=pdl(logits.device),
             # One warp: a token's ~3K + 3 reductions over its E logits run one after another, and across 4 warps
             # each one goes through shared memory and barriers (sm_90 PTX, E=128, K=8: 74 bar.sync with 4 warps, none
             # with 1; `loadtest/kernel_ptx_stats.py`). The ids are the same either way (chosen with max/min); the
@@ -549,6 +608,7 @@ def qk_norm_rope(
     k_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    heads_per_program: int | None = None,  # default QK_HEADS_PER_PROGRAM; a full-width norm: all heads
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hk, D]
     """Optional q/k RMSNorm tails, then half-style rotary, for q and k in one launch. Without ``q_var`` /
     ``k_var`` a norm sums its mean of squares in the kernel (equal within float32 summation order).
@@ -577,22 +637,26 @@ def qk_norm_rope(
     if T:
         has_norm = norm != "none"
         var_here = has_norm and q_var is None
+        if norm == "full":  # one norm over all heads: q's (k's) in one program
+            block_h = _pow2(max(Hq, Hk))
+        else:
+            block_h = min(_pow2(heads_per_program or QK_HEADS_PER_PROGRAM), _pow2(max(Hq, Hk)))
         _launch(
-            _qk_norm_rope_kernel, (T, 2),
+            _qk_norm_rope_kernel, (T, triton.cdiv(Hq, block_h) + triton.cdiv(Hk, block_h)),
             qr, q_var.contiguous() if has_norm and not var_here else qr, q_weight if has_norm else qr, q_out,
             qr.stride(0), Hq,
             kr, k_var.contiguous() if has_norm and not var_here else kr, k_weight if has_norm else kr, k_out,
             kr.stride(0), Hk,
             cos.contiguous(), sin.contiguous(), eps, *kv_args,
             HEAD_NORM=norm == "head", HAS_NORM=has_norm, D=D,
-            BLOCK_H=_pow2(max(Hq, Hk)), BLOCK_D=_pow2(D), DT=_DT[q.dtype], VAR_HERE=var_here,
-            STORE_KV=kv_cache is not None,
+            BLOCK_H=block_h, BLOCK_D=_pow2(D), DT=_DT[q.dtype], VAR_HERE=var_here,
+            STORE_KV=kv_cache is not None, PDL=pdl(q.device),
         )
     return q_out, k_out
 
 
 def route(
-    ids: torch.Tensor, num_experts: int, capture: torch.Tensor | None = None
+    ids: torch.Tensor, num_experts: int, capture: torch.Tensor | None = None, block_i: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """ids [T, K] -> (pos [T, K] long, tok [T*K] long, offs [E] int32) as described in ``_route_kernel``, and
     the ids copied into ``capture`` ([T, K] int32, unit last stride) when given; or None for a step of more
@@ -606,26 +670,29 @@ def route(
     tok = torch.empty(n, dtype=torch.long, device=ids.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     if n:
-        block_i, block_j, block_e = 16, min(max(_pow2(n), 16), 256), 32  # [16 x 256] or [32 x 256] per pass
+        block_j, block_e = min(max(_pow2(n), 16), 256), 32  # [block_i x 256] or [32 x 256] per pass
         pair_programs = triton.cdiv(n, block_i)
         _launch(_route_kernel, (pair_programs + triton.cdiv(num_experts, block_e),), ids, pos, tok, offs,
                 ids if capture is None else capture, 0 if capture is None else capture.stride(0), T, K, num_experts,
-                pair_programs, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e, CAPTURE=capture is not None)
+                pair_programs, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e, CAPTURE=capture is not None,
+                PDL=pdl(ids.device))
     return pos, tok, offs
 
 
-def combine(y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def combine(y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+            block: int | None = None) -> torch.Tensor:
     """y [T*K, H] expert outputs in grouped order, ids/pos/weights [T, K] -> [T, H] in ``dtype``: each
-    weighted output rounded to ``dtype``, then summed in ascending expert order, rounding after each add."""
+    weighted output rounded to ``dtype``, then summed in ascending expert order, rounding after each add.
+    Each program sums ``block`` columns of one token (default COMBINE_BLOCK)."""
     T, K = ids.shape
     N = y.shape[1]
     out = torch.empty(T, N, dtype=dtype, device=y.device)
     if T:
-        block = min(_pow2(N), 1024)
+        block = min(_pow2(N), _pow2(block or COMBINE_BLOCK))
         _launch(
             _combine_kernel, (T, triton.cdiv(N, block)),
             y.contiguous(), ids.contiguous(), pos.contiguous(), weights.contiguous(), out, N,
-            K=K, BLOCK_K=_pow2(K), BLOCK=block, DT=_DT[dtype],
+            K=K, BLOCK_K=_pow2(K), BLOCK=block, DT=_DT[dtype], PDL=pdl(y.device),
         )
     return out
 

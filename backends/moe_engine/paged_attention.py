@@ -44,9 +44,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .kernels import pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from .kernels import _await_inputs
 except ImportError:  # CPU wheels of torch do not bring Triton
     triton = None
 
@@ -253,9 +257,11 @@ if triton is not None:
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program (query tile, kv head): BLOCK_Q tokens of one sequence x its G query heads, rows m ->
         (token m // G, head kvh * G + m % G)."""
+        _await_inputs(PDL)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q)
@@ -311,11 +317,12 @@ if triton is not None:
         s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
         Hq: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
     ):
         """Program (sequence, kv head, split) of a decode step: the G heads' one query over split's share of
         the keys (whole tiles, split evenly at run time). Empty splits write (-inf, 0, 0). The split count is
         the grid's third dimension (one compiled kernel for every count)."""
+        _await_inputs(PDL)
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -365,9 +372,10 @@ if triton is not None:
     def _merge_splits_kernel(
         out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, cu_ptr, s_ot, s_oh, num_splits,
         Hq: tl.constexpr, SPLITS_PAD: tl.constexpr,
-        DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+        DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
     ):
         """Program (sequence, query head): out = sum_s exp2(m_s - M) acc_s / (sum_s exp2(m_s - M) l_s [+ sink])."""
+        _await_inputs(PDL)
         seq = tl.program_id(0)
         head = tl.program_id(1)
         tok = tl.load(cu_ptr + seq)
@@ -408,6 +416,8 @@ def _check_triton(device: torch.device) -> None:
 def _launch(kernel, grid, *args, num_warps: int | None = None, num_stages: int | None = None, **meta):
     if interpreting() or num_warps is None:
         return kernel[grid](*args, **meta)
+    if meta.get("PDL"):  # programmatic dependent launch: kernels.py says what it does
+        meta["launch_pdl"] = True
     return kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **meta)
 
 
@@ -547,6 +557,7 @@ def paged_attention(
     common = dict(
         DK=Dk, DV=Dv, DK_PAD=max(_pow2(Dk), 16), DV_PAD=max(_pow2(Dv), 16), BLOCK_SIZE=block_size,
         HAS_WINDOW=sliding_window is not None, IEEE=q.dtype == torch.float32, INTERPRET=interpreting(),
+        PDL=pdl(q.device),
     )
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
@@ -570,7 +581,7 @@ def paged_attention(
             out, part_m, part_l, part_acc, sinks if sinks is not None else part_m, cu_seqlens_q,
             out.stride(0), out.stride(1), num_splits,
             Hq=Hq, SPLITS_PAD=_pow2(num_splits), DV=Dv, DV_PAD=common["DV_PAD"],
-            HAS_SINKS=sinks is not None, num_warps=4, num_stages=1,
+            HAS_SINKS=sinks is not None, PDL=common["PDL"], num_warps=4, num_stages=1,
         )
         return out
 

@@ -236,7 +236,7 @@ for bucket in sys.argv[1:]:
         N, K = (768, 2048) if gate_up else (2048, 768)  # Qwen3-30B-A3B
         consts = dict(s_wk=1, GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                       GROUP_M=cfg.GROUP_M, BLOCK_E=128, EVEN_K=K % cfg.BLOCK_K == 0, DT=1, UPCAST=False, PRECISE=True,
-                      PREC="tf32")
+                      PREC="tf32", PDL=True)
         sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "tok_ptr": "*i64", "offs_ptr": "*i32",
                **{n: "i32" for n in ("E", "N", "K", "num_pid_m", "s_a", "s_we", "s_wn", "s_out")},
                **{n: "constexpr" for n in consts}}
@@ -245,14 +245,15 @@ for bucket in sys.argv[1:]:
         ck = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False})
         out[f"{bucket} {'gate_up' if gate_up else 'down'}"] = {
-            "shared": ck.metadata.shared, "div_rn": "div.rn.f32" in ck.asm["ptx"], "wgmma": "wgmma" in ck.asm["ptx"]}
+            "shared": ck.metadata.shared, "div_rn": "div.rn.f32" in ck.asm["ptx"], "wgmma": "wgmma" in ck.asm["ptx"],
+            "pdl": "griddepcontrol.wait" in ck.asm["ptx"]}
 print(json.dumps(out))
 """
 
 
 def test_default_tiles_compile_for_hopper_within_its_shared_memory(tmp_path):
-    """The interpreter cannot see the compiled path (libdevice exp, IEEE division, shared memory): compile the
-    kernels for sm_90 with ptxas from the Triton wheel (no GPU needed) for a decode, a mid and a prefill bucket."""
+    """The interpreter cannot see the compiled path (libdevice exp, IEEE division, shared memory, the PDL wait):
+    compile the kernels for sm_90 with ptxas from the Triton wheel (no GPU needed) for a decode, a mid and a prefill bucket."""
     import subprocess
     import sys
     from pathlib import Path
@@ -269,4 +270,5 @@ def test_default_tiles_compile_for_hopper_within_its_shared_memory(tmp_path):
     for name, r in result.items():
         assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} bytes of shared memory"
         assert r["div_rn"] == name.endswith("gate_up"), name  # silu's division is IEEE (torch's), only in gate_up
+        assert r["pdl"], name  # programmatic dependent launch: the wait for the previous kernel is compiled in
     assert result[">8192 gate_up"]["wgmma"] and result[">8192 down"]["wgmma"]  # prefill tiles on Hopper's MMA

@@ -269,10 +269,33 @@ def test_qk_norm_rope_writes_the_cache_exactly_as_store_kv(norm):
     expected_k, expected_v, cache_k, cache_v = (fill.clone() for _ in range(4))
     q_ref, k_ref = kernels.qk_norm_rope(*args)
     kernels.store_kv(k_ref, v.view(T, Hk, D), expected_k, expected_v, slots)
-    q_out, k_out = kernels.qk_norm_rope(*args, kv_cache=(v, cache_k, cache_v, slots))
-    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
-    assert torch.equal(cache_k, expected_k) and torch.equal(cache_v, expected_v)
+    # the heads split over programs (one q or k head per program .. all of them in one): the same bits
+    for heads_per_program in (None, 1, 2):
+        cache_k, cache_v = fill.clone(), fill.clone()
+        q_out, k_out = kernels.qk_norm_rope(*args, kv_cache=(v, cache_k, cache_v, slots),
+                                            heads_per_program=heads_per_program)
+        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref), heads_per_program
+        assert torch.equal(cache_k, expected_k) and torch.equal(cache_v, expected_v), heads_per_program
     assert not torch.equal(cache_k, fill) and torch.equal(cache_k.view(-1, Hk, D)[1], fill.view(-1, Hk, D)[1])
+
+
+def test_route_and_combine_give_the_same_bits_however_the_work_is_split():
+    """route's pairs per program and combine's columns per program (the launch granularity a decode step's
+    latency depends on) change nothing: combine equals the op-by-op weighted sum in ascending expert order."""
+    from moe_engine.experts import group_by_expert, sum_in_expert_order
+
+    g = torch.Generator().manual_seed(3)
+    T, K, E, N, dtype = 5, 4, 12, 96, torch.bfloat16
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEVICE)
+    weights = torch.softmax(torch.randn(T, K, generator=g), -1).to(dtype).to(DEVICE)
+    y = torch.randn(T * K, N, generator=g).to(dtype).to(DEVICE)  # grouped rows
+    pos, tok, offs = kernels.route(ids, E)
+    for block_i in (4, 8, 32):
+        assert all(torch.equal(a, b) for a, b in zip(kernels.route(ids, E, block_i=block_i), (pos, tok, offs)))
+    g_tok, g_slot = group_by_expert(ids)
+    expected = sum_in_expert_order(y * weights[g_tok, g_slot][:, None], ids, g_tok, g_slot)
+    for block in (None, 16, 32, 128):
+        assert torch.equal(kernels.combine(y, ids, pos, weights, dtype, block=block), expected), block
 
 
 @pytest.mark.parametrize("arch", ARCHS)
