@@ -39,7 +39,8 @@ kernel                      replaces                                            
 ``rms_norm``                residual add, squares, torch's mean, the tail                      3 -> 1
 ``qk_norm_rope`` (no var)   q/k squares, torch's means, the tail and rotary                    3 -> 1
 ``softmax_topk``            router softmax, top-k (sort + gather), sum, divide, cast           ~7 -> 1
-``small_linear``            cuBLAS for the router logits (up to 4 tokens) and o_proj (1 token)  2 -> 1 (o)
+``small_linear``            cuBLAS for the router logits (up to 4 tokens), o_proj and q/k/v    2 -> 1 (o)
+                            (1 token)
 ==========================  =================================================================  ==========
 
 Triton ships with CUDA builds of torch. Without it (CPU wheels) ``available()`` is False and the model
@@ -521,11 +522,14 @@ def rms_norm(
 # warps). Each token is one more pass over the slice, so it pays only for the first few tokens of a step; where it
 # beats cuBLAS on the H200 (loadtest/bench_small_linear.py, real-shape widths; a GEMM of 48 weights replayed in a
 # CUDA graph): the router (128 x 2048) up to 4 tokens (4.9 -> 2.0 us at 1, 3.5 us at 4), o_proj (2048 x 4096)
-# at 1 token (9.5 -> 7.7 us: cuBLAS splits it over K and adds a reduction launch); never the fused q/k/v
-# (5120 x 2048: 8.3 vs 8.5 us at 1 token).
+# at 1 token (9.5 -> 7.7 us: cuBLAS splits it over K and adds a reduction launch). The fused q/k/v (5120 x 2048)
+# alone is no faster (8.5 vs 8.3 us at 1 token), but in the forward, under programmatic dependent launch, its
+# weight loads start while the norm before it runs: a batch-1 decode step 3.04 -> 2.99 ms
+# (reports/real_shape/run35_a_ab.txt, alternated twice).
 _SMALL_LINEAR_TILE = 8192
 ROUTER_SMALL_LINEAR_TOKENS = 4
 O_PROJ_SMALL_LINEAR_TOKENS = 1
+QKV_SMALL_LINEAR_TOKENS = 1
 
 
 def small_linear_fits(T: int, H: int, max_tokens: int) -> bool:

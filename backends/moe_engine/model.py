@@ -149,11 +149,13 @@ class Attention(nn.Module):
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The q, k and v projections: one GEMM over [Wq; Wk; Wv] when ``fuse_qkv`` laid the three weights out
-        as one tensor (k/v alone are GEMMs too small for the GPU: cuBLAS splits them over K and adds a pass)."""
+        as one tensor (k/v alone are GEMMs too small for the GPU: cuBLAS splits them over K and adds a pass);
+        ``kernels.small_linear`` for a one-token step."""
         fused = self.within_rounding and self._qkv_weight()
         if fused:
             w, b = fused
-            return F.linear(x, w, b).split([p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)], -1)
+            qkv = kernels.decode_linear(x, w, b, True, kernels.QKV_SMALL_LINEAR_TOKENS)  # [T, Nq + 2 Nkv]
+            return qkv.split([p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)], -1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def _qkv_weight(self) -> tuple[Tensor, Tensor | None] | None:
