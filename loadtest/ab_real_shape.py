@@ -54,9 +54,10 @@ def run_one(name: str, tree: Path, env: dict[str, str], bench_args: list[str], o
     try:
         proc = subprocess.run(cmd, cwd=tree, env=full_env, capture_output=True, text=True, timeout=timeout)
         log, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as err:
-        log, rc = f"{err.stdout or ''}{err.stderr or ''}\n(killed after {timeout:.0f} s)", "timeout"
-    (out / "log.txt").write_text(log if isinstance(log, str) else log.decode(errors="replace"))
+    except subprocess.TimeoutExpired as err:  # its captured output may come back as bytes despite text=True
+        text = [x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (err.stdout, err.stderr)]
+        log, rc = "".join(text) + f"\n(killed after {timeout:.0f} s)", "timeout"
+    (out / "log.txt").write_text(log)
     results = out / "results.json"
     cases = json.loads(results.read_text()).get("cases", {}) if results.is_file() else {}
     reps = {case: [{k: r.get(k) for k in METRICS} for r in res.get("reps", [])]

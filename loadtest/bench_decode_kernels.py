@@ -48,6 +48,19 @@ def per_call_us(calls, reps: int) -> float:
     return rsm.graph_replay_seconds(lambda: [c() for c in calls], reps) / len(calls) * 1e6
 
 
+def layer_calls(fn) -> tuple[list, list]:
+    """fn(i) -> layer i's output: the L calls (each storing its output), run once eagerly (compiled, and a config
+    that does not fit fails here), and the list their outputs land in (the graph's, once captured)."""
+    outs = [None] * L
+
+    def call(i):
+        outs[i] = fn(i)
+    calls = [lambda i=i: call(i) for i in range(L)]
+    for c in calls:
+        c()
+    return calls, outs
+
+
 def equal_share(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return min((x == y).float().mean().item() for x, y in zip(a, b))
 
@@ -98,7 +111,7 @@ def main() -> None:
     if "experts" in which:
         sets = [(rnd(E, 2 * I, H, scale=H**-0.5), rnd(E, H, I, scale=I**-0.5)) for _ in range(args.expert_sets)]
     for T in (int(t) for t in args.tokens.split(",")):
-        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        torch.cuda.empty_cache()
         P = T * K
         if "combine" in which:
             ys = [rnd(P, H) for _ in range(L)]
@@ -106,14 +119,8 @@ def main() -> None:
             routed = [kernels.route(ids, E) for ids, _ in rts]
 
             def combine_calls(block):
-                outs = [None] * L
-
-                def call(i):
-                    outs[i] = kernels.combine(ys[i], rts[i][0], routed[i][0], rts[i][1], dt, block=block)
-                calls = [lambda i=i: call(i) for i in range(L)]
-                for c in calls:
-                    c()
-                return calls, outs
+                return layer_calls(lambda i: kernels.combine(ys[i], rts[i][0], routed[i][0], rts[i][1], dt,
+                                                             block=block))
             sweep("combine", T, (1024, 2048, 512, 256, 128), combine_calls, args.reps, rows, t0)
         if "qk" in which:
             qs, ks, vs = [rnd(T, HQ * D) for _ in range(L)], [rnd(T, HK * D) for _ in range(L)], \
@@ -125,43 +132,23 @@ def main() -> None:
             slots = torch.randperm(blocks * 16, device=dev, generator=g)[:T]
 
             def qk_calls(hpp):
-                outs = [None] * L
-
-                def call(i):
-                    outs[i] = torch.cat([t.reshape(T, -1) for t in kernels.qk_norm_rope(
-                        qs[i], ks[i], cos, sin, D, "head", q_weight=qw, k_weight=kw, eps=1e-6,
-                        kv_cache=(vs[i], cache_k, cache_v, slots), heads_per_program=hpp)], 1)
-                calls = [lambda i=i: call(i) for i in range(L)]
-                for c in calls:
-                    c()
-                return calls, outs
+                return layer_calls(lambda i: torch.cat([t.reshape(T, -1) for t in kernels.qk_norm_rope(
+                    qs[i], ks[i], cos, sin, D, "head", q_weight=qw, k_weight=kw, eps=1e-6,
+                    kv_cache=(vs[i], cache_k, cache_v, slots), heads_per_program=hpp)], 1))
             sweep("qk_norm_rope", T, (64, 16, 8, 4, 2, 1), qk_calls, args.reps, rows, t0)
         if "route" in which:
             rts = [routing(T) for _ in range(L)]
             cap = torch.zeros(T, K, dtype=torch.int32, device=dev)
 
             def route_calls(bi):
-                outs = [None] * L
-
-                def call(i):
-                    outs[i] = torch.cat([t.reshape(-1).long() for t in kernels.route(rts[i][0], E, cap, block_i=bi)])
-                calls = [lambda i=i: call(i) for i in range(L)]
-                for c in calls:
-                    c()
-                return calls, outs
+                return layer_calls(lambda i: torch.cat(
+                    [t.reshape(-1).long() for t in kernels.route(rts[i][0], E, cap, block_i=bi)]))
             sweep("route", T, (16, 8, 4, 32), route_calls, args.reps, rows, t0)
         if "rms_norm" in which:
             xs, ds, w = [rnd(T, H) for _ in range(L)], [rnd(T, H) for _ in range(L)], rnd(H)
 
             def norm_calls(warps):
-                outs = [None] * L
-
-                def call(i):
-                    outs[i] = kernels.rms_norm(xs[i], w, 1e-6, False, ds[i], num_warps=warps)[1]
-                calls = [lambda i=i: call(i) for i in range(L)]
-                for c in calls:
-                    c()
-                return calls, outs
+                return layer_calls(lambda i: kernels.rms_norm(xs[i], w, 1e-6, False, ds[i], num_warps=warps)[1])
             sweep("rms_norm", T, (4, 1, 2, 8, 16), norm_calls, args.reps, rows, t0)
         if "experts" in which and str(T) in args.expert_tokens.split(","):
             xs = [rnd(T, H) for _ in range(L)]
@@ -171,21 +158,16 @@ def main() -> None:
                   for i in range(L)]
 
             def expert_calls(gate_up):
-                def make(cfg):
-                    outs = [None] * L
+                def one(i, cfg):
+                    gu, dn = sets[i % len(sets)]
+                    if gate_up:
+                        return fused_moe.gate_up_swiglu(xs[i], gu, routed[i][1], routed[i][2], cfg)
+                    return fused_moe.down_proj(hs[i], dn, routed[i][2], cfg)
 
-                    def call(i):
-                        gu, dn = sets[i % len(sets)]
-                        if gate_up:
-                            outs[i] = fused_moe.gate_up_swiglu(xs[i], gu, routed[i][1], routed[i][2], cfg)
-                        else:
-                            outs[i] = fused_moe.down_proj(hs[i], dn, routed[i][2], cfg)
-                    calls = [lambda i=i: call(i) for i in range(L)]
+                def make(cfg):
                     with warnings.catch_warnings():
                         warnings.filterwarnings("error", message="fused_moe:")  # would shrink: not this config
-                        for c in calls:
-                            c()
-                    return calls, outs
+                        return layer_calls(lambda i: one(i, cfg))
                 return make
             bm = default[0].BLOCK_M
             for gate_up, start in ((True, default[0]), (False, default[1])):
