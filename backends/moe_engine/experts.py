@@ -223,20 +223,19 @@ class Experts(nn.Module):
 
     def forward(
         self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None,
-        weights_capture: Tensor | None = None, defer_sum: bool = False,
-    ) -> Tensor | kernels.ExpertOutputs:
+        weights_capture: Tensor | None = None,
+    ) -> Tensor:
         """x [T, H], ids [T, K], weights [T, K] -> sum_k weights[t, k] * expert_{ids[t, k]}(x[t])  [T, H].
         capture [T, K] int32 (a view of the step's routing buffer): receives exactly ``ids``, before the experts
         run (on the fused path, by the kernel that reads them to group the pairs); weights_capture [T, K] float32
-        receives ``weights``. ``defer_sum``: the fused path returns its outputs before the sum
-        (``kernels.ExpertOutputs``, for a norm that sums them in its own launch); other paths the sum."""
+        receives ``weights``."""
         _capture_weights(weights_capture, weights)
         T, K = ids.shape
         # Fused, the grouped path is faster than gathering weights even for one token (H200, C=1 decode step:
         # 0.41 vs 0.46 ms), and its route kernel does the capture copy.
         if self.fused and T and self.first_expert is None and (
                 T * K <= self.triton_gemm_max_pairs or grouped_mm_works(x.device, x.dtype)):
-            return self._forward_fused(x, ids, weights, capture, defer_sum)
+            return self._forward_fused(x, ids, weights, capture)
         _capture(capture, ids)
         if T == 0:
             return torch.zeros_like(x)
@@ -274,11 +273,9 @@ class Experts(nn.Module):
         gate, up = _GMM(x, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         return _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
 
-    def _forward_fused(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None,
-                       defer_sum: bool = False) -> Tensor | kernels.ExpertOutputs:
+    def _forward_fused(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None) -> Tensor:
         """``_forward_grouped_mm`` with the bookkeeping in two kernels: ``route`` (the expert-grouped order,
-        offsets, the capture copy) before the grouped GEMMs and ``combine`` (weights, HF-order sum) after them
-        (or, ``defer_sum``, in the norm that reads the sum)."""
+        offsets, the capture copy) before the grouped GEMMs and ``combine`` (weights, HF-order sum) after them."""
         routed = kernels.route(ids, self.num_experts, capture)
         if routed is None:  # a large step (prefill): sort with torch
             _capture(capture, ids)
@@ -294,8 +291,7 @@ class Experts(nn.Module):
         else:
             gate, up = _GMM(x[tok], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [K*T, I] each
             y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [K*T, H]
-        outputs = kernels.ExpertOutputs(y, ids, pos, weights, x.dtype)
-        return outputs if defer_sum else outputs.sum()
+        return kernels.combine(y, ids, pos, weights, x.dtype)
 
     def _expert(self, e: int, rows: Tensor) -> Tensor:
         """Expert e on its rows [n, H] -> [n, H] (HF's per-expert loop body, before the routing weight)."""

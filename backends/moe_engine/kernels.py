@@ -37,7 +37,6 @@ them on GPUs unless ``--exact-kernels`` asks for the bit-identical set only (mod
 kernel                      replaces                                                           launches
 ==========================  =================================================================  ==========
 ``rms_norm``                residual add, squares, torch's mean, the tail                      3 -> 1
-                            (and, for a residual that is ``ExpertOutputs``, ``combine``)       4 -> 1
 ``qk_norm_rope`` (no var)   q/k squares, torch's means, the tail and rotary                    3 -> 1
 ``softmax_topk``            router softmax, top-k (sort + gather), sum, divide, cast           ~7 -> 1
 ``small_linear``            cuBLAS for the router logits (up to 4 tokens), o_proj and q/k/v    2 -> 1 (o)
@@ -53,7 +52,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
 
 import torch
 
@@ -200,22 +198,16 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(
         x_ptr, d_ptr, s_ptr, w_ptr, out_ptr, N, sx, sd, ss, eps,
-        y_ptr, ids_ptr, pos_ptr, cw_ptr,  # HAS_SUM: the delta is the experts' weighted sum (``_expert_sum``)
-        BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, DT: tl.constexpr, FP32_WEIGHT: tl.constexpr,
-        HAS_SUM: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+        BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, DT: tl.constexpr, FP32_WEIGHT: tl.constexpr, PDL: tl.constexpr,
     ):
         """Row r in one pass: s = x + d (rounded; when HAS_ADD), var = mean(float32(s)^2) summed here, then the
-        tail of ``_rms_norm_tail_kernel``. Equal to the op-by-op norm within float32 summation order. HAS_SUM:
-        d is row r of what ``_combine_kernel`` would write, computed here by the same code (the same bits)."""
+        tail of ``_rms_norm_tail_kernel``. Equal to the op-by-op norm within float32 summation order."""
         _await_inputs(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
         x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
-        if HAS_SUM:
-            x = _round(x + _expert_sum(y_ptr, ids_ptr, pos_ptr, cw_ptr, row, cols, m, N, K, BLOCK_K, DT), DT)
-            tl.store(s_ptr + row * ss + cols, x.to(s_ptr.dtype.element_ty), mask=m)
-        elif HAS_ADD:
+        if HAS_ADD:
             x = _round(x + tl.load(d_ptr + row * sd + cols, mask=m, other=0.0).to(tl.float32), DT)
             tl.store(s_ptr + row * ss + cols, x.to(s_ptr.dtype.element_ty), mask=m)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
@@ -380,11 +372,16 @@ if triton is not None:
             tl.store(offs_ptr + e, ends, mask=e < E)
 
     @triton.jit
-    def _expert_sum(y_ptr, ids_ptr, pos_ptr, w_ptr, t, cols, m, N, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DT: tl.constexpr):
-        """Token t's MoE output at ``cols`` (float32 holding model-dtype values): the sum over its experts in
-        ascending id order of round(y[row] * weight), rounding after every add (HF's per-expert index_add_
-        loop). y: [pairs, N] expert outputs in grouped order; pos: each (token, slot)'s row there."""
+    def _combine_kernel(
+        y_ptr, ids_ptr, pos_ptr, w_ptr, out_ptr, N,
+        K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """out[t] = sum over token t's experts in ascending id order of round(y[row] * weight), rounding after
+        every add (HF's per-expert index_add_ loop). y: [pairs, N] expert outputs in grouped order."""
+        _await_inputs(PDL)
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < N
         j = tl.arange(0, BLOCK_K)
         jm = j < K
         ids = tl.load(ids_ptr + t * K + j, mask=jm, other=0)
@@ -393,7 +390,7 @@ if triton is not None:
         # rank of each slot's expert within the token's (distinct) experts
         rank = tl.sum(((ids[None, :] < ids[:, None]) & jm[None, :]).to(tl.int32), axis=1)
         rank = tl.where(jm, rank, BLOCK_K)
-        acc = tl.zeros(cols.shape, dtype=tl.float32)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(K):
             row = tl.sum(tl.where(rank == r, pos, 0))
             wr = tl.sum(tl.where(rank == r, w, 0.0))
@@ -404,19 +401,6 @@ if triton is not None:
                 acc = _round(acc + p, DT)
         if K == 1:  # the op-by-op path adds its one term to zeros: -0.0 comes out as +0.0
             acc = acc + 0.0
-        return acc
-
-    @triton.jit
-    def _combine_kernel(
-        y_ptr, ids_ptr, pos_ptr, w_ptr, out_ptr, N,
-        K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
-    ):
-        """out[t, cols] = ``_expert_sum`` for this program's block of one token's columns."""
-        _await_inputs(PDL)
-        t = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = cols < N
-        acc = _expert_sum(y_ptr, ids_ptr, pos_ptr, w_ptr, t, cols, m, N, K, BLOCK_K, DT)
         tl.store(out_ptr + t * N + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -516,46 +500,19 @@ def rms_norm_tail(x: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, eps:
     return out.view(x.shape)
 
 
-class ExpertOutputs(NamedTuple):
-    """The fused expert path's outputs before their weighted sum: ``combine``'s arguments. The MoE output is
-    ``sum()``; a one-pass norm that takes it as its residual delta sums it in its own launch instead
-    (``rms_norm``), the same bits as ``combine`` and then the norm, one launch fewer per MoE layer."""
-
-    y: torch.Tensor  # [T*K, H] expert outputs in grouped order
-    ids: torch.Tensor  # [T, K] each token's experts
-    pos: torch.Tensor  # [T, K] each (token, slot)'s row of y
-    weights: torch.Tensor  # [T, K] routing weights
-    dtype: torch.dtype  # of the sum
-
-    def sum(self) -> torch.Tensor:  # [T, H]
-        return combine(*self)
-
-
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool,
-    delta: torch.Tensor | ExpertOutputs | None = None, num_warps: int | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool, delta: torch.Tensor | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, RMSNorm(s)) with s = x + delta (or x) in one launch, the mean of squares summed in the kernel: equal to
-    the op-by-op norm within float32 summation order (not bit for bit, unlike add_square + rms_norm_tail).
-    ``delta`` as ``ExpertOutputs``: summed in the same launch, exactly as ``delta.sum()`` would be."""
-    experts = delta if isinstance(delta, ExpertOutputs) else None
-    if experts is not None:
-        assert experts.dtype == x.dtype and experts.y.shape[-1] == x.shape[-1], (experts.dtype, x.dtype)
-        xr = _rows(x)
-        dr, s = xr, torch.empty_like(xr)
-        y, ids, pos, cw = (t.contiguous() for t in experts[:4])
-    else:
-        xr, dr, s = _with_residual(x, delta)
-        y = ids = pos = cw = xr  # unused (HAS_SUM off)
+    the op-by-op norm within float32 summation order (not bit for bit, unlike add_square + rms_norm_tail)."""
+    xr, dr, s = _with_residual(x, delta)
     R, N = xr.shape
-    K = ids.shape[1] if experts is not None else 1
     out = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R:
         _launch(
             _rms_norm_kernel, (R,), xr, dr, s, weight, out, N, xr.stride(0), dr.stride(0), s.stride(0), eps,
-            y, ids, pos, cw,
-            BLOCK=_pow2(N), HAS_ADD=delta is not None, DT=_DT[x.dtype], FP32_WEIGHT=fp32_weight,
-            HAS_SUM=experts is not None, K=K, BLOCK_K=_pow2(K), PDL=pdl(x.device),
+            BLOCK=_pow2(N), HAS_ADD=delta is not None, DT=_DT[x.dtype], FP32_WEIGHT=fp32_weight, PDL=pdl(x.device),
             **({} if interpreting() or num_warps is None else {"num_warps": num_warps}),
         )
     return s.view(x.shape), out.view(x.shape)

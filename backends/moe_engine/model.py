@@ -65,13 +65,10 @@ class RMSNorm(nn.Module):
             return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)  # HF: weight * normed.to(input dtype)
 
-    def add_forward(self, x: Tensor, delta: Tensor | kernels.ExpertOutputs | None) -> tuple[Tensor, Tensor]:
-        """(x + delta, norm(x + delta)): the residual add before a norm (one kernel with it when fused; the
-        one-pass kernel also sums a delta that is the experts' outputs before their sum)."""
+    def add_forward(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(x + delta, norm(x + delta)): the residual add before a norm (one kernel with it when fused)."""
         if delta is None:
             return x, self(x)
-        if isinstance(delta, kernels.ExpertOutputs) and not (self.fused and self.within_rounding):
-            delta = delta.sum()
         if self.fused and self.within_rounding:
             return kernels.rms_norm(x, self.weight, self.eps, self.fp32_weight, delta)
         if self.fused and x.is_contiguous() and delta.is_contiguous():
@@ -296,15 +293,11 @@ class MoEBlock(nn.Module):
         width = experts.shared_intermediate_size
         self.shared_expert = MLP(hidden_size, width) if width else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if experts.shared_gate else None
-        # Return the fused experts' outputs before their sum (kernels.ExpertOutputs): the next norm sums them in
-        # its launch. Set by MoEForCausalLM.use_fused_kernels where that norm is the one-pass kernel.
-        self.defer_sum = False
 
-    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING) -> Tensor | kernels.ExpertOutputs:
+    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING) -> Tensor:
         ids, weights = self.gate(x, routing.forced)  # [T, K] int64, [T, K]
         # the experts write exactly the ids (and weights) they use into the step's capture buffers
-        out = self.experts(x, ids, weights, routing.ids, routing.weights,
-                           defer_sum=self.defer_sum and self.shared_expert is None)
+        out = self.experts(x, ids, weights, routing.ids, routing.weights)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -363,24 +356,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
         self.tp = None  # tensor parallelism (sharding.py): attention and MLP outputs are this rank's partial sums
 
-    def _reduce(self, partial: Tensor | kernels.ExpertOutputs) -> Tensor | kernels.ExpertOutputs:
-        if self.tp is None:
-            return partial
-        if isinstance(partial, kernels.ExpertOutputs):
-            partial = partial.sum()
-        return self.tp.all_reduce(partial.contiguous())
+    def _reduce(self, partial: Tensor) -> Tensor:
+        return partial if self.tp is None else self.tp.all_reduce(partial.contiguous())
 
     def forward(
         self,
         x: Tensor,  # [T, H] residual stream
-        delta: Tensor | kernels.ExpertOutputs | None,  # [T, H] previous layer's output, not yet added to x
-        # (None before layer 0; the fused experts' outputs before their sum, which the norm below adds up)
+        delta: Tensor | None,  # [T, H] previous layer's output, not yet added to x (None before layer 0)
         cos: Tensor,
         sin: Tensor,
         batch: ForwardBatch,
         cache: LayerKV,
         routing: LayerRouting,
-    ) -> tuple[Tensor, Tensor | kernels.ExpertOutputs]:  # (residual stream, this layer's MLP output to add to it)
+    ) -> tuple[Tensor, Tensor]:  # (residual stream, this layer's MLP output to add to it)
         # x + delta and x + attention are each added right before the norm that reads them (same values as
         # HF's adds at the end of a layer; the fused norm does the add in its first kernel).
         x, normed = self.input_layernorm.add_forward(x, delta)
@@ -447,8 +435,6 @@ class MoEForCausalLM(nn.Module):
                 m.fuse_qkv()
             if isinstance(m, Experts):
                 m.triton_gemm_max_pairs = TRITON_GEMM_MAX_PAIRS if on_gpu else 0
-            if isinstance(m, MoEBlock):
-                m.defer_sum = within_rounding
         return enabled
 
     def graph_unsafe_reason(self) -> str | None:
