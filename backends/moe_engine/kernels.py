@@ -429,38 +429,24 @@ if triton is not None:
         x_ptr, w_ptr, b_ptr, y_ptr, T, N, H, sx, sw, sy,
         BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
     ):
-        """y[t, n] = x[t, :] . w[n, :] (+ b[n]) for every token t, rows n in blocks of BLOCK_N: program p takes
-        blocks p, p + programs, ... Each block's weight slice is loaded in one go (one memory latency, not one
-        per K chunk; a step of a few tokens reads every weight byte once, so the loads are the whole cost), the
-        next block's load is issued before this block's sums (the memory stays busy while a program computes,
-        where one block per program left a gap between waves of programs), and each token is one multiply and
-        one float32 sum over H, rounded to the model dtype as F.linear's output is. Under PDL the first two
-        blocks' weights (constant during a step) are loaded before waiting for the previous kernel: their
-        latency overlaps its tail."""
-        pid = tl.program_id(0)
-        step = tl.num_programs(0)
+        """y[t, n] = x[t, :] . w[n, :] (+ b[n]) for every token t, rows n of this program's BLOCK_N: the weight
+        slice is loaded once, in one go (one memory latency, not one per K chunk; a step of a few tokens reads
+        every weight byte once, so the load is the whole cost), then each token is one multiply and one float32
+        sum over H, rounded to the model dtype as F.linear's output is. Under PDL the weights (constant during a
+        step) are loaded before waiting for the previous kernel: their latency overlaps its tail."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         h = tl.arange(0, BLOCK_H)
-        rows = tl.arange(0, BLOCK_N)
-        hm = h[None, :] < H
-        n = pid * BLOCK_N + rows
-        w = tl.load(w_ptr + n[:, None] * sw + h[None, :], mask=(n[:, None] < N) & hm, other=0.0)
-        n_next = n + step * BLOCK_N
-        w_next = tl.load(w_ptr + n_next[:, None] * sw + h[None, :], mask=(n_next[:, None] < N) & hm, other=0.0)
+        w = tl.load(w_ptr + n[:, None] * sw + h[None, :], mask=(n[:, None] < N) & (h[None, :] < H),
+                    other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_H]
+        if HAS_BIAS:
+            b = tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
         _await_inputs(PDL)
-        for n0 in range(pid * BLOCK_N, N, step * BLOCK_N):
-            n = n0 + rows
-            wf = w.to(tl.float32)  # [BLOCK_N, BLOCK_H]
-            w = w_next
-            n_next = n + 2 * step * BLOCK_N
-            w_next = tl.load(w_ptr + n_next[:, None] * sw + h[None, :], mask=(n_next[:, None] < N) & hm, other=0.0)
+        for t in range(T):
+            x = tl.load(x_ptr + t * sx + h, mask=h < H, other=0.0).to(tl.float32)  # [BLOCK_H]
+            y = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
             if HAS_BIAS:
-                b = tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
-            for t in range(T):
-                x = tl.load(x_ptr + t * sx + h, mask=h < H, other=0.0).to(tl.float32)  # [BLOCK_H]
-                y = tl.sum(wf * x[None, :], axis=1)  # [BLOCK_N]
-                if HAS_BIAS:
-                    y = y + b  # in float32 before the one rounding, as cuBLAS's bias epilogue
-                tl.store(y_ptr + t * sy + n, _round(y, DT).to(y_ptr.dtype.element_ty), mask=n < N)
+                y = y + b  # in float32 before the one rounding, as cuBLAS's bias epilogue
+            tl.store(y_ptr + t * sy + n, _round(y, DT).to(y_ptr.dtype.element_ty), mask=n < N)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -541,7 +527,6 @@ def rms_norm(
 # weight loads start while the norm before it runs: a batch-1 decode step 3.04 -> 2.99 ms
 # (reports/real_shape/run35_a_ab.txt, alternated twice).
 _SMALL_LINEAR_TILE = 8192
-SMALL_LINEAR_PROGRAMS_PER_SM = 4
 ROUTER_SMALL_LINEAR_TOKENS = 4
 O_PROJ_SMALL_LINEAR_TOKENS = 1
 QKV_SMALL_LINEAR_TOKENS = 1
@@ -551,15 +536,9 @@ def small_linear_fits(T: int, H: int, max_tokens: int) -> bool:
     return 0 < T <= max_tokens and _pow2(H) <= _SMALL_LINEAR_TILE
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def small_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     tile: int = _SMALL_LINEAR_TILE, num_warps: int = 4,  # loadtest/bench_small_linear.py --sweep tries others
-    programs: int | None = None,  # default: SMALL_LINEAR_PROGRAMS_PER_SM per multiprocessor (CPU: one per block)
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for a step of a few tokens (``decode_linear`` says which): x [T, H], weight [N, H]
     -> [T, N] in x's dtype, each output a float32 sum in this kernel's order (equal to cuBLAS's within float32
@@ -573,11 +552,7 @@ def small_linear(
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     block_h = _pow2(H)
     block_n = max(1, min(tile // block_h, _pow2(N)))
-    blocks = triton.cdiv(N, block_n)
-    if programs is None and x.is_cuda:
-        programs = SMALL_LINEAR_PROGRAMS_PER_SM * _multiprocessors(
-            x.device.index if x.device.index is not None else torch.cuda.current_device())
-    _launch(_small_linear_kernel, (min(blocks, programs or blocks),), xr, weight, weight if bias is None else bias, y,
+    _launch(_small_linear_kernel, (triton.cdiv(N, block_n),), xr, weight, weight if bias is None else bias, y,
             T, N, H, xr.stride(0), weight.stride(0), y.stride(0),
             BLOCK_N=block_n, BLOCK_H=block_h, HAS_BIAS=bias is not None, DT=_DT[x.dtype], PDL=pdl(x.device),
             **({} if interpreting() else {"num_warps": num_warps}))

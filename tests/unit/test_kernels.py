@@ -200,8 +200,7 @@ def test_fused_router_chooses_the_same_experts_with_weights_within_rounding(dtyp
 def test_small_linear_equals_f_linear_within_rounding(dtype):
     """kernels.small_linear (decode steps' router and projections): F.linear's result within float32 summation
     order, rounded to the model dtype as F.linear rounds it; with and without a bias, widths not a power of two,
-    a strided input (a view of a wider tensor); however many row blocks each program takes; only for steps it is
-    meant for."""
+    a strided input (a view of a wider tensor); only for steps it is meant for."""
     g = torch.Generator().manual_seed(11)
     for T, N, H in ((1, 128, 256), (5, 60, 96), (16, 37, 200)):
         wide = torch.randn(T, H + 8, generator=g).to(dtype).to(DEVICE)
@@ -211,9 +210,6 @@ def test_small_linear_equals_f_linear_within_rounding(dtype):
         for bias in (None, b):
             y = kernels.small_linear(x, w, bias)
             assert y.shape == (T, N) and y.dtype == dtype
-            for programs in (1, 2, 3):  # programs that take several row blocks each: the same sums
-                assert torch.equal(kernels.small_linear(x, w, bias, tile=256, programs=programs),
-                                   kernels.small_linear(x, w, bias, tile=256)), (T, N, H, programs)
             torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias))
             exact = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
             # float32 sums: within a few ulps of the exact result (bf16: the rounding of it)
