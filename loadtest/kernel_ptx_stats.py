@@ -35,9 +35,11 @@ KERNELS = {  # name: (kernel, signature, constexprs)
     "softmax_topk": (
         "_softmax_topk_kernel",
         {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "E": "i32", "sl": "i32", "fmask_ptr": "*bf16",
-         "fids_ptr": "*i64", "K": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr", "RENORM": "constexpr",
-         "DT": "constexpr", "FORCED": "constexpr", "PDL": "constexpr"},
-        {"K": TOPK, "BLOCK_E": E, "BLOCK_K": TOPK, "RENORM": True, "DT": 1, "FORCED": False, "PDL": True},
+         "fids_ptr": "*i64", "pos_ptr": "*i64", "tok_ptr": "*i64", "offs_ptr": "*i32", "cap_ptr": "*i32",
+         "K": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr", "RENORM": "constexpr",
+         "DT": "constexpr", "FORCED": "constexpr", "GROUP": "constexpr", "CAPTURE": "constexpr", "PDL": "constexpr"},
+        {"K": TOPK, "BLOCK_E": E, "BLOCK_K": TOPK, "RENORM": True, "DT": 1, "FORCED": False, "GROUP": False,
+         "CAPTURE": False, "PDL": True},
     ),
     "route": (
         "_route_kernel",

@@ -221,21 +221,28 @@ class Experts(nn.Module):
             return f"torch's grouped GEMM syncs with the host for {dtype} on this GPU (use bfloat16)"
         return None
 
+    def takes_fused_path(self, x: Tensor, top_k: int) -> bool:
+        """Whether ``forward`` runs the fused path (route, grouped GEMMs, combine) for the tokens x [T, H]."""
+        T = x.shape[0]
+        # Fused, the grouped path is faster than gathering weights even for one token (H200, C=1 decode step:
+        # 0.41 vs 0.46 ms), and its route kernel does the capture copy.
+        return bool(self.fused and T and self.first_expert is None and (
+            T * top_k <= self.triton_gemm_max_pairs or grouped_mm_works(x.device, x.dtype)))
+
     def forward(
         self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None,
-        weights_capture: Tensor | None = None,
+        weights_capture: Tensor | None = None, grouped: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> Tensor:
         """x [T, H], ids [T, K], weights [T, K] -> sum_k weights[t, k] * expert_{ids[t, k]}(x[t])  [T, H].
         capture [T, K] int32 (a view of the step's routing buffer): receives exactly ``ids``, before the experts
         run (on the fused path, by the kernel that reads them to group the pairs); weights_capture [T, K] float32
-        receives ``weights``."""
+        receives ``weights``. ``grouped``: ``kernels.route``'s outputs for ``ids`` when the router's launch
+        already computed them and wrote ``capture`` (``Router.forward_grouped``; only for the fused path)."""
         _capture_weights(weights_capture, weights)
         T, K = ids.shape
-        # Fused, the grouped path is faster than gathering weights even for one token (H200, C=1 decode step:
-        # 0.41 vs 0.46 ms), and its route kernel does the capture copy.
-        if self.fused and T and self.first_expert is None and (
-                T * K <= self.triton_gemm_max_pairs or grouped_mm_works(x.device, x.dtype)):
-            return self._forward_fused(x, ids, weights, capture)
+        if self.takes_fused_path(x, K):
+            return self._forward_fused(x, ids, weights, capture, grouped)
+        assert grouped is None, "grouped pairs are for the fused path"
         _capture(capture, ids)
         if T == 0:
             return torch.zeros_like(x)
@@ -273,10 +280,12 @@ class Experts(nn.Module):
         gate, up = _GMM(x, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         return _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
 
-    def _forward_fused(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None) -> Tensor:
+    def _forward_fused(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None,
+                       grouped: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
         """``_forward_grouped_mm`` with the bookkeeping in two kernels: ``route`` (the expert-grouped order,
-        offsets, the capture copy) before the grouped GEMMs and ``combine`` (weights, HF-order sum) after them."""
-        routed = kernels.route(ids, self.num_experts, capture)
+        offsets, the capture copy; or ``grouped``, from the router's launch) before the grouped GEMMs and
+        ``combine`` (weights, HF-order sum) after them."""
+        routed = grouped if grouped is not None else kernels.route(ids, self.num_experts, capture)
         if routed is None:  # a large step (prefill): sort with torch
             _capture(capture, ids)
             T, K = ids.shape

@@ -216,14 +216,18 @@ if triton is not None:
     @triton.jit
     def _softmax_topk_kernel(
         logits_ptr, ids_ptr, w_ptr, E, sl, fmask_ptr, fids_ptr,
+        pos_ptr, tok_ptr, offs_ptr, cap_ptr,  # GROUP: what ``_route_kernel`` writes, for a one-token step
         K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, DT: tl.constexpr,
-        FORCED: tl.constexpr, PDL: tl.constexpr,
+        FORCED: tl.constexpr, GROUP: tl.constexpr, CAPTURE: tl.constexpr, PDL: tl.constexpr,
     ):
         """Token t: p = softmax(float32 logits); the K largest, in descending order (chosen on the logits, which
         order exactly as p does; ties to the lower expert id), or, for a FORCED token (routing replay), the given
         ids; weights p at those ids, divided by their sum when RENORM; rounded to the model dtype when DT says
         so. One launch for softmax, top-k, gather, sum, divide, cast; a token not forced computes the same bits
-        whether or not others in its step are."""
+        whether or not others in its step are. GROUP (a step of one token, grid (1,)): the same launch also
+        writes ``_route_kernel``'s outputs for the token's K pairs (their expert-grouped rows, their token, the
+        experts' end rows; CAPTURE: the ids into the routing capture row), from the ids in registers: the
+        expert GEMMs then wait on this kernel instead of on a route launch after it."""
         _await_inputs(PDL)
         t = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
@@ -251,6 +255,15 @@ if triton is not None:
             w = w / tl.sum(w, axis=0)
         tl.store(ids_ptr + t * K + kk, ids, mask=km)
         tl.store(w_ptr + t * K + kk, _round(w, DT).to(w_ptr.dtype.element_ty), mask=km)
+        if GROUP:  # T = 1: pair i is slot i; its row = pairs with a smaller id, or the same id and a smaller i
+            first = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (kk[None, :] < kk[:, None]))
+            row = tl.sum((first & km[None, :]).to(tl.int32), axis=1)  # [BLOCK_K]
+            tl.store(pos_ptr + kk, row.to(tl.int64), mask=km)
+            tl.store(tok_ptr + row, tl.zeros([BLOCK_K], dtype=tl.int64), mask=km)
+            if CAPTURE:
+                tl.store(cap_ptr + kk, ids.to(tl.int32), mask=km)
+            ends = tl.sum(((ids[None, :] <= e[:, None]) & km[None, :]).to(tl.int32), axis=1)  # [BLOCK_E]
+            tl.store(offs_ptr + e, ends, mask=m)
 
     @triton.jit
     def _normed_rotated(
@@ -579,24 +592,46 @@ def softmax_topk(
     (the order of the logits is the order of the probabilities; ties go to the lower id, where torch.topk
     leaves the order unspecified); the weights equal it within float32 summation order. ``forced_mask`` [T]
     bool / ``forced_ids`` [T, K]: routing replay, the given ids (and their weights) for the masked tokens."""
+    ids, weights, _ = _softmax_topk(logits, top_k, renorm, weights_dtype, forced_mask, forced_ids)
+    return ids, weights
+
+
+def softmax_topk_route(
+    logits: torch.Tensor, top_k: int, renorm: bool, weights_dtype: torch.dtype,
+    capture: torch.Tensor | None = None,
+    forced_mask: torch.Tensor | None = None, forced_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``softmax_topk`` and then ``route`` (ids, the capture copy) for a step of one token, in one launch: the
+    same bits as the two calls. logits [1, E] -> (ids, weights, (pos, tok, offs))."""
+    assert logits.shape[0] == 1, "softmax_topk_route: a step of one token"
+    return _softmax_topk(logits, top_k, renorm, weights_dtype, forced_mask, forced_ids, group=True, capture=capture)
+
+
+def _softmax_topk(logits, top_k, renorm, weights_dtype, forced_mask, forced_ids, group=False, capture=None):
     lr = _rows(logits)
     T, E = lr.shape
     ids = torch.empty(T, top_k, dtype=torch.long, device=logits.device)
     weights = torch.empty(T, top_k, dtype=weights_dtype, device=logits.device)
     forced = forced_mask is not None
+    grouped = None
+    if group:  # route's outputs (one token: its K pairs)
+        grouped = (torch.empty(1, top_k, dtype=torch.long, device=logits.device),
+                   torch.empty(top_k, dtype=torch.long, device=logits.device),
+                   torch.empty(E, dtype=torch.int32, device=logits.device))
     if T:
         _launch(
             _softmax_topk_kernel, (T,), lr, ids, weights, E, lr.stride(0),
             forced_mask.contiguous() if forced else lr, forced_ids.contiguous() if forced else ids,
+            *(grouped or (ids, ids, ids)), ids if capture is None else capture,
             K=top_k, BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), RENORM=renorm, DT=_DT[weights_dtype], FORCED=forced,
-            PDL=pdl(logits.device),
+            GROUP=group, CAPTURE=capture is not None, PDL=pdl(logits.device),
             # One warp: a token's ~3K + 3 reductions over its E logits run one after another, and across 4 warps
             # each one goes through shared memory and barriers (sm_90 PTX, E=128, K=8: 74 bar.sync with 4 warps, none
             # with 1; `loadtest/kernel_ptx_stats.py`). The ids are the same either way (chosen with max/min); the
             # weights' float32 sums may round differently (this router is the within-rounding one).
             num_warps=1,
         )
-    return ids, weights
+    return ids, weights, grouped
 
 
 def qk_norm_rope(

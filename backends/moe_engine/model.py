@@ -295,9 +295,15 @@ class MoEBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if experts.shared_gate else None
 
     def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING) -> Tensor:
-        ids, weights = self.gate(x, routing.forced)  # [T, K] int64, [T, K]
+        # [T, K] int64, [T, K]; for the fused experts, a one-token step's expert-grouped order from the router's
+        # launch (which then also copies the ids into the capture buffer)
+        grouped = None
+        if self.experts.takes_fused_path(x, self.gate.top_k):
+            ids, weights, grouped = self.gate.forward_grouped(x, routing.forced, routing.ids)
+        else:
+            ids, weights = self.gate(x, routing.forced)
         # the experts write exactly the ids (and weights) they use into the step's capture buffers
-        out = self.experts(x, ids, weights, routing.ids, routing.weights)
+        out = self.experts(x, ids, weights, routing.ids, routing.weights, grouped=grouped)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

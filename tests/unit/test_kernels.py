@@ -197,6 +197,31 @@ def test_fused_router_chooses_the_same_experts_with_weights_within_rounding(dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_token_router_launch_also_routes_exactly_as_route(dtype):
+    """A one-token step's router kernel that also groups its pairs (softmax_topk_route) gives the bits of
+    softmax_topk followed by route: ids, weights, grouped rows, tokens, expert ends and the captured ids, with
+    and without a forced (replayed) token, for top-k of 8 over 128 experts and for smaller shapes."""
+    g = torch.Generator().manual_seed(6)
+    for E, K in ((128, 8), (60, 4), (8, 1)):
+        logits = ((torch.randperm(E, generator=g) - E / 2) * 0.05)[None].to(dtype).to(DEVICE)
+        given = torch.randperm(E, generator=g)[:K][None].to(DEVICE)
+        for renorm, wdtype in ((True, torch.float32), (False, dtype)):
+            for forced in (None, (torch.ones(1, dtype=torch.bool, device=DEVICE), given)):
+                mask, fids = forced or (None, None)
+                ids, w = kernels.softmax_topk(logits, K, renorm, wdtype, mask, fids)
+                cap_ref = torch.full((1, K), -1, dtype=torch.int32, device=DEVICE)
+                grouped_ref = kernels.route(ids, E, cap_ref)
+                cap = torch.full((1, K), -1, dtype=torch.int32, device=DEVICE)
+                f_ids, f_w, grouped = kernels.softmax_topk_route(logits, K, renorm, wdtype, cap, mask, fids)
+                assert torch.equal(f_ids, ids) and torch.equal(f_w, w), (E, K, forced is not None)
+                assert all(torch.equal(a, b) for a, b in zip(grouped, grouped_ref)), (E, K)
+                assert torch.equal(cap, cap_ref) and torch.equal(cap.long(), ids)
+                if forced is not None:
+                    assert torch.equal(f_ids, given)
+        assert kernels.softmax_topk_route(logits, K, True, torch.float32)[2][2][-1] == K  # no capture: still routed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_small_linear_equals_f_linear_within_rounding(dtype):
     """kernels.small_linear (decode steps' router and projections): F.linear's result within float32 summation
     order, rounded to the model dtype as F.linear rounds it; with and without a bias, widths not a power of two,
@@ -304,7 +329,7 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
     small_linear's router logits and o_proj (what a GPU runs by default): float32, the routed ids equal the op-by-op forward's in slot order and the logits agree within
     rounding; bf16 (the serving dtype), the logits agree within bf16 rounding of the hidden states."""
     counter = LaunchCounter(monkeypatch)
-    for name in ("rms_norm", "softmax_topk", "small_linear"):
+    for name in ("rms_norm", "softmax_topk", "small_linear", "softmax_topk_route"):
         fn = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _name=name, **kw: (
             counter.calls.__setitem__(_name, counter.calls.get(_name, 0) + 1), _fn(*a, **kw))[1])
@@ -333,6 +358,10 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
                 torch.testing.assert_close(logits, ref_logits, rtol=0.05, atol=0.05)
             if model.config.router.kind == "softmax_topk":
                 assert counter.calls["small_linear"] >= len(model.config.moe_layers), (arch, n)
+                # one token: the router's launch also groups the pairs for the fused experts (no route launch)
+                moe = len(model.config.moe_layers)
+                assert counter.calls.get("softmax_topk_route", 0) == (moe if n == 1 else 0), (arch, n)
+                assert counter.calls.get("route", 0) == (0 if n == 1 else moe), (arch, n)
         if model.config.attention.mla is None:  # q/k/v weights laid out as one tensor: one GEMM
             attn = model.model.layers[0].self_attn
             assert attn._qkv_weight() is not None
