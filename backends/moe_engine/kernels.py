@@ -243,6 +243,7 @@ if triton is not None:
         if FORCED:
             forced = tl.load(fmask_ptr + t) != 0
             given = tl.load(fids_ptr + t * K + kk, mask=km, other=0)
+        ends = tl.zeros([BLOCK_E], dtype=tl.int32)  # GROUP: pairs with an id <= e (route's offs)
         for j in tl.static_range(K):
             best = tl.max(cand, axis=0)
             idx = tl.minimum(tl.min(tl.where(cand == best, e, BLOCK_E), axis=0), E - 1)  # E - 1: NaN logits
@@ -251,6 +252,8 @@ if triton is not None:
             ids = tl.where(kk == j, idx.to(tl.int64), ids)
             w = tl.where(kk == j, tl.sum(tl.where(e == idx, p, 0.0), axis=0), w)
             cand = tl.where(e == idx, float("-inf"), cand)
+            if GROUP:  # counted here, elementwise: no reduction across the lanes
+                ends += (e >= idx).to(tl.int32)
         if RENORM:
             w = w / tl.sum(w, axis=0)
         tl.store(ids_ptr + t * K + kk, ids, mask=km)
@@ -262,7 +265,6 @@ if triton is not None:
             tl.store(tok_ptr + row, tl.zeros([BLOCK_K], dtype=tl.int64), mask=km)
             if CAPTURE:
                 tl.store(cap_ptr + kk, ids.to(tl.int32), mask=km)
-            ends = tl.sum(((ids[None, :] <= e[:, None]) & km[None, :]).to(tl.int32), axis=1)  # [BLOCK_E]
             tl.store(offs_ptr + e, ends, mask=m)
 
     @triton.jit
