@@ -6,7 +6,8 @@ Where routed experts flow (data-path order):
 2. ``MoEForCausalLM.forward`` (model.py) hands each MoE layer its slice ``capture[:T, layer]`` ([T, K], a view);
    the MoE block passes it on with the router's ids (routing.py).
 3. Here, each experts module writes exactly the ids it then uses into that slice: on the fused path inside
-   ``kernels.route`` (the kernel that groups (token, slot) pairs by expert, so capture adds no launch), otherwise
+   ``kernels.route`` (the kernel that groups (token, slot) pairs by expert, so capture adds no launch; for a
+   one-token step the router's own launch does that grouping and the copy, ``Router.forward_grouped``), otherwise
    by one ``copy_`` before the experts run; and, when a request asked for them, the combine weights it multiplies
    the expert outputs by (float32, a second buffer). Dense layers get no slice and their rows stay 0. Forced
    routing (replay) reaches the router through the same per-layer ``LayerRouting``: the ids captured for a forced

@@ -39,6 +39,7 @@ kernel                      replaces                                            
 ``rms_norm``                residual add, squares, torch's mean, the tail                      3 -> 1
 ``qk_norm_rope`` (no var)   q/k squares, torch's means, the tail and rotary                    3 -> 1
 ``softmax_topk``            router softmax, top-k (sort + gather), sum, divide, cast           ~7 -> 1
+``softmax_topk_route``      one token: ``softmax_topk`` and ``route`` (with the capture copy)    2 -> 1
 ``small_linear``            cuBLAS for the router logits (up to 4 tokens), o_proj and q/k/v    2 -> 1 (o)
                             (1 token)
 ==========================  =================================================================  ==========
