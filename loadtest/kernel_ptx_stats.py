@@ -41,7 +41,6 @@ KERNELS = {  # name: (kernel, signature, constexprs)
         {"K": TOPK, "BLOCK_E": E, "BLOCK_K": TOPK, "RENORM": True, "DT": 1, "FORCED": False, "GROUP": False,
          "CAPTURE": False, "PDL": True},
     ),
-    "softmax_topk_route": ("_softmax_topk_kernel", None, None),  # softmax_topk's signature, GROUP and CAPTURE on
     "route": (
         "_route_kernel",
         {"ids_ptr": "*i64", "pos_ptr": "*i64", "tok_ptr": "*i64", "offs_ptr": "*i32", "cap_ptr": "*i32",
@@ -76,6 +75,7 @@ KERNELS = {  # name: (kernel, signature, constexprs)
 }
 
 
+# a one-token step's router launch that also routes (kernels.softmax_topk_route): the same kernel, GROUP and CAPTURE on
 KERNELS["softmax_topk_route"] = (KERNELS["softmax_topk"][0], KERNELS["softmax_topk"][1],
                                  {**KERNELS["softmax_topk"][2], "GROUP": True, "CAPTURE": True})
 

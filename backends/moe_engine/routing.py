@@ -106,8 +106,8 @@ class SoftmaxTopKRouter(Router):
             return super().forward_grouped(x, forced, capture)
         # one token (a batch-1 decode step): kernels.softmax_topk_route, the grouping in the router's launch
         logits = self._logits(x)
-        top_k, renorm, wdtype, mask, ids = self._kernel_args(logits, forced)
-        return kernels.softmax_topk_route(logits, top_k, renorm, wdtype, capture, mask, ids)
+        top_k, renorm, wdtype, forced_mask, forced_ids = self._kernel_args(logits, forced)
+        return kernels.softmax_topk_route(logits, top_k, renorm, wdtype, capture, forced_mask, forced_ids)
 
     def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self._logits(x)
