@@ -20,9 +20,10 @@ The captured routing ids are written into the engine's step buffer, as in an eag
 routing and graphs that do not are kept apart, so a step with no request asking for routing does no capture work.
 
 Every batch bucket's graph at the shortest key bucket is captured when the engine starts (``capture_all``,
-largest first): the first capture of a batch size compiles its kernels' specialisations (1-3 s on an H200 at
+largest first), with the routing capture and, where steps may run without it (routed experts on, prefix cache
+off), also without: the first capture of a batch size compiles its kernels' specialisations (1-3 s on an H200 at
 the Qwen3-30B-A3B shape), which a request would otherwise wait for the first time that many sequences decode
-together. Other key buckets (and routing off) are captured the first time a step needs them, a warm capture
+together. Other key buckets are captured the first time a step needs them, a warm capture
 (70-150 ms there): ``warm_split_kernels`` has compiled, at start, the split-decode kernel variants only they use.
 Graphs share one memory pool and write their logits into one buffer: they never run concurrently, and a step's
 logits are sampled (on the same stream) before the next replay.

@@ -183,7 +183,12 @@ class Engine:
             if triton_kernels:
                 self.runner.warm_prefill(self.max_num_seqs)
             if self.runner.graphs is not None:
-                self.runner.graphs.capture_all(capture=self.runner.capture_buf is not None)
+                # Routing on and the prefix cache off: a step in which no request asks for routing replays graphs
+                # without the capture, whose kernels are other variants (the router's and route's CAPTURE=False):
+                # captured now too, or the first such step would compile them (about a second at real shapes).
+                routing = self.runner.capture_buf is not None
+                for capture in (True, False) if routing and not keep_rows else (routing,):
+                    self.runner.graphs.capture_all(capture=capture)
                 if triton_kernels:
                     self.runner.graphs.warm_split_kernels(capture=self.runner.capture_buf is not None)
             if triton_kernels:

@@ -198,6 +198,26 @@ def test_graph_decode_without_routing_requests_skips_capture(tiny_cuda):
 
 
 @cuda
+def test_without_prefix_caching_steps_without_routing_requests_compile_nothing_after_start(tiny_cuda):
+    """Routed experts on, prefix cache off: a decode step in which no request asks for routing replays a graph
+    without the capture (other variants of the router's and route's kernels). Those graphs are captured at start
+    too, so the first such step, at any batch size, waits for no compile and no capture."""
+    cfg, model = tiny_cuda
+    engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=256 << 20,
+                                             enable_prefix_caching=False))
+    at_start = set(engine.graphs._graphs)
+    Lk = engine.graphs.kv_lens[0]
+    assert at_start == {(B, Lk, capture, False) for B in batch_buckets(4) for capture in (True, False)}
+    before = _compiled_variants()
+    for n, routing in ((1, False), (3, False), (1, True), (3, True)):
+        out = [submit(engine, prompt_of(9, 40 + i), routing=routing, max_tokens=6, ignore_eos=True) for i in range(n)]
+        run_all(engine, out)
+        assert all(len(c.tokens) == 6 and (c.routing is not None) == routing for c in out)
+    assert set(engine.graphs._graphs) == at_start
+    assert _compiled_variants() == before
+
+
+@cuda
 def test_overlapped_graph_decode_equals_sequential_graph_decode(tiny_cuda):
     """Overlap feeds each graph step the previous step's samples on the device and double-buffers the host
     staging and transfers; the results must be those of steps run one after another."""
