@@ -29,6 +29,7 @@ get_weight_version {}, is_sleeping {}. ``execute`` never waits for one: the engi
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -75,6 +76,7 @@ class _Pending:
     prompt_lp: RequestOutput | None = None  # the output that carried the prompt logprobs
     cancelled: bool = False
     first_sent: bool = False  # streaming: whether a response went out already
+    outputs: frozenset = frozenset()  # the output names the request asked for (see _requested)
 
 
 @dataclass
@@ -84,6 +86,7 @@ class _ControlReply:
     sender: object
     op: str
     future: object  # concurrent.futures.Future of the op's result dict
+    outputs: frozenset = frozenset()  # the output names the request asked for (see _requested)
 
 
 # op -> the arguments it takes (beyond them, a control request is refused); each is a method of engine.lifecycle.
@@ -132,6 +135,18 @@ def _rows(chunks: list, p: _Pending, dtype) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=dtype)
 
 
+def _requested(request) -> frozenset:
+    """The output names a request asked for. A response must carry only these: the python backend stub (Triton
+    2.51) drops the others in ``InferenceResponseSender.send`` after releasing the GIL, so the numpy array behind a
+    dropped tensor is freed without the GIL, which corrupts Python's allocator (the stub later dies with SIGSEGV
+    in pymalloc, no traceback; fixed upstream in python_backend PR #390). Dropping them here, in Python, is safe."""
+    return frozenset(request.requested_output_names())
+
+
+def _only(tensors: list, wanted: frozenset) -> list:
+    return [t for t in tensors if t.name() in wanted]
+
+
 def _prompt_lp(outs: list[RequestOutput]) -> RequestOutput | None:
     """The output among ``outs`` that carries the prompt logprobs (the engine sets them once)."""
     return next((o for o in outs if o.prompt_logprobs is not None), None)
@@ -142,6 +157,9 @@ class TritonPythonModel:
         logging.basicConfig(
             level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+        # A crash of this stub (a signal, not an exception) would otherwise leave no trace in Triton's log; the
+        # watchdog only sees the process gone. With this, every thread's Python stack goes to stderr first.
+        faulthandler.enable(file=sys.stderr, all_threads=True)
         import torch
 
         from moe_engine.checkpoint import load_model
@@ -203,7 +221,7 @@ class TritonPythonModel:
             try:
                 control = pb_utils.get_input_tensor_by_name(request, "control")
                 if control is not None:
-                    self._control(control, sender)
+                    self._control(request, control, sender)
                     continue
                 self._submit(request, sender)
             except EngineError as exc:
@@ -261,6 +279,7 @@ class TritonPythonModel:
             weights=want_weights,
             L=self.cfg.num_hidden_layers,
             K=self.cfg.num_experts_per_tok,
+            outputs=_requested(request),
         )
         req = Request(
             request_id=engine_id,
@@ -284,7 +303,7 @@ class TritonPythonModel:
                 self._pending.pop(engine_id, None)
             raise
 
-    def _control(self, tensor, sender) -> None:
+    def _control(self, request, tensor, sender) -> None:
         """Start a control operation; its one response goes out from the response thread when it is done."""
         values = tensor.as_numpy().reshape(-1)
         if values.size != 1:
@@ -314,7 +333,8 @@ class TritonPythonModel:
         except TypeError as exc:  # a required argument missing
             raise InvalidRequestError(f"control {op}: {exc}", param="control") from exc
         log.info("control %s %s", op, {k: v for k, v in body.items() if k not in ("names", "dtypes", "shapes")})
-        future.add_done_callback(lambda f: self._outputs.put(_ControlReply(sender, op, f)))
+        outputs = _requested(request)
+        future.add_done_callback(lambda f: self._outputs.put(_ControlReply(sender, op, f, outputs)))
 
     def _send_control_reply(self, reply: _ControlReply) -> None:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -331,7 +351,7 @@ class TritonPythonModel:
             result = {"success": False, "message": f"{reply.op} failed: {exc!r}", "internal": True}
         result["weight_version"] = self.engine.weight_version
         out = pb_utils.Tensor("control_result", np.array([json.dumps(result).encode()], dtype=np.object_))
-        reply.sender.send(pb_utils.InferenceResponse(output_tensors=[out]), flags=flags)
+        reply.sender.send(pb_utils.InferenceResponse(output_tensors=_only([out], reply.outputs)), flags=flags)
 
     # ------------------------------------------------------------------ response path
 
@@ -508,7 +528,7 @@ class TritonPythonModel:
                 tensors.append(
                     T("top_logprobs", np.concatenate([o.top_logprobs for o in lp_outputs]).astype(np.float32))
                 )
-        return pb_utils.InferenceResponse(output_tensors=tensors)
+        return pb_utils.InferenceResponse(output_tensors=_only(tensors, p.outputs))
 
     def finalize(self):
         log.info("finalizing: stopping the engine")

@@ -1,6 +1,6 @@
 """A moe-serve of its own, as users start it (Triton private): what an attacker on the host can reach,
-the request deadline (504, the engine slot comes back), a killed python stub (in-flight requests end with
-503 at once, /health 503, the backend comes back), and SIGTERM with a long stream in flight (an error
+the request deadline (504, the engine slot comes back), a crashed python stub (in-flight requests end with
+503 at once, /health 503, the crash and its Python stacks in the log, the backend comes back), and SIGTERM with a long stream in flight (an error
 event, then [DONE]; nothing left running).
 
 The tests run in file order on one server; the last one stops it.
@@ -167,7 +167,7 @@ def test_killed_stub_ends_in_flight_requests_with_503_then_the_backend_comes_bac
     non_streaming.start()
     time.sleep(1.5)  # both are in the engine
     killed_at = time.monotonic()
-    stub.send_signal(signal.SIGKILL)
+    stub.send_signal(signal.SIGSEGV)  # a crash, as a fault in native code would end it
     streaming.join(30)
     non_streaming.join(30)
 
@@ -181,6 +181,12 @@ def test_killed_stub_ends_in_flight_requests_with_503_then_the_backend_comes_bac
 
     r = httpx.get(server.root_url + "/health")
     assert r.status_code == 503 and r.headers["retry-after"]
+    # The crash is in the log with the stub's Python stacks (faulthandler), not only as a process gone.
+    deadline = time.monotonic() + 10
+    while "Fatal Python error: Segmentation fault" not in server.log_tail(1_000_000):
+        assert time.monotonic() < deadline, server.log_tail(200)
+        time.sleep(0.2)
+    assert re.search(r"Thread 0x[0-9a-f]+ .*\n(\s+File .*\n)+", server.log_tail(1_000_000)), server.log_tail(200)
     r = httpx.post(server.base_url + "/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable"
 

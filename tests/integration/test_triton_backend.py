@@ -104,6 +104,22 @@ def test_streamed_rows_concatenate_to_the_non_streamed_array(stream, moe_server)
     assert last.as_numpy("num_prompt_tokens")[0] == len(ids) and last.as_numpy("num_output_tokens")[0] == 8
 
 
+def test_a_client_gets_the_outputs_it_asks_for_and_all_of_them_by_default(stream):
+    ids = [5, 6, 7]
+    stream.client.async_stream_infer(MODEL, inputs(ids, max_tokens=3, temperature=0.0), request_id="some",
+                                     outputs=[grpcclient.InferRequestedOutput(n) for n in ("output_ids", "finish_reason")],
+                                     enable_empty_final_response=True)
+    some, errors = stream.collect(["some"])
+    assert not errors
+    assert {o.name for r in some["some"] for o in r.get_response().outputs} == {"output_ids", "finish_reason"}
+    stream.send("all", inputs(ids, max_tokens=3, temperature=0.0))
+    every, errors = stream.collect(["all"])
+    assert not errors
+    last = every["all"][-1]
+    assert last.as_numpy("num_cached_tokens") is not None and last.as_numpy("num_prompt_tokens")[0] == len(ids)
+    assert concat(every["all"], "output_ids").tolist() == concat(some["some"], "output_ids").tolist()
+
+
 def test_metadata_is_in_the_model_config(moe_server):
     client = grpcclient.InferenceServerClient(moe_server.triton_grpc_url)
     cfg = client.get_model_config(MODEL, as_json=True, headers=moe_server.triton_grpc_headers)["config"]
