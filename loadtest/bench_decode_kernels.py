@@ -104,8 +104,15 @@ def main() -> None:
         return (torch.randn(*shape, device=dev, generator=g) * scale).to(dt)
 
     def routing(T):  # distinct experts per token, softmax weights as Qwen3's router gives them
-        ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(T)])
+        ids = torch.rand(T, E, device=dev, generator=g).argsort(dim=1)[:, :K]
         return ids, torch.softmax(torch.randn(T, K, device=dev, generator=g), -1).to(dt)
+
+    def grouped_rows(ids):  # each pair's row in the expert-grouped order, as the engine computes it
+        routed = kernels.route(ids, E)
+        if routed is None:  # a prefill-sized step: the torch sort of Experts._forward_fused
+            order = torch.argsort(ids.t().reshape(-1), stable=True)
+            return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=dev)).view(K, -1).t()
+        return routed[0]
 
     sets = None
     if "experts" in which:
@@ -116,10 +123,10 @@ def main() -> None:
         if "combine" in which:
             ys = [rnd(P, H) for _ in range(L)]
             rts = [routing(T) for _ in range(L)]
-            routed = [kernels.route(ids, E) for ids, _ in rts]
+            rows_of = [grouped_rows(ids) for ids, _ in rts]
 
             def combine_calls(block):
-                return layer_calls(lambda i: kernels.combine(ys[i], rts[i][0], routed[i][0], rts[i][1], dt,
+                return layer_calls(lambda i: kernels.combine(ys[i], rts[i][0], rows_of[i], rts[i][1], dt,
                                                              block=block))
             sweep("combine", T, (1024, 2048, 512, 256, 128), combine_calls, args.reps, rows, t0)
         if "qk" in which:

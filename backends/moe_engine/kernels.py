@@ -75,6 +75,12 @@ ROUTE_MAX_PAIRS = 4096
 # token, 6.11 -> 5.52 us at 64 (all 32 q heads in one program -> 4 heads per program).
 COMBINE_BLOCK = 256
 QK_HEADS_PER_PROGRAM = 4
+# Larger steps are the other way round: a program per 256 columns of each of hundreds or thousands of tokens spends
+# its time starting. combine's columns per program by step size, (fewest tokens, columns), first match; the same
+# benchmark (run43_combine_large_T.txt, run44_combine_mid_T.txt): 256 -> 512 columns 7.27 -> 6.57 us at 128 tokens,
+# 9.73 -> 8.47 at 256, 14.7 -> 12.1 at 512; 512 -> 1024 21.6 -> 20.3 at 1,024; 256 -> 1024 46.5 -> 30.9 at 2,048,
+# 162 -> 100 at 8,192.
+COMBINE_BLOCKS = ((1024, 1024), (128, 512), (0, COMBINE_BLOCK))
 
 
 def interpreting() -> bool:
@@ -725,12 +731,14 @@ def combine(y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torc
             block: int | None = None) -> torch.Tensor:
     """y [T*K, H] expert outputs in grouped order, ids/pos/weights [T, K] -> [T, H] in ``dtype``: each
     weighted output rounded to ``dtype``, then summed in ascending expert order, rounding after each add.
-    Each program sums ``block`` columns of one token (default COMBINE_BLOCK)."""
+    Each program sums ``block`` columns of one token (default: by the step's size, COMBINE_BLOCKS; the split of
+    the columns changes no result)."""
     T, K = ids.shape
     N = y.shape[1]
     out = torch.empty(T, N, dtype=dtype, device=y.device)
     if T:
-        block = min(_pow2(N), _pow2(block or COMBINE_BLOCK))
+        block = block or next(columns for fewest, columns in COMBINE_BLOCKS if T >= fewest)
+        block = min(_pow2(N), _pow2(block))
         _launch(
             _combine_kernel, (T, triton.cdiv(N, block)),
             y.contiguous(), ids.contiguous(), pos.contiguous(), weights.contiguous(), out, N,

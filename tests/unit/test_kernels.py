@@ -304,9 +304,10 @@ def test_qk_norm_rope_writes_the_cache_exactly_as_store_kv(norm):
     assert not torch.equal(cache_k, fill) and torch.equal(cache_k.view(-1, Hk, D)[1], fill.view(-1, Hk, D)[1])
 
 
-def test_route_and_combine_give_the_same_bits_however_the_work_is_split():
+def test_route_and_combine_give_the_same_bits_however_the_work_is_split(monkeypatch):
     """route's pairs per program and combine's columns per program (the launch granularity a decode step's
-    latency depends on) change nothing: combine equals the op-by-op weighted sum in ascending expert order."""
+    latency depends on, and the prefill-sized default) change nothing: combine equals the op-by-op weighted sum in
+    ascending expert order."""
     from moe_engine.experts import group_by_expert, sum_in_expert_order
 
     g = torch.Generator().manual_seed(3)
@@ -321,6 +322,10 @@ def test_route_and_combine_give_the_same_bits_however_the_work_is_split():
     expected = sum_in_expert_order(y * weights[g_tok, g_slot][:, None], ids, g_tok, g_slot)
     for block in (None, 16, 32, 128):
         assert torch.equal(kernels.combine(y, ids, pos, weights, dtype, block=block), expected), block
+    # the defaults by step size, scaled down: 5 tokens take 64-column programs, 3 tokens 32-column ones
+    monkeypatch.setattr(kernels, "COMBINE_BLOCKS", ((T, 64), (3, 32), (0, 16)))
+    assert torch.equal(kernels.combine(y, ids, pos, weights, dtype), expected)
+    assert torch.equal(kernels.combine(y, ids[:3], pos[:3], weights[:3], dtype), expected[:3])  # rows of 3 tokens
 
 
 @pytest.mark.parametrize("arch", ARCHS)
