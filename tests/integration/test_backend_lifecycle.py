@@ -1,7 +1,7 @@
 """A moe-serve of its own, as users start it (Triton private): what an attacker on the host can reach,
 the request deadline (504, the engine slot comes back), a crashed python stub (in-flight requests end with
-503 at once, /health 503, the crash and its Python stacks in the log, the backend comes back), and SIGTERM with a long stream in flight (an error
-event, then [DONE]; nothing left running).
+503 at once, /health 503, the crash and its Python stacks in the log, the backend comes back), and SIGTERM
+with a long stream in flight (an error event, then [DONE]; nothing left running).
 
 The tests run in file order on one server; the last one stops it.
 """

@@ -106,9 +106,9 @@ def test_streamed_rows_concatenate_to_the_non_streamed_array(stream, moe_server)
 
 def test_a_client_gets_the_outputs_it_asks_for_and_all_of_them_by_default(stream):
     ids = [5, 6, 7]
+    asked = [grpcclient.InferRequestedOutput(n) for n in ("output_ids", "finish_reason")]
     stream.client.async_stream_infer(MODEL, inputs(ids, max_tokens=3, temperature=0.0), request_id="some",
-                                     outputs=[grpcclient.InferRequestedOutput(n) for n in ("output_ids", "finish_reason")],
-                                     enable_empty_final_response=True)
+                                     outputs=asked, enable_empty_final_response=True)
     some, errors = stream.collect(["some"])
     assert not errors
     assert {o.name for r in some["some"] for o in r.get_response().outputs} == {"output_ids", "finish_reason"}

@@ -306,8 +306,8 @@ def test_qk_norm_rope_writes_the_cache_exactly_as_store_kv(norm):
 
 def test_route_and_combine_give_the_same_bits_however_the_work_is_split(monkeypatch):
     """route's pairs per program and combine's columns per program (the launch granularity a decode step's
-    latency depends on, and the prefill-sized default) change nothing: combine equals the op-by-op weighted sum in
-    ascending expert order."""
+    latency depends on, and combine's defaults by step size) change nothing: combine equals the op-by-op weighted
+    sum in ascending expert order."""
     from moe_engine.experts import group_by_expert, sum_in_expert_order
 
     g = torch.Generator().manual_seed(3)
