@@ -43,6 +43,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from moe_engine.engine import Engine, EngineConfig, Request, RequestOutput
+from moe_engine.runner import freeze_start_up_objects
 from moe_engine.errors import EngineError, EngineOverloadedError, EngineStoppedError, InvalidRequestError
 from moe_engine.sampling import SamplingParams
 
@@ -212,6 +213,8 @@ class TritonPythonModel:
         self.engine.start()
         self._responder = threading.Thread(target=self._response_loop, name="moe-responses", daemon=True)
         self._responder.start()
+        log.info("garbage collector: %d objects alive after start-up frozen (full collections skip them)",
+                 freeze_start_up_objects())
 
     # ------------------------------------------------------------------ request path
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .parallel import ParallelError, ParallelGroup, apply_rank_env, rank_device
-from .runner import ModelRunner, StepInputs, kv_cache_budget
+from .runner import ModelRunner, StepInputs, freeze_start_up_objects, kv_cache_budget
 from .kv_cache import blocks_for_budget
 
 T = TypeVar("T")
@@ -415,7 +415,8 @@ def serve_rank(rank: int, world_size: int, store_port: int, args: dict, num_thre
         setup = msg[1]
         torch.set_num_threads(setup.get("num_threads", num_threads))
         runner = build_runner(model, setup, group, capture_routing=False)  # only rank 0 captures routing
-        log.info("rank %d ready: KV cache %d blocks", rank, runner.kv.num_blocks - 1)
+        log.info("rank %d ready: KV cache %d blocks; garbage collector: %d start-up objects frozen", rank,
+                 runner.kv.num_blocks - 1, freeze_start_up_objects())
         while True:
             msg = channel.receive(device)
             if msg[0] == "control":

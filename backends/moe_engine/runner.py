@@ -225,6 +225,20 @@ def _variant_of(fn, compile: dict, fallback: str) -> str:
         return fallback
 
 
+def freeze_start_up_objects() -> int:
+    """Take every object alive now (torch's and Triton's modules, the model, the engine: ~300k at the tiny model's
+    start) out of Python's cyclic garbage collector, and return how many. A full collection walks every tracked
+    object holding the GIL: ~170 ms on the 2-core CPU with the tiny model loaded, 0.0 ms after this. Python runs
+    one when the objects that survived the younger collections reach a quarter of the long-lived ones: rarely in
+    serving (none in 16 turns of 32 multi-turn conversations, a CPU probe), but each one stops the step loop that
+    long. Frozen objects that become garbage are still freed by reference counting (cycles among them would
+    stay). For a process that hosts its engine (or a tensor-parallel rank) for its lifetime, once after start-up,
+    as vLLM's engine core does."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def log_late_compiles() -> bool:
     """From now on, log a warning whenever a Triton kernel variant is first needed in this process (compiled, or
     loaded from Triton's disk cache): after the start-up warm-up and graph capture, that happens inside a step,

@@ -133,6 +133,13 @@ def test_triton_is_private_and_model_control_is_off(server, tmp_path):
     assert r.status_code == 200
 
 
+def test_the_engine_process_takes_its_start_up_objects_out_of_garbage_collection(server):
+    """A full collection walks every tracked object of the engine's process holding the GIL (~170 ms at start-up on
+    2 cores) and so pauses the step loop: what exists after start-up is frozen, and the log says how much."""
+    frozen = re.search(r"garbage collector: (\d+) objects alive after start-up frozen", server.log_tail(1_000_000))
+    assert frozen and int(frozen.group(1)) > 100_000, server.log_tail(200)
+
+
 def engine_running(server) -> float:
     text = httpx.get(server.root_url + "/metrics").text  # the engine's gauges, on the API's port
     line = next(x for x in text.splitlines() if x.startswith('moe_engine_requests{model="moe",state="running"'))
