@@ -236,6 +236,8 @@ def test_sigterm_ends_a_long_stream_with_an_error_event_then_done(server):
     error = json.loads(lines[-2][len("data: "):])["error"]
     assert error["code"] == "shutting_down" and error["type"] == "server_error"
     assert server.proc.wait(60) == 0
+    # One fatal-error report: the crash injected above; the stop of the restarted stub adds none.
+    assert server.log_tail(1_000_000).count("Fatal Python error") == 1, server.log_tail(200)
     time.sleep(0.5)
     assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not list(Path("/dev/shm").glob(prefix + "*"))
