@@ -190,7 +190,7 @@ class Engine:
                 for capture in (True, False) if routing and not keep_rows else (routing,):
                     self.runner.graphs.capture_all(capture=capture)
                 if triton_kernels:
-                    self.runner.graphs.warm_split_kernels(capture=self.runner.capture_buf is not None)
+                    self.runner.graphs.warm_split_kernels(capture=routing)
             if triton_kernels:
                 log_late_compiles()
 
