@@ -165,12 +165,12 @@ class EngineBackend:
 
     def __init__(self, model, cfg, ecfg, step_trace: bool = False, profile: tuple[int, str] | None = None):
         from moe_engine.engine import Engine
+        from step_trace import StepTracer
 
         self.cfg = cfg
         self.engine = Engine(model, cfg, ecfg)
-        self.steps: list[dict] | None = [] if step_trace else None
-        if step_trace:
-            self._trace_steps()
+        # --step-trace: every step timed (step_trace.py); ``run_turn`` logs a turn's prefill steps
+        self.steps: list[dict] | None = StepTracer(self.engine).steps if step_trace else None
         self.turn_no = 0  # set by AgentRun.turn before run_turn (0: a warm-up)
         self.profile = profile  # (turn, path): cProfile the engine thread's steps of that turn into path
         self._profiler = None
@@ -185,29 +185,6 @@ class EngineBackend:
     def cache_counters(self) -> tuple[float, float]:
         s = self.engine.stats()
         return s["prefix_cache_queries"], s["prefix_cache_hits"]
-
-    def _trace_steps(self) -> None:
-        """--step-trace: time every step of this engine (launch called -> results read, on the host clock) with
-        its tokens, sequences and prefill chunks; ``run_turn`` logs a turn's prefill steps."""
-        runner, steps = self.engine.runner, self.steps
-        launch, results = runner.launch, runner.results
-
-        def traced_launch(plan, *a, **k):
-            t = time.perf_counter()
-            step = launch(plan, *a, **k)
-            chunks = [(n, c) for (_, n), c in zip(plan.items, plan.context) if n > 1]
-            step.trace = dict(t_launch=t, tokens=plan.num_tokens, seqs=len(plan.items),
-                              prefill_tokens=sum(n for n, _ in chunks), prefill_seqs=len(chunks),
-                              prefill_context=sum(c for _, c in chunks) // max(1, len(chunks)))
-            return step
-
-        def traced_results(step):
-            out = results(step)
-            if getattr(step, "trace", None) is not None:
-                steps.append(dict(step.trace, t_done=time.perf_counter()))
-            return out
-
-        runner.launch, runner.results = traced_launch, traced_results
 
     def _profile_steps(self) -> None:
         """--profile-turn: each engine step of the chosen turn runs under cProfile in the engine thread (admission,

@@ -70,6 +70,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "backends"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_shape_model as rsm  # noqa: E402
+import step_trace  # noqa: E402
 from moe_engine import kernels  # noqa: E402
 
 CASES = ("a", "b", "e", "c", "d", "hf")  # run order: engines of one size together, HF last (after freeing)
@@ -131,6 +132,7 @@ class Engines:
 
     def __init__(self, ctx):
         self.ctx, self.group, self.engine, self.info = ctx, None, None, {}
+        self.tracer: step_trace.StepTracer | None = None  # --step-trace: the current engine's steps
 
     def get(self, group: str):
         if self.group == group and self.engine is not None:
@@ -142,6 +144,7 @@ class Engines:
         log(f"engine '{group}': EngineConfig {passed}" + (f"; not in this engine, dropped: {dropped}" if dropped else ""))
         t = time.perf_counter()
         engine = Engine(self.ctx.model, self.ctx.cfg, ecfg)
+        self.tracer = step_trace.StepTracer(engine) if self.ctx.args.step_trace else None
         engine.start()
         self.engine, self.group = engine, group
         self.info = {"group": group, "engine_config": passed, "dropped": dropped, "stats_at_start": engine.stats(),
@@ -282,8 +285,14 @@ def timed_reps(ctx, engine, key: str, into: dict) -> None:
     in ``into`` updated after each run (a case cut short keeps what it measured)."""
     n, p, o = ctx.sizes[key]
     reps, count = into.setdefault("reps", []), ctx.reps[{"hf64": "b"}.get(key, key)]
+    tracer = ctx.engines.tracer
     for rep in range(count):
+        first = len(tracer.steps) if tracer else 0
         m, batch = run_once(ctx, engine, key, rep, n, p, o)
+        if tracer:  # where this rep's wall time went, step by step
+            m["step_trace"] = step_trace.summarize(tracer.since(first), batch.t_start, batch.t_start + m["wall_s"])
+            for line in step_trace.describe(m["step_trace"]):
+                log(f"{key}: rep {rep + 1} steps: {line}")
         reps.append({"rep": rep, **m})
         into.update(summary(reps))
         if rep == 0:
@@ -741,6 +750,8 @@ def parse_args(argv=None):
                    help="torch.profiler over --profile-steps steps of case a, b, c or e (decode by default)")
     p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-trace", action="store_true", help="time every step of the timed reps (host launch, "
+                   "GPU span and idle by CUDA events) and log where each rep's wall time went")
     p.add_argument("--init", default="balanced", choices=rsm.INITS, help="random weights: balanced (near-uniform "
                    "routing, the default) or std0.02 (every weight normal(0, 0.02): routing collapses); see real_shape_model.py")
     p.add_argument("--warmup-tokens", type=int, default=16, help="output tokens of each case's warm-up run")

@@ -24,7 +24,7 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("real_shape")
     cmd = [sys.executable, str(REPO / "loadtest" / "bench_real_shape.py"), "--shape", "tiny", "--device", "cpu",
            "--scale", "0.05", "--quick", "--reps", "2", "--warmup-tokens", "4", "--d-stall-s", "5",
-           "--cases", "a,b,c,d,e,hf", "--profile", "b", "--out", str(out)]
+           "--cases", "a,b,c,d,e,hf", "--profile", "b", "--step-trace", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out, json.loads((out / "results.json").read_text()), proc.stdout
@@ -49,6 +49,14 @@ def test_every_case_runs_through_the_engine_and_reports_sane_numbers(tiny_run):
     n, p, _ = sizes["b"]
     load = cases["b"]["routing_load"]  # the warm-up's rows: prompt + 4 outputs - 1 per request
     assert load["rows"] == n * (p + 4 - 1) and 1 <= load["distinct_per_step"] <= res["shape"]["config"]["num_experts"]
+    for rep in cases["b"]["reps"]:  # --step-trace: the steps account for the rep's wall time
+        tr, (_, _, o) = rep["step_trace"], sizes["b"]
+        pre, dec = tr["prefill"], tr["decode"]
+        assert pre["tokens"] >= n * p and len(pre["each"]) == pre["n"] and pre["n"] + dec["n"] >= o
+        assert pre["wall_s"] + dec["wall_s"] + tr["last_done_to_end_s"] == pytest.approx(rep["wall_s"], rel=1e-6)
+        assert 0 <= tr["submit_to_first_launch_s"] <= pre["each"][0]["wall_s"]
+        assert 0 < pre["launch_s"] <= pre["wall_s"] and 0 < dec["launch_s"] <= dec["wall_s"]
+    assert "b: rep 1 steps: prefill:" in stdout
     pairs = cases["e"]["pairs"]
     assert len(pairs) == 2 and all(pr["on"]["tok_s"] > 0 and pr["off"]["tok_s"] > 0 for pr in pairs)
     assert min(pr["tok_s_ratio"] for pr in pairs) <= cases["e"]["tok_s_ratio_median"] <= max(pr["tok_s_ratio"] for pr in pairs)
