@@ -7,8 +7,14 @@ after a warm-up that compiles every size; one step of each kind under cProfile (
 under torch.profiler (host ops, device time). Random bf16 weights built on the GPU (real_shape_model.py); ~1 minute
 on an H200 (``loadtest/reports/real_shape/run23_prefill_host_time.txt``).
 
+``--host``: per step size (1 x 128, 8 x 1024 = case b's prefill step, 27 x 300, 2 x 300), the host's time to issue
+the model's forward (``model.forward`` returns once every kernel is queued; nothing in it waits for the GPU) against
+the forward's GPU span (CUDA events around it) and the step's wall: issue time >= span means the step waits for
+the host (``reports/real_shape/run51_prefill_issue_vs_gpu.txt``).
+
     PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py
     PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py --device cpu    # the tiny shape: a smoke test
+    PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py --host          # issue time vs GPU span
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import cProfile
 import io
 import pstats
 import random
+import statistics
 import time
 
 import torch
@@ -24,9 +31,6 @@ import torch
 import real_shape_model as rsm
 from moe_engine.engine import Engine, EngineConfig, Request
 from moe_engine.sampling import SamplingParams
-
-
-SLEEP_MS = 400.0  # --host: the sleep kernel queued before the step
 
 
 class Bench:
@@ -40,17 +44,6 @@ class Bench:
             enable_prefix_caching=True))
         self.rng = random.Random(0)
         self.ids = 0
-        self.launch_ms: list[float] = []  # host time of every runner.launch (building + queueing a step)
-        launch = self.engine.runner.launch
-
-        def timed_launch(*a, **k):
-            t = time.perf_counter()
-            try:
-                return launch(*a, **k)
-            finally:
-                self.launch_ms.append((time.perf_counter() - t) * 1e3)
-
-        self.engine.runner.launch = timed_launch
 
     def sync(self) -> None:
         if self.cuda:
@@ -95,55 +88,69 @@ class Bench:
             device_us = sum(e.self_device_time_total for e in prof.key_averages())
             print(f"    device kernel time {device_us / 1e3:.1f} ms (under the profiler)")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-        elif profile == "host" and self.cuda:
-            # the GPU held busy by a sleep kernel queued first: launch returns at the host's own pace (or, if
-            # something in it waits for the GPU, after the sleep: then it reads >= SLEEP_MS)
-            torch.cuda._sleep(int(SLEEP_MS * 1e-3 * self.clock_hz))
-            self.engine.step()
-            self.sync()
-            return self.launch_ms[-1]
         else:
             self.engine.step()
             self.sync()
         return (time.perf_counter() - t) * 1e3
 
-    @property
-    def clock_hz(self) -> float:
-        """The SM clock the sleep kernel counts (its maximum: the sleep may run longer, never shorter)."""
-        return torch.cuda.get_device_properties(0).clock_rate * 1e3
+    def issue_vs_gpu(self, n: int, length: int, reps: int = 4) -> None:
+        """Medians over reps of: the host's time to issue the forward, the forward's GPU span, the step's wall."""
+        model = self.engine.runner.model
+        forward, seen = model.forward, {}
+
+        def timed_forward(*a, **k):
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.cuda else None
+            t = time.perf_counter()
+            if ev:
+                ev[0].record()
+            out = forward(*a, **k)
+            seen["issued"] = time.perf_counter() - t
+            if ev:
+                ev[1].record()
+            seen["events"] = ev
+            return out
+
+        model.forward = timed_forward
+        rows = []
+        try:
+            for _ in range(reps):
+                self.submit(self.prompts(n, length))
+                wall = self.timed_step()
+                ev = seen["events"]
+                rows.append((seen["issued"] * 1e3, ev[0].elapsed_time(ev[1]) if ev else float("nan"), wall))
+                self.drain()
+        finally:
+            del model.forward  # the class's method again
+        issued, span, wall = (statistics.median(c) for c in zip(*rows))
+        print(f"prefill step {n} x {length}: forward issued by the host in {issued:.1f} ms, its GPU span {span:.1f} "
+              f"ms, step wall {wall:.1f} ms (medians of {reps})", flush=True)
 
     def case(self, n: int, length: int, reps: int = 3, prefix: list[list[int]] | None = None,
              profile: str | None = None) -> None:
-        walls, launches = [], []
+        walls = []
         for r in range(reps):
             ps = self.prompts(n, length) if prefix is None else [p + self.prompts(1, length)[0] for p in prefix]
             self.submit(ps)
-            walls.append(self.timed_step(profile if r == reps - 1 or profile == "host" else None))
-            launches.append(self.launch_ms[-1])
+            walls.append(self.timed_step(profile if r == reps - 1 else None))
             self.drain()
         over = "" if prefix is None else f" over {len(prefix[0])} cached"
-        host = profile == "host" and self.cuda
-        what = f"host issue time with the GPU held busy ({SLEEP_MS:.0f} ms sleep)" if host else "wall"
-        print(f"prefill step {n} x {length} new tokens{over}: {what} {', '.join(f'{w:.1f}' for w in sorted(walls))} "
-              f"ms" + ("" if host else f" (of which launch {', '.join(f'{w:.1f}' for w in sorted(launches))})"),
-              flush=True)
+        print(f"prefill step {n} x {length} new tokens{over}: wall {', '.join(f'{w:.1f}' for w in sorted(walls))} "
+              f"ms", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--host", action="store_true", help="only the host issue time of prefill steps of 1 x 128 and "
-                    "8 x 1024 tokens (case b's) and 27 x 300, the GPU held busy by a sleep kernel")
+    ap.add_argument("--host", action="store_true", help="only the host's issue time of the forward vs its GPU span")
     args = ap.parse_args()
     b = Bench(args.device)
     if args.host:
-        sizes = ((1, 128), (8, 1024), (27, 300)) if b.cuda else ((1, 128), (8, 64), (27, 16))
-        for n, length in sizes:
-            b.submit(b.prompts(n, length))  # compile
+        sizes = ((1, 128), (8, 1024), (27, 300), (2, 300)) if b.cuda else ((1, 128), (8, 64), (2, 100))
+        for n, length in sizes:  # compile every size first
+            b.submit(b.prompts(n, length))
             b.drain()
         for n, length in sizes:
-            b.case(n, length)
-            b.case(n, length, profile="host")
+            b.issue_vs_gpu(n, length)
         return
     for n, length in ((1, 300), (2, 300), (8, 300), (27, 300), (1, 64)):  # compile every size first
         b.submit(b.prompts(n, length))

@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without an engine step while it holds requests before the backend counts as stuck")
     add("--trust-request-chat-template", action="store_true", default=False,
         help="accept `chat_template` in chat requests (a template is code; off by default, as vLLM)")
+    add("--enable-prompt-tokens-details", action="store_true", default=False,
+        help="usage.prompt_tokens_details.cached_tokens in responses: the prompt tokens served from the prefix "
+             "cache (vLLM's flag)")
     add("--triton-api-key", default=None,
         help="let Triton clients in: gRPC and HTTP listen on --triton-host and need the header "
              f"'{KEY_NAME}: <key>' (gRPC metadata 'triton-grpc-protocol-{KEY_NAME}'); without it Triton has no "
@@ -408,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_request_bytes=args.max_request_bytes or None,
                 request_timeout_s=args.request_timeout or None,
                 trust_request_chat_template=args.trust_request_chat_template,
+                enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             )
         )
         state = app.state.server_state

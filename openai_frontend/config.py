@@ -24,3 +24,4 @@ class FrontendConfig:
     max_request_bytes: int | None = 16 * 2**20  # bodies over this get 413; None = no limit
     request_timeout_s: float | None = 3600.0  # a generation request running longer gets 504; None = no limit
     trust_request_chat_template: bool = False  # accept `chat_template` in requests (as vLLM's flag)
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (as vLLM's flag)

@@ -73,6 +73,7 @@ class ChoiceDelta:
     prompt_logprobs: PromptScores | None = None  # once, on the delta of the response with the first token
     first: bool = False
     weight_version: str | None = None  # the weights that produced the choice; only on the last delta
+    num_cached_tokens: int | None = None  # prompt tokens from the prefix cache; on the first delta
 
     @property
     def last(self) -> bool:
@@ -93,6 +94,7 @@ class ChoiceResult:
     routed_weights: bytes | None = None  # base64 .npy float32
     prompt_logprobs: PromptScores | None = None
     weight_version: str | None = None  # the weights of the backend's last response
+    num_cached_tokens: int | None = None  # prompt tokens the engine took from its prefix cache
 
 
 class Hooks:
@@ -143,6 +145,7 @@ class ChoiceRunner:
         self.routed_weights: bytes | None = None
         self.prompt_logprobs: PromptScores | None = None
         self.weight_version: str | None = None
+        self.num_cached_tokens: int | None = None
 
     def result(self) -> ChoiceResult:
         assert self.finish_reason is not None
@@ -157,6 +160,7 @@ class ChoiceRunner:
             routed_weights=self.routed_weights,
             prompt_logprobs=self.prompt_logprobs,
             weight_version=self.weight_version,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     async def run(self) -> AsyncIterator[ChoiceDelta]:
@@ -201,6 +205,8 @@ class ChoiceRunner:
                         out.prompt_logprobs, out.prompt_top_logprob_ids, out.prompt_top_logprobs,
                         out.prompt_logprob_ranks)
                 self.weight_version = out.weight_version or self.weight_version
+                if self.num_cached_tokens is None:  # fixed when the engine admits the request
+                    self.num_cached_tokens = out.num_cached_tokens
                 n_new = int(out.output_ids.shape[0])
                 now = time.monotonic()
                 if n_new and timed:
@@ -247,6 +253,7 @@ class ChoiceRunner:
                     logprobs=new_lps,
                     prompt_logprobs=prompt_scores,
                     first=first,
+                    num_cached_tokens=self.num_cached_tokens if first else None,
                 )
                 if spec.detokenize:
                     self.text_parts.append(delta.text)
@@ -285,6 +292,7 @@ class ChoiceRunner:
             prompt_logprobs=prompt_scores,
             first=first,
             weight_version=self.weight_version,
+            num_cached_tokens=self.num_cached_tokens if first else None,
         )
         if spec.detokenize:
             self.text_parts.append(delta.text)

@@ -47,6 +47,7 @@ from .protocol_responses import (  # noqa: F401 - re-exported: the wire format's
     GenerateStreamResponse,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokenUsageInfo,
     UsageInfo,
 )
 from .routing_codec import decode_int_array

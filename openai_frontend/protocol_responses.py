@@ -15,15 +15,31 @@ class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
+class PromptTokenUsageInfo(_Base):
+    """OpenAI's / vLLM's ``usage.prompt_tokens_details``: prompt tokens served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(_Base):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # with --enable-prompt-tokens-details only (vLLM's flag); left out of the JSON otherwise
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> "UsageInfo":
+        details = None if cached_tokens is None else PromptTokenUsageInfo(cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+
+    @model_serializer(mode="wrap")
+    def _details_only_when_set(self, handler):
+        out = handler(self)
+        if out.get("prompt_tokens_details") is None:
+            out.pop("prompt_tokens_details", None)
+        return out
 
 
 class CompletionLogProbs(_Base):

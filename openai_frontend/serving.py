@@ -92,25 +92,42 @@ class TokenUsage:
     tokens are the tokens returned, per choice.  The metrics' prompt counter
     moves when the request is admitted, its generation counter once, at
     :meth:`close`.
+
+    With ``details`` (``--enable-prompt-tokens-details``), usage also says how
+    many prompt tokens came from the prefix cache: per choice what the engine
+    reported, per prompt the least over its choices (the n choices of a prompt
+    share its blocks, so a later choice finds the first one's; the least is
+    what the cache held for the request).
     """
 
-    def __init__(self, prompt_lens: list[int], n: int, metrics: Metrics) -> None:
+    def __init__(self, prompt_lens: list[int], n: int, metrics: Metrics, details: bool = False) -> None:
         self._prompt_lens = prompt_lens
         self._n = n
         self._metrics = metrics
         self._generated = [0] * (len(prompt_lens) * n)  # per choice index
+        self._cached: list[int | None] | None = [None] * (len(prompt_lens) * n) if details else None
         self._closed = False
         metrics.prompt_tokens.inc(sum(prompt_lens))
 
     def add(self, index: int, num_tokens: int) -> None:
         self._generated[index] += num_tokens
 
+    def cached(self, index: int, num_tokens: int | None) -> None:
+        """The prompt tokens choice ``index`` found in the prefix cache (the engine's count)."""
+        if self._cached is not None and num_tokens is not None:
+            self._cached[index] = num_tokens
+
     def choice(self, index: int) -> UsageInfo:
         """One choice so far: its prompt and its tokens (continuous_usage_stats)."""
-        return UsageInfo.of(self._prompt_lens[index // self._n], self._generated[index])
+        cached = None if self._cached is None else self._cached[index] or 0
+        return UsageInfo.of(self._prompt_lens[index // self._n], self._generated[index], cached)
 
     def total(self) -> UsageInfo:
-        return UsageInfo.of(sum(self._prompt_lens), sum(self._generated))
+        cached = None
+        if self._cached is not None:
+            per_prompt = [self._cached[i * self._n : (i + 1) * self._n] for i in range(len(self._prompt_lens))]
+            cached = sum(min((c for c in cs if c is not None), default=0) for cs in per_prompt)
+        return UsageInfo.of(sum(self._prompt_lens), sum(self._generated), cached)
 
     def close(self) -> None:
         if not self._closed:
@@ -153,9 +170,11 @@ class ChoiceStream:
         try:
             for d in primed:
                 self.usage.add(d.index, len(d.token_ids))
+                self.usage.cached(d.index, d.num_cached_tokens)
                 yield d
             async for d in self._deltas:
                 self.usage.add(d.index, len(d.token_ids))
+                self.usage.cached(d.index, d.num_cached_tokens)
                 yield d
         except BackendError as e:
             raise backend_error_to_openai(e, self._retry_after_s) from e
@@ -193,7 +212,7 @@ class ServingContext:
         prompts = plan.prompts.tokenize(self.tokenizer)
         specs = self._choice_specs(plan, prompts, model)
         release = self._admit(len(specs))
-        usage = TokenUsage([len(p.ids) for p in prompts], plan.n, self.metrics)
+        usage = TokenUsage([len(p.ids) for p in prompts], plan.n, self.metrics, self.cfg.enable_prompt_tokens_details)
         hooks = self.metrics.hooks()
         runners = [
             ChoiceRunner(s, self.client, self.tokenizer, model, plan.request_id, stream=plan.stream, hooks=hooks)
@@ -350,6 +369,7 @@ class ServingContext:
             await group.aclose()
         for r in results:
             usage.add(r.index, len(r.token_ids))
+            usage.cached(r.index, r.num_cached_tokens)
         usage.close()
         return Finished(results, prompts, usage.total())
 

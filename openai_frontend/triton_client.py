@@ -161,6 +161,7 @@ _OUTPUTS = (
     "finish_reason",
     "num_prompt_tokens",
     "num_output_tokens",
+    "num_cached_tokens",
     "logprobs",
     "top_logprob_ids",
     "top_logprobs",
@@ -182,6 +183,7 @@ class BackendOutput:
     finish_reason: str | None = None  # None until the last response
     num_prompt_tokens: int | None = None
     num_output_tokens: int | None = None  # cumulative
+    num_cached_tokens: int | None = None  # prompt tokens the engine took from its prefix cache
     logprobs: np.ndarray | None = None  # [n]
     top_logprob_ids: np.ndarray | None = None  # [n, N]
     top_logprobs: np.ndarray | None = None  # [n, N]
@@ -211,7 +213,7 @@ class BackendOutput:
         if wv is not None and wv.size:
             val = wv.reshape(-1)[0]
             out.weight_version = (val.decode("utf-8", "replace") if isinstance(val, bytes) else str(val)) or None
-        for name in ("num_prompt_tokens", "num_output_tokens"):
+        for name in ("num_prompt_tokens", "num_output_tokens", "num_cached_tokens"):
             arr = result.as_numpy(name)
             if arr is not None and arr.size:
                 setattr(out, name, int(arr.reshape(-1)[0]))

@@ -56,10 +56,10 @@ def _kv_gib(checkpoint_dir: str, blocks: int) -> float:
 def own_servers(tmp_path_factory, tiny_checkpoint):
     """(ref, tight), started in parallel (each takes about 10 s to load)."""
     log_dir = tmp_path_factory.mktemp("prefix_cache")
-    flags = {
-        "ref": ["--no-enable-prefix-caching"],
+    flags = {  # both report usage.prompt_tokens_details (the shared server does not)
+        "ref": ["--no-enable-prefix-caching", "--enable-prompt-tokens-details"],
         "tight": ["--kv-cache-memory", f"{_kv_gib(str(tiny_checkpoint), TIGHT_BLOCKS):.9f}",
-                  "--max-model-len", str(TIGHT_LEN), "--max-num-seqs", "8"],
+                  "--max-model-len", str(TIGHT_LEN), "--max-num-seqs", "8", "--enable-prompt-tokens-details"],
     }
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(start_moe_serve, log_dir, f) for name, f in flags.items()}
@@ -368,6 +368,64 @@ def test_n2_choices_prefill_the_prompt_once_and_match_an_engine_without_cache(mo
     warm = ask(moe_server, endpoint, prompt, n=2, seed=seed, stream=True, prompt_start=p // 2)
     assert counters.delta(2 * p)["hits"] == 2 * full_blocks_hit(p, p)
     assert_same(warm, cold)
+
+
+# ----------------------------------------------------------------------------- usage.prompt_tokens_details
+
+
+def usage_of(server, endpoint: str, prompt, *, stream: bool = False, n: int = 1) -> list[dict]:
+    """The usage objects of one request as sent (raw JSON): non-streaming, its ``usage``; streaming (with
+    ``include_usage`` and ``continuous_usage_stats``), every chunk's, the final usage-only chunk's last."""
+    path = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/inference/v1/generate"}
+    body = {"model": server.model, "stream": stream}
+    sampling = {"n": n, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    if endpoint == "generate":
+        body.update(token_ids=prompt, sampling_params=sampling)
+    else:
+        body.update({"prompt" if endpoint == "completions" else "messages": prompt, **sampling})
+    if stream:
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    url = server.root_url + path[endpoint]
+    if not stream:
+        r = httpx.post(url, json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        return [r.json()["usage"]]
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")
+                  and line != "data: [DONE]"]
+    assert not chunks[-1]["choices"]  # the usage-only chunk
+    return [c["usage"] for c in chunks if c.get("usage") is not None]
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_usage_says_how_many_prompt_tokens_came_from_the_cache(moe_server, tight, ref, endpoint):
+    """--enable-prompt-tokens-details (vLLM's flag): ``usage.prompt_tokens_details.cached_tokens`` is the
+    prompt tokens served from the prefix cache: 0 cold, the whole blocks of a repeated prompt warm (the same
+    count as the engine's hit counter), 0 on a server without the cache; for n = 2 the request's (a cold
+    prompt's second choice takes the first one's blocks, which were not in the cache when the request came).
+    Without the flag the field is absent, as before."""
+    prompt = prompt_for(endpoint, 4000 + ENDPOINTS.index(endpoint))
+    counters = Counters(tight)
+    (cold,) = usage_of(tight, endpoint, prompt)
+    p = cold["prompt_tokens"]
+    assert cold["prompt_tokens_details"] == {"cached_tokens": 0} and counters.delta(p)["hits"] == 0
+    hit = full_blocks_hit(p, p)
+    assert hit > 0
+    *per_chunk, final = usage_of(tight, endpoint, prompt, stream=True)
+    assert counters.delta(p)["hits"] == hit
+    assert final["prompt_tokens_details"] == {"cached_tokens": hit} and final["prompt_tokens"] == p
+    assert per_chunk and all(u["prompt_tokens_details"] == {"cached_tokens": hit} for u in per_chunk)
+    (warm2,) = usage_of(tight, endpoint, prompt, n=2)
+    assert warm2["prompt_tokens_details"] == {"cached_tokens": hit} and counters.delta(2 * p)["hits"] == 2 * hit
+    (cold2,) = usage_of(tight, endpoint, prompt_for(endpoint, 4100 + ENDPOINTS.index(endpoint)), n=2)
+    assert cold2["prompt_tokens_details"] == {"cached_tokens": 0}
+    for _ in range(2):  # no cache, no hits: the same prompt twice
+        (u,) = usage_of(ref, endpoint, prompt)
+        assert u["prompt_tokens_details"] == {"cached_tokens": 0} and u["prompt_tokens"] == p
+    (plain,) = usage_of(moe_server, endpoint, prompt)
+    assert plain == {"prompt_tokens": p, "completion_tokens": 4, "total_tokens": p + 4}
 
 
 # ----------------------------------------------------------------------------- eviction and preemption
