@@ -406,7 +406,7 @@ def test_usage_says_how_many_prompt_tokens_came_from_the_cache(moe_server, tight
     count as the engine's hit counter), 0 on a server without the cache; for n = 2 the request's (a cold
     prompt's second choice takes the first one's blocks, which were not in the cache when the request came).
     Without the flag the field is absent, as before."""
-    prompt = prompt_for(endpoint, 4000 + ENDPOINTS.index(endpoint))
+    prompt = prompt_for(endpoint, 6000 + ENDPOINTS.index(endpoint))  # seeds no other test of this module uses
     counters = Counters(tight)
     (cold,) = usage_of(tight, endpoint, prompt)
     p = cold["prompt_tokens"]
@@ -419,7 +419,7 @@ def test_usage_says_how_many_prompt_tokens_came_from_the_cache(moe_server, tight
     assert per_chunk and all(u["prompt_tokens_details"] == {"cached_tokens": hit} for u in per_chunk)
     (warm2,) = usage_of(tight, endpoint, prompt, n=2)
     assert warm2["prompt_tokens_details"] == {"cached_tokens": hit} and counters.delta(2 * p)["hits"] == 2 * hit
-    (cold2,) = usage_of(tight, endpoint, prompt_for(endpoint, 4100 + ENDPOINTS.index(endpoint)), n=2)
+    (cold2,) = usage_of(tight, endpoint, prompt_for(endpoint, 6100 + ENDPOINTS.index(endpoint)), n=2)
     assert cold2["prompt_tokens_details"] == {"cached_tokens": 0}
     for _ in range(2):  # no cache, no hits: the same prompt twice
         (u,) = usage_of(ref, endpoint, prompt)
