@@ -7,7 +7,7 @@ after a warm-up that compiles every size; one step of each kind under cProfile (
 under torch.profiler (host ops, device time). Random bf16 weights built on the GPU (real_shape_model.py); ~1 minute
 on an H200 (``loadtest/reports/real_shape/run23_prefill_host_time.txt``).
 
-``--host``: per step size (1 x 128, 8 x 1024 = case b's prefill step, 27 x 300, 2 x 300), the host's time to issue
+``--host``: per step size (1 x 128 up to 8 x 1024 = case b's prefill step and 27 x 300), the host's time to issue
 the model's forward (``model.forward`` returns once every kernel is queued; nothing in it waits for the GPU) against
 the forward's GPU span (CUDA events around it) and the step's wall: issue time >= span means the step waits for
 the host (``reports/real_shape/run51_prefill_issue_vs_gpu.txt``).
@@ -145,7 +145,7 @@ def main() -> None:
     args = ap.parse_args()
     b = Bench(args.device)
     if args.host:
-        sizes = ((1, 128), (8, 1024), (27, 300), (2, 300)) if b.cuda else ((1, 128), (8, 64), (2, 100))
+        sizes = ((1, 128), (2, 300), (6, 300), (3, 512), (8, 1024), (27, 300)) if b.cuda else ((1, 128), (8, 64))
         for n, length in sizes:  # compile every size first
             b.submit(b.prompts(n, length))
             b.drain()
