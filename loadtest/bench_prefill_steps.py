@@ -10,7 +10,7 @@ on an H200 (``loadtest/reports/real_shape/run23_prefill_host_time.txt``).
 ``--host``: per step size (1 x 128 up to 8 x 1024 = case b's prefill step and 27 x 300), the host's time to issue
 the model's forward (``model.forward`` returns once every kernel is queued; nothing in it waits for the GPU) against
 the forward's GPU span (CUDA events around it) and the step's wall: issue time >= span means the step waits for
-the host (``reports/real_shape/run51_prefill_issue_vs_gpu.txt``).
+the host (H200: ``reports/real_shape/run57_prefill_count_vs_sort.txt``, its "sort" rows; H100: ``run51_*``).
 
     PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py
     PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py --device cpu    # the tiny shape: a smoke test
