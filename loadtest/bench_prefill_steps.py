@@ -11,7 +11,8 @@ on an H200 (``loadtest/reports/real_shape/run23_prefill_host_time.txt``).
 the model's forward (``model.forward`` returns once every kernel is queued) against the forward's GPU span (CUDA
 events around it) and the step's wall: issue time >= span means the step waits for the host. Steps of more than 512
 tokens include the waits of the expert grouping's sort (a stable argsort of more than 4,096 keys waits for the GPU,
-once per MoE layer), so there the issue time is an upper bound (H200: ``reports/real_shape/run57_prefill_count_vs_sort.txt``, its "sort" rows; H100: ``run51_*``).
+once per MoE layer), so there the issue time is an upper bound (H200:
+``reports/real_shape/run57_prefill_count_vs_sort.txt``, its "sort" rows; H100: ``run51_*``).
 
     PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py
     PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py --device cpu    # the tiny shape: a smoke test
