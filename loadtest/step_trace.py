@@ -44,8 +44,8 @@ class StepTracer:
             chunks = [(n, c) for (_, n), c in zip(plan.items, plan.context) if n > 1]
             step.trace = dict(t_launch=t, t_launched=time.perf_counter(), tokens=plan.num_tokens,
                               seqs=len(plan.items), prefill_tokens=sum(n for n, _ in chunks),
-                              prefill_seqs=len(chunks), prefill_context=sum(c for _, c in chunks) // max(1, len(chunks)),
-                              events=ev)
+                              prefill_seqs=len(chunks),
+                              prefill_context=sum(c for _, c in chunks) // max(1, len(chunks)), events=ev)
             return step
 
         def traced_results(step):
@@ -103,18 +103,21 @@ def describe(summary: dict) -> list[str]:
     """The summary as log lines (ms)."""
     ms = lambda v: "-" if v is None else f"{1e3 * v:.1f}"  # noqa: E731
     lines = [f"wall {ms(summary['wall_s'])} ms over {summary['steps']} steps; submit -> first launch "
-             f"{ms(summary.get('submit_to_first_launch_s'))} ms, last step -> end {ms(summary.get('last_done_to_end_s'))} ms"]
+             f"{ms(summary.get('submit_to_first_launch_s'))} ms, last step -> end "
+             f"{ms(summary.get('last_done_to_end_s'))} ms"]
     for kind in ("prefill", "decode"):
         k = summary.get(kind)
         if not k:
             continue
         line = (f"{kind}: {k['n']} steps, {k['tokens']} tokens; wall {ms(k['wall_s'])} ms "
-                f"(p50 {ms(k['wall_p50_s'])}, max {ms(k['wall_max_s'])}); host launch {ms(k['launch_s'])} (p50 {ms(k['launch_p50_s'])})")
+                f"(p50 {ms(k['wall_p50_s'])}, max {ms(k['wall_max_s'])}); host launch {ms(k['launch_s'])} "
+                f"(p50 {ms(k['launch_p50_s'])})")
         if "gpu_s" in k:
             line += (f"; GPU span {ms(k['gpu_s'])} (p50 {ms(k['gpu_p50_s'])}); GPU idle before these steps "
                      f"{ms(k['gpu_idle_before_s'])} (p50 {ms(k['gpu_idle_before_p50_s'])})")
         lines.append(line)
         for e in k.get("each", []):
-            lines.append(f"  {e['tokens']} tokens ({e['prefill_tokens']} prefill): wall {ms(e['wall_s'])} ms, host launch "
-                         f"{ms(e['launch_s'])}, GPU span {ms(e['gpu_s'])}, GPU idle before {ms(e['gpu_idle_before_s'])}")
+            lines.append(f"  {e['tokens']} tokens ({e['prefill_tokens']} prefill): wall {ms(e['wall_s'])} ms, "
+                         f"host launch {ms(e['launch_s'])}, GPU span {ms(e['gpu_s'])}, "
+                         f"GPU idle before {ms(e['gpu_idle_before_s'])}")
     return lines
