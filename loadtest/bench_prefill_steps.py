@@ -17,6 +17,14 @@ once per MoE layer), so there the issue time is an upper bound (H200:
     PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py
     PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py --device cpu    # the tiny shape: a smoke test
     PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py --host          # issue time vs GPU span
+    PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py --graphs        # eager vs prefill graphs
+
+``--graphs``: two engines on the one model (8 GiB of KV cache each, overlapped decode off so that a step is one
+forward): every step eager (``max_cudagraph_capture_size=0``) against the default, which replays prefill-step CUDA
+graphs up to 512 tokens (prefill_graphs.py). Step wall from ``Engine.step()`` to a device sync, the two engines
+alternated, medians of 5: prompts of 1 x 128, 1 x 300, 2 x 200, 4 x 128 tokens; 300 new tokens after 7,488 cached
+(a multi-turn agent's turn); and a mixed step (a 300-token prompt admitted while 24 sequences decode, continuous
+batching). Each engine's first tokens of every case are compared (greedy): equal, or the row says how many differ.
 """
 from __future__ import annotations
 
@@ -36,14 +44,16 @@ from moe_engine.sampling import SamplingParams
 
 
 class Bench:
-    def __init__(self, device: str):
+    def __init__(self, device: str, model=None, cfg=None, **engine_args):
         self.cuda = device == "cuda"
         dev = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         shape, dtype = ("qwen3-30b-a3b", torch.bfloat16) if self.cuda else ("tiny", torch.float32)
-        self.model, self.cfg = rsm.build_engine_model(rsm.SHAPES[shape], dev, dtype, 0, "balanced")
+        if model is None:
+            model, cfg = rsm.build_engine_model(rsm.SHAPES[shape], dev, dtype, 0, "balanced")
+        self.model, self.cfg = model, cfg
         self.engine = Engine(self.model, self.cfg, EngineConfig(
             max_num_seqs=32, max_model_len=8016 if self.cuda else 512, enable_routed_experts=True,
-            enable_prefix_caching=True))
+            enable_prefix_caching=True, **engine_args))
         self.rng = random.Random(0)
         self.ids = 0
 
@@ -54,13 +64,18 @@ class Bench:
     def prompts(self, n: int, length: int) -> list[list[int]]:
         return [[self.rng.randrange(self.cfg.vocab_size) for _ in range(length)] for _ in range(n)]
 
-    def submit(self, prompts: list[list[int]]) -> None:
-        reqs = []
+    def submit(self, prompts: list[list[int]], max_tokens: int = 2) -> list[list[int]]:
+        """Submit greedy requests; returns each one's output token list (filled as the engine runs)."""
+        reqs, outs = [], []
         for p in prompts:
             self.ids += 1
+            out: list[int] = []
             reqs.append(Request(request_id=f"r{self.ids}", prompt_token_ids=p, return_routed_experts=True,
-                                sampling=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
+                                sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                                on_output=lambda o, out=out: out.extend(o.new_token_ids)))
+            outs.append(out)
         self.engine.add_requests(reqs)
+        return outs
 
     def drain(self) -> None:
         while self.engine.num_unfinished:
@@ -140,11 +155,69 @@ class Bench:
               f"ms", flush=True)
 
 
+def graphs_vs_eager(reps: int = 5) -> None:
+    """--graphs: the same steps on an all-eager engine and on one with prefill-step graphs, alternated."""
+    eager = Bench("cuda", max_cudagraph_capture_size=0, kv_cache_memory_bytes=8 << 30, overlap_decode=False)
+    graphed = Bench("cuda", eager.model, eager.cfg, kv_cache_memory_bytes=8 << 30, overlap_decode=False)
+    assert graphed.engine.runner.prefill_graphs is not None and eager.engine.runner.prefill_graphs is None
+    rng = random.Random(1)
+    vocab = eager.cfg.vocab_size
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+    history = prompts(1, 7488)  # cached in both engines before the multi-turn case
+    for b in (eager, graphed):
+        b.submit(history)
+        b.drain()
+
+    def one(b: Bench, case: str, ps: list[list[int]]) -> tuple[float, list[int]]:
+        """ms of the step that prefills ``ps`` (for "mixed": while 24 sequences decode), and its first tokens."""
+        running: list[str] = []
+        if case == "mixed":
+            first_id = b.ids + 1
+            decoding = b.submit(prompts(24, 64), max_tokens=1000)  # below max_num_seqs: the prompt is admitted
+            running = [f"r{i}" for i in range(first_id, b.ids + 1)]
+            while not all(decoding):  # every one has its first token: the next steps decode them
+                b.engine.step()
+        outs = b.submit(ps)
+        wall = b.timed_step()
+        for rid in running:
+            b.engine.abort(rid)
+        b.drain()
+        return wall, [o[0] for o in outs]
+
+    cases = [("1 x 128", 1, 128), ("1 x 300", 1, 300), ("2 x 200", 2, 200), ("4 x 128", 4, 128),
+             ("300 after 7,488 cached", 0, 300), ("mixed: 300 + 24 decodes", 0, 300)]
+    for name, n, length in cases:
+        walls: dict[str, list[float]] = {"eager": [], "graphs": []}
+        differ = 0
+        for r in range(reps + 1):  # the first round warms both
+            ps = [history[0] + prompts(1, length)[0]] if "cached" in name else prompts(max(n, 1), length)
+            case = "mixed" if name.startswith("mixed") else ""
+            got = {}
+            for label, b in (("eager", eager), ("graphs", graphed))[:: 1 if r % 2 else -1]:
+                wall, first = one(b, case, ps)
+                got[label] = first
+                if r:
+                    walls[label].append(wall)
+            differ += sum(a != g for a, g in zip(got["eager"], got["graphs"]))
+        e, g = (statistics.median(walls[k]) for k in ("eager", "graphs"))
+        print(f"prefill step {name}: eager {e:.1f} ms, graphs {g:.1f} ms ({e / g:.2f}x); first tokens that "
+              f"differ: {differ} of {(reps + 1) * max(n, 1)}", flush=True)
+    print(f"prefill graphs replayed {graphed.engine.runner.prefill_graphs.replays} steps; captured "
+          f"{len(graphed.engine.runner.prefill_graphs._graphs)} graphs", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--host", action="store_true", help="only the host's issue time of the forward vs its GPU span")
+    ap.add_argument("--graphs", action="store_true", help="eager steps vs prefill-step CUDA graphs (two engines)")
     args = ap.parse_args()
+    if args.graphs:
+        graphs_vs_eager()
+        return
     b = Bench(args.device)
     if args.host:
         sizes = ((1, 128), (2, 300), (6, 300), (3, 512), (8, 1024), (27, 300)) if b.cuda else ((1, 128), (8, 64))

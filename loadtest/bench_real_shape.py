@@ -577,6 +577,11 @@ def profile_case(ctx) -> None:
         log(f"  {cls:14s} {ms:8.3f} ms/step")
     for k in summ["top_kernels"][:15]:
         log(f"  {k['per_step_us']:9.1f} us/step {k['count']:6d}x  [{k['class']}] {k['name'][:100]}")
+    log("  device idle between kernels, ms/step: " + ", ".join(f"{b} {ms:.3f}"
+                                                          for b, ms in summ["idle_per_step_ms"].items()))
+    for g in summ["top_idle"]:
+        log(f"  {g['per_step_us']:9.1f} us/step idle {g['count']:6d}x  after {g['before'][:60]}  before "
+            f"{g['after'][:60]}")
 
 
 # ----------------------------------------------------------------------------- report

@@ -407,8 +407,8 @@ def op_class(name: str, cat: str = "kernel") -> str:
 
 
 def summarize_trace(events: list[dict], steps: int, wall_s: float, lm_head_min_us: float | None) -> dict:
-    """Device time per op class and per kernel, and busy time (union of kernel intervals), from chrome-trace
-    events. A dense GEMM that runs at least ``lm_head_min_us`` (half of what reading lm_head's weights takes at the
+    """Device time per op class and per kernel, busy time (union of kernel intervals) and the idle time between
+    kernels (by length, and by the pair of kernels around it), from chrome-trace events. A dense GEMM that runs at least ``lm_head_min_us`` (half of what reading lm_head's weights takes at the
     measured bandwidth: no other dense GEMM of a decode step reads that much) is counted as lm_head."""
     dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS and "dur" in e]
     if not dev:  # CPU: no device kernels (and a profiler sees only its own thread's CPU ops)
@@ -421,14 +421,22 @@ def summarize_trace(events: list[dict], steps: int, wall_s: float, lm_head_min_u
         k = kernels.setdefault((e["name"], cls), {"count": 0, "total_us": 0.0})
         k["count"] += 1
         k["total_us"] += float(e["dur"])
-    busy, end = 0.0, None  # union of [ts, ts + dur]
-    for start, stop in sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in dev):
+    busy, end, last = 0.0, None, None  # union of [ts, ts + dur]; last: the kernel that ended at ``end``
+    gaps: dict[tuple[str, str], dict] = {}  # (kernel before, kernel after) -> idle between them
+    bins = {"< 10 us": 0.0, "10-100 us": 0.0, "0.1-1 ms": 0.0, ">= 1 ms": 0.0}
+    for start, stop, name in sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in dev):
         if end is None or start > end:
+            if end is not None:
+                idle = start - end
+                g = gaps.setdefault((last, name), {"count": 0, "idle_us": 0.0})
+                g["count"] += 1
+                g["idle_us"] += idle
+                bins[next(b for b, hi in zip(bins, (10, 100, 1000, float("inf"))) if idle < hi)] += idle
             busy += stop - start
-            end = stop
+            end, last = stop, name
         elif stop > end:
             busy += stop - end
-            end = stop
+            end, last = stop, name
     classes: dict[str, float] = {}
     for (_, cls), k in kernels.items():
         classes[cls] = classes.get(cls, 0.0) + k["total_us"]
@@ -443,4 +451,10 @@ def summarize_trace(events: list[dict], steps: int, wall_s: float, lm_head_min_u
             "busy_per_step_ms": busy / per_dev / 1e3,
             "kernel_time_per_step_ms": sum(classes.values()) / per_dev / 1e3,
             "classes_ms_per_step": {c: t / per_dev / 1e3 for c, t in sorted(classes.items(), key=lambda kv: -kv[1])},
-            "top_kernels": [{"name": n, "class": c, **k, "per_step_us": k["total_us"] / per_dev} for (n, c), k in top]}
+            "top_kernels": [{"name": n, "class": c, **k, "per_step_us": k["total_us"] / per_dev} for (n, c), k in top],
+            # The device's idle time between kernels per step, by length (the >= 1 ms ones are host work between
+            # steps, or a wait for it), and the kernel pairs with the most idle time between them: where the GPU
+            # waited for the host inside a step (a sync, or launches slower than the kernels they start).
+            "idle_per_step_ms": {b: t / per_dev / 1e3 for b, t in bins.items()},
+            "top_idle": [{"before": a, "after": b, **g, "per_step_us": g["idle_us"] / per_dev}
+                         for (a, b), g in sorted(gaps.items(), key=lambda kv: -kv[1]["idle_us"])[:12]]}

@@ -128,7 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--enforce-eager",
         action="store_true",
         default=False,
-        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (debugging; saves the graphs' memory)",
+        help="CUDA: run every step eagerly instead of replaying CUDA graphs (debugging; saves the graphs' memory)",
+    )
+    add(
+        "--max-cudagraph-capture-size",
+        type=int,
+        default=None,
+        help="CUDA: steps of up to this many tokens replay CUDA graphs: decode batches of up to this many sequences "
+        "(at most --max-num-seqs), prefill and mixed steps of up to this many tokens (at most 4096 / top_k); "
+        "default max(512, --max-num-seqs); 0: every step eager",
     )
     add(
         "--disable-fused-kernels",
@@ -327,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         max_waiting=args.max_waiting,
         enable_routed_experts=not args.disable_routed_experts,
         enforce_eager=args.enforce_eager,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         fused_kernels=False if args.disable_fused_kernels else None,
         exact_kernels=args.exact_kernels,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -66,6 +66,30 @@ def _round_up(sizes: list[int], n: int) -> int:
     return sizes[bisect.bisect_left(sizes, n)]
 
 
+def capture_graph(forward, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """Run ``forward()`` once eagerly, then capture it into a graph (memory from ``pool``), both on ``stream``.
+    The warm-up run does the lazy kernel and workspace initialisation, which must not happen during a capture;
+    it runs the staged inputs, so any KV it writes is what the replay writes again."""
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        forward()
+        graph = torch.cuda.CUDAGraph()
+        # No garbage collection while capturing: a collection that frees an unreachable older engine's graphs
+        # resets them, which CUDA refuses during a capture ("operation not permitted when stream is
+        # capturing"; seen when tests build engines one after another). torch.cuda.graph collects on entry.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                forward()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+    current.wait_stream(stream)
+    return graph
+
+
 class DecodeGraphs:
     """Captured decode forwards, keyed by (batch bucket, kv-length bucket, capture on/off, weights on/off)."""
 
@@ -108,7 +132,7 @@ class DecodeGraphs:
         # for each of up to hundreds of graphs: 150 MB each at B=256 and a 150k vocabulary).
         self.logits = torch.empty(max_batch, model.config.vocab_size, dtype=torch.float32, device=device)
         self._graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=device)  # capture and warm-up run off the default stream
 
     def supports(self, num_seqs: int, max_seq_len: int) -> bool:
@@ -256,26 +280,7 @@ class DecodeGraphs:
     def _capture(self, B: int, Lk: int, capture: bool, capture_weights: bool,
                  level: int = logging.INFO) -> torch.cuda.CUDAGraph:
         t0 = time.monotonic()
-        current = torch.cuda.current_stream()
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            # Warm-up run (lazy kernel and workspace initialisation must not happen during capture). It runs
-            # the real step's inputs: the KV it writes is what the replay writes again.
-            self._forward(B, Lk, capture, capture_weights)
-            graph = torch.cuda.CUDAGraph()
-            # No garbage collection while capturing: a collection that frees an unreachable older engine's graphs
-            # resets them, which CUDA refuses during a capture ("operation not permitted when stream is
-            # capturing"; seen when tests build engines one after another). torch.cuda.graph collects on entry.
-            gc_was_enabled = gc.isenabled()
-            gc.disable()
-            try:
-                with torch.cuda.graph(graph, pool=self._pool, stream=self._stream,
-                                      capture_error_mode="thread_local"):
-                    self._forward(B, Lk, capture, capture_weights)
-            finally:
-                if gc_was_enabled:
-                    gc.enable()
-        current.wait_stream(self._stream)
+        graph = capture_graph(lambda: self._forward(B, Lk, capture, capture_weights), self.pool, self._stream)
         log.log(
             level, "captured a CUDA graph for decode steps of %d sequences, %d keys, routing %s%s (%.0f ms; %d graphs)",
             B, Lk, "on" if capture else "off", " with weights" if capture_weights else "",

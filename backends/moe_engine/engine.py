@@ -105,6 +105,10 @@ class Engine:
         self.fused = model.use_fused_kernels(cuda if ec.fused_kernels is None else ec.fused_kernels,
                                              within_rounding=False if ec.exact_kernels else None)
         graphs_off = self._graphs_off_reason(model)
+        graph_tokens = (max(512, self.max_num_seqs) if ec.max_cudagraph_capture_size is None
+                        else ec.max_cudagraph_capture_size)
+        if graph_tokens < 0:
+            raise ValueError(f"max_cudagraph_capture_size must be >= 0, got {graph_tokens}")
 
         specs = model.kv_layout()
         bs = ec.block_size
@@ -117,7 +121,7 @@ class Engine:
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=self.max_model_len, gpu_memory_utilization=ec.gpu_memory_utilization,
                 kv_cache_memory_bytes=ec.kv_cache_memory_bytes, graphs_off=graphs_off, overlap=overlap,
-                use_attention_kernels=use_kernels,
+                use_attention_kernels=use_kernels, max_cudagraph_capture_size=graph_tokens,
             ), (cfg.num_hidden_layers, cfg.num_experts_per_tok))
         budget = kv_cache_budget(model, specs, bs, self.step_tokens, self.max_num_seqs, self.max_model_len,
                                  ec.gpu_memory_utilization, ec.kv_cache_memory_bytes)
@@ -138,7 +142,7 @@ class Engine:
         self.runner = ModelRunner(
             model, num_blocks, bs, self.step_tokens, self.max_num_seqs, self.max_model_len,
             capture_routing=ec.enable_routed_experts, graphs_off=graphs_off, overlap=overlap,
-            use_attention_kernels=use_kernels,
+            use_attention_kernels=use_kernels, max_cudagraph_capture_size=graph_tokens,
         )
         self.scheduler = Scheduler(self.blocks, self.max_num_seqs, self.step_tokens, self.max_model_len,
                                    frozenset(cfg.eos_token_ids), keep_rows)
@@ -151,7 +155,7 @@ class Engine:
             f"on (routing rows of cached blocks: {self.blocks.rows.nbytes / 2**20:.0f} MiB of host memory)"
             if keep_rows else "on" if ec.enable_prefix_caching else "off",
             "on" if ec.enable_routed_experts else "off", self.device, self.dtype,
-            f"off ({graphs_off})" if graphs_off else f"for decode batches up to {self.max_num_seqs}",
+            self._graphs_description(graphs_off),
             (("on, bit-exact ones only" if ec.exact_kernels else "on")
              + (", programmatic dependent launch" if kernels.pdl(self.device) else "")) if self.fused else "off",
             "paged kernels" if self.runner.use_kernels else "reference (gather + SDPA)",
@@ -189,10 +193,19 @@ class Engine:
                 routing = self.runner.capture_buf is not None
                 for capture in (True, False) if routing and not keep_rows else (routing,):
                     self.runner.graphs.capture_all(capture=capture)
+                    if self.runner.prefill_graphs is not None:
+                        self.runner.prefill_graphs.capture_all(capture=capture)
                 if triton_kernels:
                     self.runner.graphs.warm_split_kernels(capture=routing)
             if triton_kernels:
                 log_late_compiles()
+
+    def _graphs_description(self, graphs_off: str | None) -> str:
+        r = self.runner
+        if graphs_off or not r.graphs_on:
+            return f"off ({graphs_off or 'max_cudagraph_capture_size=0'})"
+        return f"for decode batches up to {r.graph_max_batch}" + (
+            f" and prefill steps up to {r.max_prefill_graph_tokens} tokens" if r.prefill_graphs is not None else "")
 
     def _graphs_off_reason(self, model: torch.nn.Module) -> str | None:
         """Why decode steps run eagerly, or None when they replay CUDA graphs."""

@@ -10,7 +10,7 @@ scheduler's (retracting sequences, the weights epoch in prefix-cache keys).
 
 Memory release: ``kv_cache`` frees the KV cache (running requests are retracted and recomputed after resume);
 ``weights`` moves the parameters to host memory (CUDA; on CPU nothing is freed, but the engine still waits for the
-resume); ``cuda_graph`` is accepted (SGLang's tag): the decode graphs are always dropped with either, and captured
+resume); ``cuda_graph`` is accepted (SGLang's tag): the CUDA graphs are always dropped with either, and captured
 again lazily after resume. In-place weight updates keep every address, so graphs captured before stay valid.
 Idempotent: releasing what is released, resuming what is not, pausing a paused engine are no-ops that succeed.
 """

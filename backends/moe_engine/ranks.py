@@ -207,7 +207,8 @@ def build_runner(model, setup: dict, group: ParallelGroup | None, capture_routin
         num_blocks = group.min_int(num_blocks)
     return ModelRunner(model, num_blocks, bs, setup["step_tokens"], setup["max_num_seqs"], setup["max_model_len"],
                        capture_routing=capture_routing, graphs_off=setup["graphs_off"], overlap=setup["overlap"],
-                       use_attention_kernels=setup["use_attention_kernels"])
+                       use_attention_kernels=setup["use_attention_kernels"],
+                       max_cudagraph_capture_size=setup["max_cudagraph_capture_size"])
 
 
 # ----------------------------------------------------------------------------- rank 0: the pool

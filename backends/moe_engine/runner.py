@@ -1,8 +1,9 @@
 """The device side of a step: inputs, CUDA graphs, forward, sampling, one transfer to the host.
 
 ``ModelRunner`` owns everything that lives on the device: the model, the paged KV cache (sized from the memory
-left after the weights and a profiled peak step, see ``kv_cache_budget``), the step's output buffer and the decode
-graphs. ``launch`` queues a step's forward, sampling and device->host copy and returns before the GPU is done;
+left after the weights and a profiled peak step, see ``kv_cache_budget``), the step's output buffer and the CUDA
+graphs (decode steps: cuda_graphs.py; prefill and mixed steps of up to ``max_cudagraph_capture_size`` tokens:
+prefill_graphs.py). ``launch`` queues a step's forward, sampling and device->host copy and returns before the GPU is done;
 ``results`` waits for that copy.
 
 Routing capture: the model writes each MoE layer's top-k ids into a step buffer ``[step_tokens,
@@ -23,7 +24,9 @@ import torch
 from . import attention, fused_moe
 from .attention import ForwardBatch
 from .cuda_graphs import DecodeGraphs
+from .kernels import ROUTE_MAX_PAIRS
 from .kv_cache import KVCache, KVSpec, bytes_per_block
+from .prefill_graphs import PrefillGraphs
 from .sampling import Sampler
 from .experts import StepRouting
 from .scheduler import StepPlan, StepResult
@@ -64,6 +67,7 @@ class StepInputs:
     samplers: list[int] = field(default_factory=list)  # plan indices whose last token's logits are sampled
     score_rows: list[int] = field(default_factory=list)  # token rows whose logits prompt scoring reads
     graph: bool = False  # replay a decode CUDA graph
+    prefill_graph: bool = False  # replay a prefill-step CUDA graph (prefill_graphs.py)
 
 
 @dataclass
@@ -144,24 +148,19 @@ def profile_peak_activation(
 
 
 class ReleasableMemory:
-    """``ModelRunner``'s KV cache and decode graphs freed and allocated again (RL: release / resume memory while a
+    """``ModelRunner``'s KV cache and CUDA graphs freed and allocated again (RL: release / resume memory while a
     trainer uses the GPU)."""
 
     def drop_graphs(self) -> None:
-        """Drop the decode graphs (they replay the weights' and the KV cache's current addresses)."""
-        if self.graphs is not None:
-            self._graph_limits = (self.graphs.max_batch, self.graphs.kv_lens[-1])
-        self.graphs = None
+        """Drop the CUDA graphs (they replay the weights' and the KV cache's current addresses)."""
+        self.graphs = self.prefill_graphs = None
 
     def reset_graphs(self) -> None:
-        """Drop every captured decode graph; they are captured again lazily. Needed after the weights or the KV
-        cache moved (release / resume); an in-place weight update keeps the addresses, and the graphs."""
+        """Drop every captured graph; they are captured again lazily. Needed after the weights or the KV cache
+        moved (release / resume); an in-place weight update keeps the addresses, and the graphs."""
         self.drop_graphs()
-        limits = getattr(self, "_graph_limits", None)  # None: graphs are off for this engine
-        if limits is not None and self.kv is not None:
-            self.graphs = DecodeGraphs(self.model, self.kv, max_batch=limits[0], max_model_len=limits[1],
-                                       capture_buf=self.capture_buf)
-            self.graphs.use_kernels = self.use_kernels
+        if self.graphs_on and self.kv is not None:
+            self.make_graphs()
 
     def release_kv(self) -> int:
         """Free the KV cache (and the graphs that hold its addresses); returns the bytes freed."""
@@ -278,6 +277,7 @@ class ModelRunner(ReleasableMemory):
         graphs_off: str | None,
         overlap: bool,
         use_attention_kernels: bool = False,
+        max_cudagraph_capture_size: int = 512,
     ):
         cfg = model.config
         self.model = model
@@ -316,16 +316,33 @@ class ModelRunner(ReleasableMemory):
         self.use_kernels = use_attention_kernels
         if use_attention_kernels and cuda and self.dtype != torch.float32:
             self._warm_dense_prefill(step_tokens)
-        self.graphs = (
-            DecodeGraphs(model, self.kv, max_batch=max_num_seqs, max_model_len=max_model_len,
-                         capture_buf=self.capture_buf, weights_buf=self.weights_buf, use_kernels=use_attention_kernels)
-            if graphs_off is None
-            else None
-        )
+        # Steps of up to max_cudagraph_capture_size tokens replay graphs: decode steps of that many sequences (at
+        # most max_num_seqs), and prefill and mixed steps of that many tokens where the attention kernels read the
+        # cache themselves and the experts group the pairs without the host (at most ROUTE_MAX_PAIRS).
+        self.graph_max_batch = min(max_num_seqs, max_cudagraph_capture_size)
+        self.max_model_len = max_model_len
+        self.max_prefill_graph_tokens = (
+            min(max_cudagraph_capture_size, step_tokens, ROUTE_MAX_PAIRS // K) if use_attention_kernels else 0)
+        self.graphs_on = graphs_off is None and self.graph_max_batch > 0
+        self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        if self.graphs_on:
+            self.make_graphs()
         # Tensor parallelism (ranks.py): ``publish(step, input_ids)`` sends each step to the other ranks before
         # rank 0 runs it; ``on_close`` stops them.
         self.publish = None
         self.on_close = None
+
+    def make_graphs(self) -> None:
+        """The decode graphs, and the prefill-step graphs when steps of 16+ tokens may replay them (nothing is
+        captured yet: ``capture_all`` at start, else each graph when first needed)."""
+        self.graphs = DecodeGraphs(self.model, self.kv, max_batch=self.graph_max_batch,
+                                   max_model_len=self.max_model_len, capture_buf=self.capture_buf,
+                                   weights_buf=self.weights_buf, use_kernels=self.use_kernels)
+        if self.max_prefill_graph_tokens >= 16:
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.kv, self.max_prefill_graph_tokens, self.graph_max_batch, self.max_model_len,
+                self.capture_buf, self.weights_buf, logits=self.graphs.logits, pool=self.graphs.pool)
 
     def _warm_dense_prefill(self, max_tokens: int) -> None:
         """cuDNN's attention plans for the prompt-length buckets of attention.dense_causal, made now (70 ms to a
@@ -392,6 +409,9 @@ class ModelRunner(ReleasableMemory):
         )
         step.graph = (self.graphs is not None and T == len(items) and forced is None and not scoring
                       and self.graphs.supports(T, max(context) + 1))
+        step.prefill_graph = (not step.graph and self.prefill_graphs is not None and forced is None and not scoring
+                              and self.prefill_graphs.supports(T, len(items), max(c + n for c, (_, n) in
+                                                                                 zip(context, items))))
         if self.publish is not None:  # tensor parallelism: the other ranks run the same forward (ranks.py)
             self.publish(step, input_ids)
         logits, hidden = self.forward(step, input_ids)
@@ -424,6 +444,10 @@ class ModelRunner(ReleasableMemory):
         if step.graph:
             logits = self.graphs.run(step.ids if input_ids is None else input_ids, step.context, step.tables,
                                      step.want_routing, step.want_weights)  # [T, V]
+            return (logits if len(step.samplers) == len(step.context) else logits[step.samplers]), None
+        if step.prefill_graph:
+            logits = self.prefill_graphs.run(step.ids if input_ids is None else input_ids, step.context,
+                                             step.query_lens, step.tables, step.want_routing, step.want_weights)
             return (logits if len(step.samplers) == len(step.context) else logits[step.samplers]), None
         batch = ForwardBatch.build(step.tables, step.context, step.query_lens, self.device, self.block_size,
                                    self.null_block, split_parts=not self.use_kernels)  # parts: reference path only

@@ -128,6 +128,11 @@ def test_profile_busy_time_is_the_union_of_kernel_intervals():
     assert s["busy_per_step_ms"] == pytest.approx((15 + 4) / 2 / 1e3)
     assert s["kernel_time_per_step_ms"] == pytest.approx((10 + 10 + 4) / 2 / 1e3)
     assert s["classes_ms_per_step"] == pytest.approx({"dense GEMMs": 5e-3, "routing": 5e-3, "copies": 2e-3})
+    # idle: 15 us between the router kernel (the later end of the overlapping pair) and the copy
+    assert s["idle_per_step_ms"] == pytest.approx({"< 10 us": 0.0, "10-100 us": 7.5e-3, "0.1-1 ms": 0.0,
+                                                   ">= 1 ms": 0.0})
+    assert s["top_idle"] == [{"before": "_route_kernel", "after": "Memcpy DtoH (Device -> Pinned)", "count": 1,
+                              "idle_us": 15.0, "per_step_us": 7.5}]
 
 
 def test_profile_divides_device_time_by_the_decode_steps_the_trace_holds():

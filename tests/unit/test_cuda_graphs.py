@@ -1,6 +1,7 @@
-"""CUDA graphs for decode steps: a replayed, padded step gives every request exactly what an eager step gives.
+"""CUDA graphs for decode steps, and for prefill and mixed steps of up to a few hundred tokens: a replayed, padded
+step gives every request what an eager step gives.
 
-The bucket tests run everywhere; the engine tests need a GPU (run them with ``MOE_TEST_DEVICE=cuda``).
+The bucket and staging tests run everywhere; the engine tests need a GPU (run them with ``MOE_TEST_DEVICE=cuda``).
 """
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import pytest
 import torch
 
 from moe_engine import fused_moe, kernels, paged_attention, sampling_kernels
+from moe_engine.attention import ForwardBatch
 from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
 from moe_engine.cuda_graphs import batch_buckets, kv_len_buckets
 from moe_engine.engine import Engine, EngineConfig
+from moe_engine.prefill_graphs import StagingLayout, stage_step, token_buckets
 from moe_engine.runner import prefill_warm_shapes
 
 from .test_engine import prompt_of, run_all, submit
+from .test_replay import run as run_request
 
 
 @pytest.mark.parametrize("max_batch", [1, 3, 8, 64, 100, 256])
@@ -33,6 +37,50 @@ def test_kv_len_buckets_cover_the_model_length_at_most_doubling(max_len):
     assert sizes[-1] == max_len and sizes == sorted(set(sizes))
     for lo, hi in zip(sizes, sizes[1:]):
         assert hi <= 2 * lo
+
+
+@pytest.mark.parametrize("max_tokens", [16, 100, 512, 1024])
+def test_every_prefill_step_size_has_a_token_bucket_with_little_padding(max_tokens):
+    sizes = token_buckets(max_tokens)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_tokens and sizes[0] == 16
+    for t in range(2, max_tokens + 1):
+        bucket = next(b for b in sizes if b >= t)
+        assert bucket - t <= max(15, t // 4), (t, bucket)
+
+
+@pytest.mark.parametrize("query_lens,context", [
+    ([5, 1, 1, 30], [0, 40, 17, 100]),  # a prompt, two decodes, a chunk after cached context
+    ([16], [0]),  # exactly a bucket: no padding tokens
+    ([1] * 6 + [40], [33, 2, 90, 7, 15, 64, 0]),  # continuous batching: decodes and a new prompt
+])
+def test_a_prefill_graph_step_is_staged_as_the_eager_step_then_padding(query_lens, context):
+    """The graph's inputs: the step's sequences exactly as ``ForwardBatch.build`` lays out the eager step, then one
+    padding sequence whose tokens only touch the null block, then sequences with nothing; whatever an earlier step
+    left in the staging buffer."""
+    bs, null, n = 16, 0, len(query_lens)
+    tables = [[1 + 20 * i + j for j in range(-(-(c + q) // bs))] for i, (c, q) in enumerate(zip(context, query_lens))]
+    T = sum(query_lens)
+    Tp = next(t for t in token_buckets(512) if t >= T)
+    layout = StagingLayout(max_tokens=512, num_seqs=10, max_blocks=16)
+    host = np.full(layout.size, 12345, dtype=np.int64)  # stale values from an earlier, larger step
+    ids = list(range(100, 100 + T))
+    used = stage_step(host, layout, ids, context, query_lens, tables, Tp, null, bs)
+    eager = ForwardBatch.build(tables, context, query_lens, "cpu", bs)
+    tok, seq_lens, last, cu, rows = layout.views(host)
+    assert tok[0, :T].tolist() == ids
+    np.testing.assert_array_equal(tok[1, :T], eager.positions)
+    np.testing.assert_array_equal(tok[2, :T], eager.slot_mapping)
+    np.testing.assert_array_equal(seq_lens[:n], eager.seq_lens)
+    np.testing.assert_array_equal(cu[: n + 1], eager.cu_seqlens_q)
+    np.testing.assert_array_equal(last[:n], eager.last_token_index)
+    for i, table in enumerate(tables):
+        assert rows[i, : len(table)].tolist() == table
+    P = Tp - T  # the padding sequence n: token 0 at positions 0..P-1, its keys and writes in the null block
+    assert seq_lens[n] == P and cu[n + 1] == Tp and (tok[0, T:Tp] == 0).all()
+    assert tok[1, T:Tp].tolist() == list(range(P)) and (tok[2, T:Tp] // bs == null).all()
+    assert (rows[n, : -(-P // bs)] == null).all()
+    assert (seq_lens[n + 1 :] == 0).all() and (cu[n + 1 :] == Tp).all()  # then nothing
+    assert used == layout.tables_at + (n + 1) * layout.max_blocks  # the rows past the padding one are not copied
 
 
 @pytest.mark.parametrize("step_tokens,top_k", [(8192, 8), (512, 2), (64, 4), (2048, 6), (100, 1)])
@@ -65,12 +113,13 @@ def tiny_cuda(tiny_checkpoint):
     return load_config(tiny_checkpoint), load_model(tiny_checkpoint, dtype="bfloat16", device="cuda", progress=False)
 
 
-def run_mixed_batch(tiny, enforce_eager: bool, overlap: bool = True):
+def run_mixed_batch(tiny, enforce_eager: bool, overlap: bool = True, **engine_args):
     """Seven requests of different prompt and output lengths (greedy and seeded sampling) arriving over time:
-    decode steps of 1..7 sequences, padded to buckets 1, 2, 4, 8, mixed with prefill steps."""
+    decode steps of 1..7 sequences, padded to buckets 1, 2, 4, 8, mixed with prefill steps (chunks of up to 64
+    tokens, some with decodes beside them)."""
     cfg, model = tiny
     ecfg = EngineConfig(max_model_len=256, max_num_batched_tokens=64, enforce_eager=enforce_eager, overlap_decode=overlap,
-                        kv_cache_memory_bytes=256 << 20)
+                        kv_cache_memory_bytes=256 << 20, **engine_args)
     engine = Engine(model, cfg, ecfg)
     out = []
     for i in range(7):
@@ -87,13 +136,67 @@ def run_mixed_batch(tiny, enforce_eager: bool, overlap: bool = True):
 def test_graph_replayed_decode_equals_eager_decode(tiny_cuda):
     eager, want = run_mixed_batch(tiny_cuda, enforce_eager=True)
     graphed, got = run_mixed_batch(tiny_cuda, enforce_eager=False)
-    assert eager.graphs is None
+    assert eager.graphs is None and eager.runner.prefill_graphs is None
     keys = graphed.graphs._graphs  # (batch bucket, key bucket, capture)
     assert len({k[0] for k in keys}) >= 3  # several batch buckets were replayed
+    assert graphed.runner.prefill_graphs.replays >= 5  # and the prefill steps' graphs
     for w, g in zip(want, got):
         assert g.finish_reason == w.finish_reason == "length"
         assert g.tokens == w.tokens
         np.testing.assert_array_equal(g.routing, w.routing)
+
+
+@cuda
+def test_prefill_graph_steps_equal_eager_prefill_steps(tiny_cuda):
+    """The same requests with prefill and mixed steps replayed from graphs and run eagerly (decode steps replay
+    graphs in both): every token, routing row and output count equal."""
+    eager_prefill, want = run_mixed_batch(tiny_cuda, enforce_eager=False, max_cudagraph_capture_size=8)
+    graphed, got = run_mixed_batch(tiny_cuda, enforce_eager=False)
+    assert eager_prefill.runner.prefill_graphs is None and eager_prefill.graphs.max_batch == 8
+    steps = graphed.runner.prefill_graphs.replays
+    assert steps >= 5 and len({k[0] for k in graphed.runner.prefill_graphs._graphs}) >= 2
+    for w, g in zip(want, got):
+        assert (g.finish_reason, g.tokens, g.num_outputs) == (w.finish_reason, w.tokens, w.num_outputs)
+        np.testing.assert_array_equal(g.routing, w.routing)
+
+
+@cuda
+def test_engine_captures_every_prefill_graph_at_start(tiny_cuda):
+    """Prefill and mixed steps of up to 128 tokens (the step budget) replay graphs captured at start, one per
+    token bucket: prompts of any length up to it, alone or beside decodes, capture nothing later."""
+    cfg, model = tiny_cuda
+    engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
+                                             kv_cache_memory_bytes=256 << 20))
+    graphs = engine.runner.prefill_graphs
+    assert graphs.token_sizes == token_buckets(128)
+    at_start = set(graphs._graphs)
+    assert at_start == {(t, True, False) for t in token_buckets(128)}
+    for lens in ([37], [2, 100], [5] * 8, [128]):
+        out = [submit(engine, prompt_of(n, 500 + n + i), max_tokens=4, ignore_eos=True) for i, n in enumerate(lens)]
+        run_all(engine, out)
+        assert all(len(c.tokens) == 4 for c in out)
+    assert graphs.replays >= 4 and set(graphs._graphs) == at_start
+
+
+@cuda
+def test_graphs_made_again_after_a_release_keep_writing_routed_weights(tiny_cuda):
+    """Release / resume drops the graphs and makes them again (new KV addresses): the new ones still write the
+    combine weights a request asks for, in prefill and decode steps alike."""
+    cfg, model = tiny_cuda
+    engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=256 << 20))
+    prompt = prompt_of(40, 901)
+    before = run_request(engine, prompt, max_tokens=8, return_routed_experts=True, return_routed_weights=True)
+    runner = engine.runner
+    runner.release_kv()
+    engine.blocks.flush()
+    runner.allocate_kv()
+    runner.reset_graphs()
+    assert runner.graphs is not None and runner.prefill_graphs is not None and not runner.graphs._graphs
+    after = run_request(engine, prompt, max_tokens=8, return_routed_experts=True, return_routed_weights=True)
+    assert runner.prefill_graphs.replays >= 1 and runner.graphs._graphs  # both kinds replayed after the reset
+    assert after.tokens == before.tokens
+    np.testing.assert_array_equal(after.routing, before.routing)
+    np.testing.assert_array_equal(after.routed_weights, before.routed_weights)
 
 
 @cuda
