@@ -21,10 +21,10 @@ once per MoE layer), so there the issue time is an upper bound (H200:
 
 ``--graphs``: two engines on the one model (8 GiB of KV cache each, overlapped decode off so that a step is one
 forward): every step eager (``max_cudagraph_capture_size=0``) against the default, which replays prefill-step CUDA
-graphs up to 512 tokens (prefill_graphs.py). Step wall from ``Engine.step()`` to a device sync, the two engines
-alternated, medians of 5: prompts of 1 x 128, 1 x 300, 2 x 200, 4 x 128 tokens; 300 new tokens after 7,488 cached
-(a multi-turn agent's turn); and a mixed step (a 300-token prompt admitted while 24 sequences decode, continuous
-batching). Each engine's first tokens of every case are compared (greedy): equal, or the row says how many differ.
+graphs up to 2,048 tokens (prefill_graphs.py). Step wall from ``Engine.step()`` to a device sync, the two engines
+alternated, medians of 5: prompts of 1 x 128, 1 x 300, 2 x 200, 4 x 128, 1 x 1,000 and 2 x 900 tokens; 300 new
+tokens after 7,488 cached (a multi-turn agent's turn); and mixed steps (a 300- or 1,000-token prompt admitted while
+24 sequences decode, continuous batching). Each engine's first tokens of every case are compared (greedy): equal, or the row says how many differ.
 """
 from __future__ import annotations
 
@@ -188,7 +188,8 @@ def graphs_vs_eager(reps: int = 5) -> None:
         return wall, [o[0] for o in outs]
 
     cases = [("1 x 128", 1, 128), ("1 x 300", 1, 300), ("2 x 200", 2, 200), ("4 x 128", 4, 128),
-             ("300 after 7,488 cached", 0, 300), ("mixed: 300 + 24 decodes", 0, 300)]
+             ("1 x 1,000", 1, 1000), ("2 x 900", 2, 900), ("300 after 7,488 cached", 0, 300),
+             ("mixed: 300 + 24 decodes", 0, 300), ("mixed: 1,000 + 24 decodes", 0, 1000)]
     for name, n, length in cases:
         walls: dict[str, list[float]] = {"eager": [], "graphs": []}
         differ = 0

@@ -135,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="CUDA: steps of up to this many tokens replay CUDA graphs: decode batches of up to this many sequences "
-        "(at most --max-num-seqs), prefill and mixed steps of up to this many tokens (at most 4096 / top_k); "
-        "default max(512, --max-num-seqs); 0: every step eager",
+        "(at most --max-num-seqs), prefill and mixed steps of up to this many tokens (at most 16384 / top_k); "
+        "default max(2048, --max-num-seqs); 0: every step eager",
     )
     add(
         "--disable-fused-kernels",

@@ -452,6 +452,17 @@ class MoEForCausalLM(nn.Module):
                 return reason
         return None
 
+    def prefill_graph_unsafe_reason(self) -> str | None:
+        """Why a step carrying prompt tokens cannot replay a CUDA graph where a decode step can (prefill_graphs.py),
+        or None: every MoE layer must take the fused path, whose grouping of a few thousand pairs waits for
+        nothing; off it (expert parallelism, the op-by-op forward) larger steps sort with torch, which waits for the
+        GPU."""
+        for layer in self.model.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is not None and not (getattr(experts, "fused", False) and experts.first_expert is None):
+                return "an MoE layer is off the fused path (expert parallelism, or the op-by-op forward)"
+        return None
+
     def param_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
         """dtype a parameter is loaded in when the model runs in ``dtype`` (HF's keep-in-fp32 rules):
         DeepSeek's router weight and e_score_correction_bias always float32 (``_keep_in_fp32_modules_strict``);

@@ -1,9 +1,9 @@
-"""CUDA graphs for prefill and mixed steps of up to a few hundred tokens.
+"""CUDA graphs for prefill and mixed steps of up to a few thousand tokens.
 
 An eager step launches every kernel from Python: at the Qwen3-30B-A3B shape ~1,650 launches, 35-50 ms of host
 time for a step of 128 to 1,800 new tokens whose GPU work is shorter (``loadtest/bench_prefill_steps.py --host``).
 Such steps are common in serving: a short prompt alone, a multi-turn agent's new turn after its cached history,
-a prompt admitted while other sequences decode (continuous batching). A step that carries prompt tokens, at most
+prompts admitted while other sequences decode (continuous batching: every step after a sequence ends). A step that carries prompt tokens, at most
 ``max_tokens`` of them in all, replays a graph captured for its token bucket instead (vLLM's full CUDA graphs for
 mixed batches); decode-only steps keep their own graphs (cuda_graphs.py).
 
@@ -28,8 +28,8 @@ within bfloat16 rounding (the same expert ids and tokens on the tiny model's tes
 
 Only steps that need nothing per token on the host qualify (``ModelRunner`` decides): no replayed routing rows,
 no prompt logprobs (they read logits at every prompt position), the paged attention kernels (the reference path
-reads host copies), and at most ``kernels.ROUTE_MAX_PAIRS`` (token, expert) pairs: above that the experts'
-grouping sorts with torch, which waits for the GPU and cannot be captured.
+reads host copies), the fused experts in every MoE layer, and at most ``experts.COUNT_MAX_PAIRS`` (token, expert)
+pairs: above that the experts' grouping sorts with torch, which waits for the GPU and cannot be captured.
 """
 from __future__ import annotations
 
@@ -48,13 +48,12 @@ from .kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS = 512  # default ceiling; at the real shape eager steps are host-bound up to ~2,000 tokens
-
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Multiples of 16 to 128, of 32 to 256, of 64 beyond, and max_tokens: padding adds at most 25% (16 at the
-    smallest)."""
-    sizes = [*range(16, 129, 16), *range(160, 257, 32), *range(320, max_tokens + 64, 64)]
+    """Multiples of 16 to 128, of 32 to 256, of 64 to 512, of 128 to 1,024, of 256 beyond, and max_tokens: padding
+    adds at most 25% (16 at the smallest)."""
+    sizes = [*range(16, 129, 16), *range(160, 257, 32), *range(320, 513, 64), *range(640, 1025, 128),
+             *range(1280, max_tokens + 256, 256)]
     return [t for t in sizes if t < max_tokens] + [max_tokens]
 
 

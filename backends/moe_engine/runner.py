@@ -24,11 +24,10 @@ import torch
 from . import attention, fused_moe
 from .attention import ForwardBatch
 from .cuda_graphs import DecodeGraphs
-from .kernels import ROUTE_MAX_PAIRS
 from .kv_cache import KVCache, KVSpec, bytes_per_block
 from .prefill_graphs import PrefillGraphs
 from .sampling import Sampler
-from .experts import StepRouting
+from .experts import COUNT_MAX_PAIRS, StepRouting
 from .scheduler import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -318,11 +317,12 @@ class ModelRunner(ReleasableMemory):
             self._warm_dense_prefill(step_tokens)
         # Steps of up to max_cudagraph_capture_size tokens replay graphs: decode steps of that many sequences (at
         # most max_num_seqs), and prefill and mixed steps of that many tokens where the attention kernels read the
-        # cache themselves and the experts group the pairs without the host (at most ROUTE_MAX_PAIRS).
+        # cache themselves and the fused experts group the pairs without the host (at most COUNT_MAX_PAIRS).
         self.graph_max_batch = min(max_num_seqs, max_cudagraph_capture_size)
         self.max_model_len = max_model_len
         self.max_prefill_graph_tokens = (
-            min(max_cudagraph_capture_size, step_tokens, ROUTE_MAX_PAIRS // K) if use_attention_kernels else 0)
+            min(max_cudagraph_capture_size, step_tokens, COUNT_MAX_PAIRS // K)
+            if use_attention_kernels and model.prefill_graph_unsafe_reason() is None else 0)
         self.graphs_on = graphs_off is None and self.graph_max_batch > 0
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None

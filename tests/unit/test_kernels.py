@@ -127,6 +127,24 @@ def test_route_orders_pairs_like_a_stable_sort_by_expert():
     assert kernels.route(torch.zeros(4097, 1, dtype=torch.long, device=DEVICE), 64) is None  # too big: fallback
 
 
+@pytest.mark.parametrize("T,K,E", [(600, 8, 128), (2048, 8, 128), (2049, 8, 128), (700, 6, 150)])
+def test_large_steps_group_their_pairs_like_a_stable_sort_by_expert(T, K, E):
+    """Steps past the route kernel's size: ``group_pairs`` (counting up to COUNT_MAX_PAIRS pairs, torch's sort
+    above) gives the route kernel's outputs for a stable argsort of the slot-major pairs, experts without a pair
+    included (E > pairs per step for the last case's first experts)."""
+    from moe_engine.experts import group_pairs
+
+    assert T * K > kernels.ROUTE_MAX_PAIRS
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E - 20, generator=g)[:K] + 20 for _ in range(T)]).to(DEVICE)  # 0-19 unused
+    pos, tok, ends = group_pairs(ids, E)
+    order = torch.argsort(ids.t().reshape(-1), stable=True)
+    assert torch.equal(tok, order % T)
+    assert ends.dtype == torch.int32 and torch.equal(
+        ends.cpu().long(), torch.cumsum(torch.bincount(ids.reshape(-1).cpu(), minlength=E), 0))
+    assert pos.shape == (T, K) and torch.equal(order[pos.t().reshape(-1)], torch.arange(T * K, device=ids.device))
+
+
 def test_engine_with_fused_kernels_hands_out_what_the_op_by_op_engine_does(bf16_checkpoints):
     """Four requests of different lengths arriving over time (prefill chunks mixed with decode steps,
     greedy and seeded sampling): the same tokens and routing rows with and without fused kernels."""
