@@ -12,9 +12,11 @@ sequences, so that a graph depends on nothing but T_pad: the attention kernel's 
 its programs loop over each sequence's own keys; block tables are staged at their full width.
 
 * sequences 0..n-1 are the step's, with its T tokens in order, as an eager step lays them out;
-* sequence n is the padding: T_pad - T tokens, each at null-block slot i % block_size (the null block belongs to
-  no sequence), attending over those slots. Real embeddings (token 0) through every layer: the router and the
-  experts see ordinary rows. Their logits and routing rows are dropped;
+* sequence n is the padding: T_pad - T tokens of token 0 at rotary position 0, each writing its k/v at null-block
+  slot i % block_size (the null block belongs to no sequence) and attending over those slots through a table row
+  of null blocks (the kernel numbers them 0..T_pad - T - 1: the table is wide enough for that whatever
+  max_model_len is). Real embeddings through every layer: the router and the experts see ordinary rows. Their
+  logits and routing rows are dropped;
 * sequences n+1.. have no tokens and no keys (their programs exit).
 
 Inputs are static device buffers filled with one host-to-device copy per step from pinned staging memory (two
@@ -65,7 +67,11 @@ class StagingLayout:
 
     max_tokens: int
     num_seqs: int  # B: the step's sequences at most, plus the padding one
-    max_blocks: int
+    max_blocks: int  # table width: a max_model_len sequence's blocks, and the padding sequence's (<= max_tokens)
+
+    @classmethod
+    def for_engine(cls, max_tokens: int, max_seqs: int, max_model_len: int, block_size: int) -> "StagingLayout":
+        return cls(max_tokens, max_seqs + 1, -(-max(max_model_len, max_tokens) // block_size))
 
     @property
     def tables_at(self) -> int:
@@ -108,7 +114,7 @@ def stage_step(host: np.ndarray, layout: StagingLayout, token_ids, context: list
     last[:n] = cu[1 : n + 1] - 1
     P = Tp - T
     tok[0, T:Tp] = 0
-    tok[1, T:Tp] = np.arange(P)
+    tok[1, T:Tp] = 0  # rotary position 0: the padding's positions may run past max_model_len (and the rotary table)
     tok[2, T:Tp] = null_block * bs + np.arange(P) % bs
     rows[n, : -(-P // bs)] = null_block
     seq_lens[n] = P
@@ -137,11 +143,10 @@ class PrefillGraphs:
         self.block_size = kv.block_size
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.token_sizes = token_buckets(max_tokens)
-        self.max_blocks = -(-max_model_len // self.block_size)
         self.max_model_len = max_model_len
         self.capture_buf, self.weights_buf, self.logits = capture_buf, weights_buf, logits
         self._pool = pool
-        self.layout = StagingLayout(max_tokens, max_seqs + 1, self.max_blocks)
+        self.layout = StagingLayout.for_engine(max_tokens, max_seqs, max_model_len, self.block_size)
         # two pinned staging buffers, alternating (as the decode graphs'), and their device copy
         self._host = [torch.zeros(self.layout.size, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self._host_np = [h.numpy() for h in self._host]

@@ -48,20 +48,22 @@ def test_every_prefill_step_size_has_a_token_bucket_with_little_padding(max_toke
         assert bucket - t <= max(15, t // 4), (t, bucket)
 
 
-@pytest.mark.parametrize("query_lens,context", [
-    ([5, 1, 1, 30], [0, 40, 17, 100]),  # a prompt, two decodes, a chunk after cached context
-    ([16], [0]),  # exactly a bucket: no padding tokens
-    ([1] * 6 + [40], [33, 2, 90, 7, 15, 64, 0]),  # continuous batching: decodes and a new prompt
+@pytest.mark.parametrize("query_lens,context,max_model_len", [
+    ([5, 1, 1, 30], [0, 40, 17, 100], 256),  # a prompt, two decodes, a chunk after cached context
+    ([16], [0], 256),  # exactly a bucket: no padding tokens
+    ([1] * 6 + [40], [33, 2, 90, 7, 15, 64, 0], 256),  # continuous batching: decodes and a new prompt
+    ([60] * 30, [0] * 30, 64),  # 1,800 tokens padded to 2,048: 248 padding tokens, past max_model_len
 ])
-def test_a_prefill_graph_step_is_staged_as_the_eager_step_then_padding(query_lens, context):
+def test_a_prefill_graph_step_is_staged_as_the_eager_step_then_padding(query_lens, context, max_model_len):
     """The graph's inputs: the step's sequences exactly as ``ForwardBatch.build`` lays out the eager step, then one
-    padding sequence whose tokens only touch the null block, then sequences with nothing; whatever an earlier step
+    padding sequence whose tokens only touch the null block (at rotary position 0, with a table row of null blocks
+    for every one of them, however short max_model_len is), then sequences with nothing; whatever an earlier step
     left in the staging buffer."""
     bs, null, n = 16, 0, len(query_lens)
     tables = [[1 + 20 * i + j for j in range(-(-(c + q) // bs))] for i, (c, q) in enumerate(zip(context, query_lens))]
     T = sum(query_lens)
-    Tp = next(t for t in token_buckets(512) if t >= T)
-    layout = StagingLayout(max_tokens=512, num_seqs=10, max_blocks=16)
+    Tp = next(t for t in token_buckets(2048) if t >= T)
+    layout = StagingLayout.for_engine(max_tokens=2048, max_seqs=32, max_model_len=max_model_len, block_size=bs)
     host = np.full(layout.size, 12345, dtype=np.int64)  # stale values from an earlier, larger step
     ids = list(range(100, 100 + T))
     used = stage_step(host, layout, ids, context, query_lens, tables, Tp, null, bs)
@@ -77,8 +79,8 @@ def test_a_prefill_graph_step_is_staged_as_the_eager_step_then_padding(query_len
         assert rows[i, : len(table)].tolist() == table
     P = Tp - T  # the padding sequence n: token 0 at positions 0..P-1, its keys and writes in the null block
     assert seq_lens[n] == P and cu[n + 1] == Tp and (tok[0, T:Tp] == 0).all()
-    assert tok[1, T:Tp].tolist() == list(range(P)) and (tok[2, T:Tp] // bs == null).all()
-    assert (rows[n, : -(-P // bs)] == null).all()
+    assert (tok[1, T:Tp] == 0).all() and (tok[2, T:Tp] // bs == null).all()
+    assert rows.shape[1] >= -(-P // bs) and (rows[n, : -(-P // bs)] == null).all()
     assert (seq_lens[n + 1 :] == 0).all() and (cu[n + 1 :] == Tp).all()  # then nothing
     assert used == layout.tables_at + (n + 1) * layout.max_blocks  # the rows past the padding one are not copied
 
