@@ -86,8 +86,8 @@ def main() -> None:
     dev = torch.device("cuda", 0)
     t0 = time.perf_counter()
     model, cfg = rsm.build_engine_model(rsm.SHAPES["qwen3-30b-a3b"], dev, torch.bfloat16, 0, "balanced")
-    common = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_lens[1] + 288, kv_cache_memory_bytes=8 << 30,
-                  enable_prefix_caching=False)
+    common = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_lens[1] + 288,
+                  kv_cache_memory_bytes=8 << 30, enable_prefix_caching=False)
     engines = {"graphs": Engine(model, cfg, EngineConfig(**common)),
                "decode graphs only": Engine(model, cfg, EngineConfig(max_cudagraph_capture_size=args.max_num_seqs,
                                                                      **common))}

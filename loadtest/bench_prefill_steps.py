@@ -24,7 +24,8 @@ forward): every step eager (``max_cudagraph_capture_size=0``) against the defaul
 graphs up to 2,048 tokens (prefill_graphs.py). Step wall from ``Engine.step()`` to a device sync, the two engines
 alternated, medians of 5: prompts of 1 x 128, 1 x 300, 2 x 200, 4 x 128, 1 x 1,000 and 2 x 900 tokens; 300 new
 tokens after 7,488 cached (a multi-turn agent's turn); and mixed steps (a 300- or 1,000-token prompt admitted while
-24 sequences decode, continuous batching). Each engine's first tokens of every case are compared (greedy): equal, or the row says how many differ.
+24 sequences decode, continuous batching). Each engine's first tokens of every case are compared (greedy): equal,
+or the row says how many differ.
 """
 from __future__ import annotations
 

@@ -408,8 +408,9 @@ def op_class(name: str, cat: str = "kernel") -> str:
 
 def summarize_trace(events: list[dict], steps: int, wall_s: float, lm_head_min_us: float | None) -> dict:
     """Device time per op class and per kernel, busy time (union of kernel intervals) and the idle time between
-    kernels (by length, and by the pair of kernels around it), from chrome-trace events. A dense GEMM that runs at least ``lm_head_min_us`` (half of what reading lm_head's weights takes at the
-    measured bandwidth: no other dense GEMM of a decode step reads that much) is counted as lm_head."""
+    kernels (by length, and by the pair of kernels around it), from chrome-trace events. A dense GEMM that runs at
+    least ``lm_head_min_us`` (half of what reading lm_head's weights takes at the measured bandwidth: no other dense
+    GEMM of a decode step reads that much) is counted as lm_head."""
     dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS and "dur" in e]
     if not dev:  # CPU: no device kernels (and a profiler sees only its own thread's CPU ops)
         dev = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op" and "dur" in e]

@@ -1,11 +1,11 @@
 """CUDA graphs for prefill and mixed steps of up to a few thousand tokens.
 
-An eager step launches every kernel from Python: at the Qwen3-30B-A3B shape ~1,650 launches, 35-50 ms of host
-time for a step of 128 to 1,800 new tokens whose GPU work is shorter (``loadtest/bench_prefill_steps.py --host``).
+An eager step launches every kernel from Python: at the Qwen3-30B-A3B shape ~1,650 launches, 35-65 ms of host
+time for a step of 128 to 2,000 new tokens whose GPU work is shorter (``loadtest/bench_prefill_steps.py --host``).
 Such steps are common in serving: a short prompt alone, a multi-turn agent's new turn after its cached history,
-prompts admitted while other sequences decode (continuous batching: every step after a sequence ends). A step that carries prompt tokens, at most
-``max_tokens`` of them in all, replays a graph captured for its token bucket instead (vLLM's full CUDA graphs for
-mixed batches); decode-only steps keep their own graphs (cuda_graphs.py).
+prompts admitted while other sequences decode (continuous batching: a step after sequences end). A step that
+carries prompt tokens, at most ``max_tokens`` of them in all, replays a graph captured for its token bucket instead
+(vLLM's full CUDA graphs for mixed batches); decode-only steps keep their own graphs (cuda_graphs.py).
 
 A replayed step is padded to T_pad tokens (the next size in ``token_buckets``) and always ``max_seqs + 1``
 sequences, so that a graph depends on nothing but T_pad: the attention kernel's grid is T_pad // BLOCK_Q + B and

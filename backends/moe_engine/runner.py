@@ -3,8 +3,8 @@
 ``ModelRunner`` owns everything that lives on the device: the model, the paged KV cache (sized from the memory
 left after the weights and a profiled peak step, see ``kv_cache_budget``), the step's output buffer and the CUDA
 graphs (decode steps: cuda_graphs.py; prefill and mixed steps of up to ``max_cudagraph_capture_size`` tokens:
-prefill_graphs.py). ``launch`` queues a step's forward, sampling and device->host copy and returns before the GPU is done;
-``results`` waits for that copy.
+prefill_graphs.py). ``launch`` queues a step's forward, sampling and device->host copy and returns before the GPU
+is done; ``results`` waits for that copy.
 
 Routing capture: the model writes each MoE layer's top-k ids into a step buffer ``[step_tokens,
 num_hidden_layers, top_k]`` (experts.py says where); the step's first T rows travel to the host in the step's
@@ -276,7 +276,7 @@ class ModelRunner(ReleasableMemory):
         graphs_off: str | None,
         overlap: bool,
         use_attention_kernels: bool = False,
-        max_cudagraph_capture_size: int = 512,
+        max_cudagraph_capture_size: int = 2048,
     ):
         cfg = model.config
         self.model = model

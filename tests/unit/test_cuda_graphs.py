@@ -120,8 +120,8 @@ def run_mixed_batch(tiny, enforce_eager: bool, overlap: bool = True, **engine_ar
     decode steps of 1..7 sequences, padded to buckets 1, 2, 4, 8, mixed with prefill steps (chunks of up to 64
     tokens, some with decodes beside them)."""
     cfg, model = tiny
-    ecfg = EngineConfig(max_model_len=256, max_num_batched_tokens=64, enforce_eager=enforce_eager, overlap_decode=overlap,
-                        kv_cache_memory_bytes=256 << 20, **engine_args)
+    ecfg = EngineConfig(max_model_len=256, max_num_batched_tokens=64, enforce_eager=enforce_eager,
+                        overlap_decode=overlap, kv_cache_memory_bytes=256 << 20, **engine_args)
     engine = Engine(model, cfg, ecfg)
     out = []
     for i in range(7):
