@@ -23,23 +23,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe_engine import paged_attention as pa
+from sweep_prefill_tiles import median_ms  # CUDA-event timing, median of 10 (loadtest/ is on the script's path)
 
 HQ, HKV, D, BS = 32, 4, 128, 16
 SCALE = D**-0.5
-
-
-def median_ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[reps // 2]
 
 
 def flops(qlens: list[int], ctx: list[int]) -> float:
