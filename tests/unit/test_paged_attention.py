@@ -149,6 +149,28 @@ def test_default_tiles_prefill_and_decode():
         assert_close(out, dense_float64(step), torch.float32, f"default tiles {q_lens}")
 
 
+@needs_kernels
+@pytest.mark.parametrize("k_rows", [True, False], ids=["k_rows", "k_cols"])
+def test_a_prompts_rows_do_not_depend_on_how_it_was_chunked(k_rows):
+    """What makes a prefix-cache hit return a cold run's routing: a prompt's attention rows come out the same,
+    to the bit, whether it is prefilled in one step or in chunks over its cached part. Chunks start mid-tile,
+    so a key tile a row saw unmasked in one step is a masked (diagonal) tile in another; both loops must do
+    the same arithmetic (on the GPU: the same fused multiply-adds too)."""
+    L = 70
+    whole = make_step([0], [L], hq=8, hkv=2, dk=64, block_size=8, dtype=torch.bfloat16, seed=5)
+    config = pa.KernelConfig(prefill_block_m=16, prefill_tile_n=16, prefill_k_rows=k_rows)  # 4 tokens per tile
+    expected = pa.paged_attention(*whole.args(), **whole.kw(), config=config)
+    for cuts in ((0, 29, 51, L), (0, 2, 18, 21, 66, L)):  # chunks of >= 2 tokens: 1 is a decode step
+        rows = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            cu = torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE)
+            seq_lens = torch.tensor([hi], dtype=torch.int32, device=DEVICE)
+            rows.append(pa.paged_attention(whole.q[lo:hi], whole.k_cache, whole.v_cache, whole.block_tables, cu,
+                                           seq_lens, max_query_len=hi - lo, max_seq_len=hi, scale=whole.scale,
+                                           config=config))
+        assert torch.equal(torch.cat(rows), expected), f"chunks {cuts}"
+
+
 SPLIT_CASES = [  # (window, with_sinks, num_splits, dtype)
     (None, False, 2, torch.float32),
     (None, False, 3, torch.float32),
