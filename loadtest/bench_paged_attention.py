@@ -275,7 +275,7 @@ def layers_case(device, dtype, reps: int, block_size: int) -> None:
             out = torch.empty(B, HQ, D, device=device, dtype=dtype)
             cells = []
             for tile_n in (64, 128):
-                config = pa.KernelConfig(decode_tile_n=tile_n)
+                config = pa.KernelConfig(decode_tile_n=tile_n, decode_unsplit_tile_n=tile_n)
                 for ns in (1, 2, 4, 8, 16):
                     if ns > 1 and L // ns < 32:
                         continue
@@ -289,7 +289,8 @@ def layers_case(device, dtype, reps: int, block_size: int) -> None:
                     cells.append((us, f"tile {tile_n} splits {ns}"))
             chosen = pa.choose_num_splits(B, HKV, L)
             best = min(cells)
-            print(f"  B={B} L={L:5d} (engine: splits {chosen}, tile {pa.DEFAULT_CONFIG.decode_tile_n}): best "
+            engine_tile = pa.DEFAULT_CONFIG.decode_tile_n if chosen > 1 else pa.DEFAULT_CONFIG.decode_unsplit_tile_n
+            print(f"  B={B} L={L:5d} (engine: splits {chosen}, tile {engine_tile}): best "
                   f"{best[1]} {best[0]:.2f} us | " + ", ".join(f"{n} {t:.2f}" for t, n in cells), flush=True)
             caches = qs = None  # free before the next shape
 

@@ -67,7 +67,8 @@ def main() -> None:
         ref_run = run_with(pa.DEFAULT_CONFIG, engine_splits)
         engine_us = rsm.graph_replay_seconds(ref_run, args.reps) * 1e6 / LAYERS
         reference = [o.clone() for o in outs]
-        print(f"B={B} L={L}: engine (tile {pa.DEFAULT_CONFIG.decode_tile_n}, warps {pa.DEFAULT_CONFIG.decode_num_warps},"
+        engine_tile = pa.DEFAULT_CONFIG.decode_tile_n if engine_splits > 1 else pa.DEFAULT_CONFIG.decode_unsplit_tile_n
+        print(f"B={B} L={L}: engine (tile {engine_tile}, warps {pa.DEFAULT_CONFIG.decode_num_warps},"
               f" stages {pa.DEFAULT_CONFIG.decode_num_stages}, splits {engine_splits}) {engine_us:.2f} us "
               f"{kv_bytes / engine_us / 1e3:.0f} GB/s", flush=True)
         cols = replace(pa.DEFAULT_CONFIG, decode_k_rows=not pa.DEFAULT_CONFIG.decode_k_rows)
@@ -81,7 +82,8 @@ def main() -> None:
                 break
             if splits > 1 and L // splits < tile:
                 continue
-            config = pa.KernelConfig(decode_tile_n=tile, decode_num_warps=warps, decode_num_stages=stages)
+            config = pa.KernelConfig(decode_tile_n=tile, decode_unsplit_tile_n=tile, decode_num_warps=warps,
+                                     decode_num_stages=stages)
             try:
                 us = rsm.graph_replay_seconds(run_with(config, splits), args.reps) * 1e6 / LAYERS
             except Exception as exc:  # noqa: BLE001 - a config may not compile (shared memory): say so, go on

@@ -35,8 +35,9 @@ torch's (cuBLAS/CUTLASS order is not reproducible), so y equals torch's within a
 (tests/unit/test_fused_moe.py bounds it; bf16 elements are bit-identical but for ~0.1-1%). float32 models use
 IEEE float32 products (no TF32), as torch's default matmul.
 
-Tile configs: per bucket of P = T*K (``BUCKETS``; above 2048 pairs split at 8192, since T*K = 4096 wants
-smaller row tiles than 131072), separately for the two GEMMs. Defaults derive from vLLM's
+Tile configs: per bucket of P = T*K (``BUCKETS``; above 2048 pairs split at 8192 and 16384, since T*K = 4096
+wants smaller row tiles than 131072, and 16384 pairs, a 2,048-token step replayed from a CUDA graph, other tiles
+than 65536), separately for the two GEMMs. Defaults derive from vLLM's
 tuned tables for this shape on Hopper (E=128, N=768, NVIDIA_H200 / H100_80GB_HBM3; vLLM's BLOCK_SIZE_N counts
 the 2I gate_up columns, ours counts h columns, so gate_up's BLOCK_N is half of vLLM's). A JSON file written by
 ``loadtest/bench_fused_moe.py --tune`` overrides them for a (device, E, H, I, dtype): ``fused_moe_configs.json``
@@ -75,7 +76,7 @@ CONFIG_FILE = Path(__file__).with_name("fused_moe_configs.json")
 # Buckets of P = T*K pairs: (name, largest P in it). A step's pairs pick the first bucket that holds them.
 BUCKETS: tuple[tuple[str, int | None], ...] = (
     ("1", 1), ("2-8", 8), ("9-32", 32), ("33-128", 128), ("129-512", 512),
-    ("513-2048", 2048), ("2049-8192", 8192), (">8192", None),
+    ("513-2048", 2048), ("2049-8192", 8192), ("8193-16384", 16384), (">16384", None),
 )
 
 
@@ -102,7 +103,7 @@ def _tc(m: int, n: int, k: int, g: int, w: int, s: int) -> TileConfig:
 
 # bucket -> (gate_up config, down config). From vLLM E=128,N=768,device_name=NVIDIA_H200.json (keys are tokens
 # M there; with top-8, P = 8M): M=1 -> "2-8", M=2..4 -> "9-32", M=8..16 -> "33-128", M=24..64 -> "129-512",
-# M=96..256 -> "513-2048", M=512 -> "2049-8192", M>=1024 -> ">8192".
+# M=96..256 -> "513-2048", M=512 -> "2049-8192", M>=1024 -> "8193-16384" and ">16384".
 DEFAULT_CONFIGS: dict[str, tuple[TileConfig, TileConfig]] = {
     "1": (_tc(16, 32, 64, 1, 4, 5), _tc(16, 64, 64, 1, 4, 5)),
     "2-8": (_tc(16, 32, 64, 1, 4, 5), _tc(16, 64, 64, 1, 4, 5)),
@@ -111,7 +112,8 @@ DEFAULT_CONFIGS: dict[str, tuple[TileConfig, TileConfig]] = {
     "129-512": (_tc(16, 64, 128, 1, 4, 3), _tc(16, 128, 128, 1, 4, 3)),
     "513-2048": (_tc(32, 128, 128, 16, 4, 2), _tc(32, 256, 128, 16, 4, 2)),
     "2049-8192": (_tc(64, 64, 64, 1, 4, 3), _tc(64, 128, 64, 1, 4, 3)),
-    ">8192": (_tc(128, 128, 64, 16, 8, 3), _tc(128, 256, 64, 16, 8, 4)),
+    "8193-16384": (_tc(128, 128, 64, 16, 8, 3), _tc(128, 256, 64, 16, 8, 4)),
+    ">16384": (_tc(128, 128, 64, 16, 8, 3), _tc(128, 256, 64, 16, 8, 4)),
 }
 
 

@@ -87,7 +87,9 @@ class KernelConfig:
     faster on the same shapes (27 x 303 over 7.5k: 3.02 -> 2.93 ms per layer; 4 x 2k over 6k 2.53 -> 2.35;
     8 x 1k prompts 0.331 -> 0.291; 16 x 8k 21.3 -> 19.9; ``real_shape/run67_*``, ``run68_*``). Decode keeps
     them loaded transposed: rows were 2% slower for 64 x 1,152 keys and 16% for 32 x 7,900
-    (``loadtest/sweep_decode_tiles.py``)."""
+    (``loadtest/sweep_decode_tiles.py``). A decode step that is not split walks 128-key tiles: 41.7 against 45.3 us
+    per layer for 64 sequences x 1,152 keys (the same step in two splits of 64-key tiles, the rule before), 17.8
+    against 20.9 us for 32 x 512 unsplit, 4.8 against 5.1 us for 1 x 128 (``run29_attention_layers.txt``)."""
 
     prefill_block_m: int = 256  # query rows (tokens x G heads) per program when some sequence has > 1 query
     prefill_tile_n: int = 64  # keys per iteration, prefill
@@ -95,7 +97,8 @@ class KernelConfig:
     prefill_num_stages: int = 3
     prefill_k_rows: bool = True  # K tiles loaded as [keys, dims] rows and transposed for the dot (see above)
     decode_block_m: int = 16  # rows per program of a decode step (at least G rounded to a power of two)
-    decode_tile_n: int = 64  # keys per iteration, decode (2-D and split kernels)
+    decode_tile_n: int = 64  # keys per iteration of the split-decode kernel
+    decode_unsplit_tile_n: int = 128  # keys per iteration of a decode step in the 2-D kernel (one split)
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     decode_k_rows: bool = False
@@ -108,8 +111,11 @@ SPLIT_MIN_KEYS = 64  # choose_num_splits: keys per split range (the decode key t
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
     """Recommended split count for a decode step, from host ints only (1 = no split, the 2-D kernel).
 
-    Splits only while (sequence, kv head) programs are fewer than two waves of the GPU: into the power of two
-    that covers max_seq_len in ranges of 64 keys (one key tile), at most 64; no split up to 128 keys. The 2-D
+    Splits only while (sequence, kv head) programs are fewer than 1.5 waves of the GPU: into the power of two
+    (enough for two waves) that covers max_seq_len in ranges of 64 keys (one key tile), at most 64; no split up
+    to 128 keys. From 1.5 waves the 2-D kernel's 128-key tiles are faster (64 sequences x 1,152 keys: 41.7 us per
+    layer unsplit against 45.3 in two splits; 32 sequences, one wave, still gain from splits;
+    ``real_shape/run67_decode_sweep.txt``; the threshold lies between those two measured points). The 2-D
     kernel walks a sequence's keys one tile after another, so at a few hundred keys a handful of programs is
     latency-bound: a batch-1 decode over 384 keys takes 11.3 us per layer unsplit and 6.8 us in 8 splits, 512
     keys 15.9 vs 7.2 us (H200, 48 layers per CUDA graph; ``loadtest/reports/real_shape/run28_*``; the earlier
@@ -119,6 +125,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     if max_seq_len <= 2 * SPLIT_MIN_KEYS:
         return 1
     programs = max(num_seqs * num_kv_heads, 1)
+    if 2 * programs >= 3 * num_sms:
+        return 1
     want = _pow2(-(-2 * num_sms // programs))
     by_length = _pow2(-(-max_seq_len // SPLIT_MIN_KEYS))
     return max(1, min(want, by_length, 64))
@@ -613,7 +621,7 @@ def paged_attention(
         return out
 
     if max_query_len == 1:
-        block_m, tile_n = max(config.decode_block_m, _pow2(G)), config.decode_tile_n
+        block_m, tile_n = max(config.decode_block_m, _pow2(G)), config.decode_unsplit_tile_n
         warps, stages, krow = config.decode_num_warps, config.decode_num_stages, config.decode_k_rows
     else:
         block_m, tile_n = max(config.prefill_block_m, _pow2(G)), config.prefill_tile_n

@@ -207,8 +207,8 @@ def test_tile_table_from_json_overrides_only_its_own_shape(tmp_path, monkeypatch
     assert fused_moe.tile_configs(9, DEVICE, 128, 2048, 768, torch.bfloat16) == fused_moe.DEFAULT_CONFIGS["9-32"]
     assert fused_moe.tile_configs(8, DEVICE, 128, 2048, 768, torch.float16) == fused_moe.DEFAULT_CONFIGS["2-8"]
     assert fused_moe.tile_configs(8, DEVICE, 128, 2048, 1536, torch.bfloat16) == (tuned[1], tuned[0])
-    assert [fused_moe.bucket_of(p) for p in (1, 2, 8, 2048, 2049, 8193)] == [
-        "1", "2-8", "2-8", "513-2048", "2049-8192", ">8192"]
+    assert [fused_moe.bucket_of(p) for p in (1, 2, 8, 2048, 2049, 8193, 16384, 16385)] == [
+        "1", "2-8", "2-8", "513-2048", "2049-8192", "8193-16384", "8193-16384", ">16384"]
 
 
 def test_the_committed_h200_table_is_the_one_in_use_for_its_shape():
@@ -262,7 +262,7 @@ def test_default_tiles_compile_for_hopper_within_its_shared_memory(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(repo / "backends"), TRITON_CACHE_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, "2-8", "513-2048", ">8192"], env=env,
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, "2-8", "513-2048", ">16384"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -271,4 +271,4 @@ def test_default_tiles_compile_for_hopper_within_its_shared_memory(tmp_path):
         assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} bytes of shared memory"
         assert r["div_rn"] == name.endswith("gate_up"), name  # silu's division is IEEE (torch's), only in gate_up
         assert r["pdl"], name  # programmatic dependent launch: the wait for the previous kernel is compiled in
-    assert result[">8192 gate_up"]["wgmma"] and result[">8192 down"]["wgmma"]  # prefill tiles on Hopper's MMA
+    assert result[">16384 gate_up"]["wgmma"] and result[">16384 down"]["wgmma"]  # prefill tiles on Hopper's MMA
