@@ -111,11 +111,12 @@ SPLIT_MIN_KEYS = 64  # choose_num_splits: keys per split range (the decode key t
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
     """Recommended split count for a decode step, from host ints only (1 = no split, the 2-D kernel).
 
-    Splits only while (sequence, kv head) programs are fewer than 1.5 waves of the GPU: into the power of two
+    Splits only while (sequence, kv head) programs are fewer than one wave of the GPU: into the power of two
     (enough for two waves) that covers max_seq_len in ranges of 64 keys (one key tile), at most 64; no split up
-    to 128 keys. From 1.5 waves the 2-D kernel's 128-key tiles are faster (64 sequences x 1,152 keys: 41.7 us per
-    layer unsplit against 45.3 in two splits; 32 sequences, one wave, still gain from splits;
-    ``real_shape/run67_decode_sweep.txt``; the threshold lies between those two measured points). The 2-D
+    to 128 keys. From one wave the 2-D kernel's 128-key tiles are faster (x 1,152 keys, us per layer unsplit
+    against two splits of 64-key tiles: 64 sequences 41.8 / 45.1, 56: 37.8 / 41.6, 48: 34.7 / 42.7;
+    ``real_shape/run67_decode_sweep.txt``, ``run69_decode_rule.txt``), while 32 sequences (0.97 waves) over 1,024
+    or 2,048 keys still gain from splits (``run29_attention_layers.txt``). The 2-D
     kernel walks a sequence's keys one tile after another, so at a few hundred keys a handful of programs is
     latency-bound: a batch-1 decode over 384 keys takes 11.3 us per layer unsplit and 6.8 us in 8 splits, 512
     keys 15.9 vs 7.2 us (H200, 48 layers per CUDA graph; ``loadtest/reports/real_shape/run28_*``; the earlier
@@ -125,7 +126,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     if max_seq_len <= 2 * SPLIT_MIN_KEYS:
         return 1
     programs = max(num_seqs * num_kv_heads, 1)
-    if 2 * programs >= 3 * num_sms:
+    if programs >= num_sms:
         return 1
     want = _pow2(-(-2 * num_sms // programs))
     by_length = _pow2(-(-max_seq_len // SPLIT_MIN_KEYS))

@@ -412,8 +412,8 @@ def test_num_splits_rule():
             assert n >= 1 and n & (n - 1) == 0 and n <= 64
             assert n == 1 or (max_len > 128 and -(-max_len // (n // 2)) > 64)
             assert n == 1 or num_seqs * 4 * (n // 2) < 2 * 132  # half as many splits would not fill two waves
-            assert n == 1 or num_seqs * 4 < 1.5 * 132  # no split from 1.5 waves of (sequence, head) programs
+            assert n == 1 or num_seqs * 4 < 132  # no split from one wave of (sequence, head) programs
     assert [pa.choose_num_splits(1, 4, L) for L in (128, 256, 384, 512, 1024)] == [1, 4, 8, 8, 16]
     assert pa.choose_num_splits(1, 4, 32768) == 64 and pa.choose_num_splits(256, 4, 32768) == 1
-    assert pa.choose_num_splits(64, 4, 1280) == 1  # a decode step of 64 sequences: 1.9 waves already
-    assert pa.choose_num_splits(32, 4, 1280) == 4  # one wave: splits still pay
+    assert pa.choose_num_splits(64, 4, 1280) == pa.choose_num_splits(33, 4, 1280) == 1  # a wave or more
+    assert pa.choose_num_splits(32, 4, 1280) == 4  # 0.97 waves: splits still pay
