@@ -9,7 +9,7 @@ call. Each variant's output is compared with the default's (the knobs change the
 bit-identical but for the expert GEMMs, whose K tiles change the float32 summation order; >= 99% equal counts).
 
   combine      columns per program (kernels.COMBINE_BLOCK)
-  qk_norm_rope heads per program (kernels.QK_HEADS_PER_PROGRAM), per-head norms summed in-kernel, k/v stored
+  qk_norm_rope heads per program (kernels.QK_HEADS_BLOCKS by step size), per-head norms summed in-kernel, k/v stored
   route        pairs per program
   rms_norm     warps (residual add + norm of a [T, 2048] row)
   experts      fused_moe tile configs of the gate_up and down GEMMs (BLOCK_N, BLOCK_K, stages, warps), 8 weight

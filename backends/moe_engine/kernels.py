@@ -81,6 +81,9 @@ QK_HEADS_PER_PROGRAM = 4
 # 9.73 -> 8.47 at 256, 14.7 -> 12.1 at 512; 512 -> 1024 21.6 -> 20.3 at 1,024; 256 -> 1024 46.5 -> 30.9 at 2,048,
 # 162 -> 100 at 8,192.
 COMBINE_BLOCKS = ((1024, 1024), (128, 512), (0, COMBINE_BLOCK))
+# qk_norm_rope's heads per program by step size, the same way round: at 8,192 tokens the 4-head programs (73,728
+# of them at Qwen3-30B-A3B's 32 + 4 heads) moved q/k/v at ~1.4 TB/s (119 us per layer in run 59's profile of (b)).
+QK_HEADS_BLOCKS = ((1024, 16), (0, QK_HEADS_PER_PROGRAM))
 
 
 def interpreting() -> bool:
@@ -656,7 +659,7 @@ def qk_norm_rope(
     k_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    heads_per_program: int | None = None,  # default QK_HEADS_PER_PROGRAM; a full-width norm: all heads
+    heads_per_program: int | None = None,  # default by T (QK_HEADS_BLOCKS); a full-width norm: all heads
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hk, D]
     """Optional q/k RMSNorm tails, then half-style rotary, for q and k in one launch. Without ``q_var`` /
     ``k_var`` a norm sums its mean of squares in the kernel (equal within float32 summation order).
@@ -688,7 +691,8 @@ def qk_norm_rope(
         if norm == "full":  # one norm over all heads: q's (k's) in one program
             block_h = _pow2(max(Hq, Hk))
         else:
-            block_h = min(_pow2(heads_per_program or QK_HEADS_PER_PROGRAM), _pow2(max(Hq, Hk)))
+            heads_per_program = heads_per_program or next(h for fewest, h in QK_HEADS_BLOCKS if T >= fewest)
+            block_h = min(_pow2(heads_per_program), _pow2(max(Hq, Hk)))
         _launch(
             _qk_norm_rope_kernel, (T, triton.cdiv(Hq, block_h) + triton.cdiv(Hk, block_h)),
             qr, q_var.contiguous() if has_norm and not var_here else qr, q_weight if has_norm else qr, q_out,
