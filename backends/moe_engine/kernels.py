@@ -81,9 +81,9 @@ QK_HEADS_PER_PROGRAM = 4
 # 9.73 -> 8.47 at 256, 14.7 -> 12.1 at 512; 512 -> 1024 21.6 -> 20.3 at 1,024; 256 -> 1024 46.5 -> 30.9 at 2,048,
 # 162 -> 100 at 8,192.
 COMBINE_BLOCKS = ((1024, 1024), (128, 512), (0, COMBINE_BLOCK))
-# qk_norm_rope's heads per program by step size, the same way round: at 8,192 tokens the 4-head programs (73,728
-# of them at Qwen3-30B-A3B's 32 + 4 heads) moved q/k/v at ~1.4 TB/s (119 us per layer in run 59's profile of (b)).
-QK_HEADS_BLOCKS = ((1024, 16), (0, QK_HEADS_PER_PROGRAM))
+# qk_norm_rope's heads per program by step size (same benchmark, run71_qk_heads.txt): 8 heads from 1,024 tokens,
+# 24.3 -> 23.3 us at 1,024 and 157.0 -> 147.7 us at 8,192 (16 heads: 24.7 / 157.2; 64: 29.1 / 192.8).
+QK_HEADS_BLOCKS = ((1024, 8), (0, QK_HEADS_PER_PROGRAM))
 
 
 def interpreting() -> bool:

@@ -114,7 +114,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     Splits only while (sequence, kv head) programs are fewer than one wave of the GPU: into the power of two
     (enough for two waves) that covers max_seq_len in ranges of 64 keys (one key tile), at most 64; no split up
     to 128 keys. From one wave the 2-D kernel's 128-key tiles are faster (x 1,152 keys, us per layer unsplit
-    against two splits of 64-key tiles: 64 sequences 41.8 / 45.1, 56: 37.8 / 41.6, 48: 34.7 / 42.7;
+    against two splits of 64-key tiles: 64 sequences 41.8 / 45.1, 48: 34.7 / 42.7;
     ``real_shape/run67_decode_sweep.txt``, ``run69_decode_rule.txt``), while 32 sequences (0.97 waves) over 1,024
     or 2,048 keys still gain from splits (``run29_attention_layers.txt``). The 2-D
     kernel walks a sequence's keys one tile after another, so at a few hundred keys a handful of programs is
