@@ -29,6 +29,7 @@ import triton.language as tl
 
 from moe_engine import paged_attention as pa
 from moe_engine.paged_attention import _find_seq
+from sweep_prefill_tiles import median_ms
 
 HQ, HKV, D, BLOCK = 32, 4, 128, 16
 SHAPES = {  # name: (sequences, new tokens each, cached tokens each)
@@ -191,20 +192,6 @@ def check_cpu() -> None:
             err = (out - ref).abs().max().item()
             assert err < 1e-4, (S, new, cached, krow, fma, pipe, err)
     print("interpreter: every variant equals the reference")
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
 
 
 def main() -> None:
