@@ -538,17 +538,36 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_l
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
 
 
-def _fit_shared_memory(block_m: int, tile_n: int, min_block_m: int, common: dict, esize: int, stages: int):
+def _fit_shared_memory(block_m: int, tile_n: int, min_block_m: int, dk_pad: int, dv_pad: int, esize: int,
+                       stages: int) -> tuple[int, int]:
     """Halve the query tile, then the key tile, until Q plus the pipelined K/V tiles fit in ~160 KiB of shared
-    memory (fp32 or head dims of 256 with the prefill defaults would not compile on an H100/H200)."""
+    memory (fp32 or head dims of 256 with the prefill defaults would not compile on an H100/H200). An upper
+    bound: a decode step's kernel (16 rows on mma, not wgmma) compiles to far less (40 KiB with 128-key bf16
+    tiles), so a decode keeps 128-key tiles for bf16 heads of 128 and falls back to 64 for float32 or wider heads."""
     def smem(bm, tn):
-        return (bm * common["DK_PAD"] + stages * tn * (common["DK_PAD"] + common["DV_PAD"])) * esize
+        return (bm * dk_pad + stages * tn * (dk_pad + dv_pad)) * esize
 
     while smem(block_m, tile_n) > 160 * 1024 and block_m > min_block_m:
         block_m //= 2
     while smem(block_m, tile_n) > 160 * 1024 and tile_n > 16:
         tile_n //= 2
     return block_m, tile_n
+
+
+def tiles_2d(decode: bool, G: int, dk_pad: int, dv_pad: int, esize: int, config: KernelConfig = DEFAULT_CONFIG):
+    """The 2-D kernel's launch for a decode step (one query per sequence, not split) or any other step:
+    (query rows per program, key tile, warps, stages, K tiles as rows), the tiles shrunk to fit shared memory
+    (a decode step keeps its rows: G query heads of one token)."""
+    if decode:
+        block_m, tile_n = max(config.decode_block_m, _pow2(G)), config.decode_unsplit_tile_n
+        warps, stages, krow = config.decode_num_warps, config.decode_num_stages, config.decode_k_rows
+        min_block_m = block_m
+    else:
+        block_m, tile_n = max(config.prefill_block_m, _pow2(G)), config.prefill_tile_n
+        warps, stages, krow = config.prefill_num_warps, config.prefill_num_stages, config.prefill_k_rows
+        min_block_m = max(_pow2(G), 16)
+    block_m, tile_n = _fit_shared_memory(block_m, tile_n, min_block_m, dk_pad, dv_pad, esize, stages)
+    return block_m, tile_n, warps, stages, krow
 
 
 def paged_attention(
@@ -621,13 +640,8 @@ def paged_attention(
         )
         return out
 
-    if max_query_len == 1:
-        block_m, tile_n = max(config.decode_block_m, _pow2(G)), config.decode_unsplit_tile_n
-        warps, stages, krow = config.decode_num_warps, config.decode_num_stages, config.decode_k_rows
-    else:
-        block_m, tile_n = max(config.prefill_block_m, _pow2(G)), config.prefill_tile_n
-        warps, stages, krow = config.prefill_num_warps, config.prefill_num_stages, config.prefill_k_rows
-        block_m, tile_n = _fit_shared_memory(block_m, tile_n, max(_pow2(G), 16), common, q.element_size(), stages)
+    block_m, tile_n, warps, stages, krow = tiles_2d(max_query_len == 1, G, common["DK_PAD"], common["DV_PAD"],
+                                                    q.element_size(), config)
     block_q = 1 if max_query_len == 1 else block_m // G
     _launch(
         _attn_2d_kernel, (T // block_q + B, Hkv),

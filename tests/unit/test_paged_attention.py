@@ -417,3 +417,56 @@ def test_num_splits_rule():
     assert pa.choose_num_splits(1, 4, 32768) == 64 and pa.choose_num_splits(256, 4, 32768) == 1
     assert pa.choose_num_splits(64, 4, 1280) == pa.choose_num_splits(33, 4, 1280) == 1  # a wave or more
     assert pa.choose_num_splits(32, 4, 1280) == 4  # 0.97 waves: splits still pay
+
+
+HOPPER_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_engine import paged_attention as pa
+
+kernel, out = pa._attn_2d_kernel, {}
+for name, decode, dtype, G, dk, dv in json.loads(sys.argv[1]):
+    dk_pad, dv_pad, esize = pa._pow2(dk), pa._pow2(dv), 4 if dtype == "fp32" else 2
+    block_m, tile_n, warps, stages, krow = pa.tiles_2d(decode, G, dk_pad, dv_pad, esize)
+    consts = dict(G=G, BLOCK_Q=1 if decode else block_m // G, BLOCK_M=block_m, TILE_N=tile_n, BLOCK_SIZE=16, DK=dk,
+                  DV=dv, DK_PAD=dk_pad, DV_PAD=dv_pad, HAS_WINDOW=False, HAS_SINKS=False, KROW=krow,
+                  IEEE=dtype == "fp32", INTERPRET=False, PDL=True)
+    ptr = "*" + dtype
+    sig = {"out_ptr": ptr, "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "sinks_ptr": ptr, "tables_ptr": "*i32",
+           "cu_ptr": "*i32", "seq_lens_ptr": "*i32", "num_seqs": "i32", "scale_log2": "fp32", "window": "i32",
+           **{n: "i32" for n in ("s_qt", "s_qh", "s_ot", "s_oh", "s_bt", "s_kb", "s_ko", "s_kh", "s_vb", "s_vo", "s_vh")},
+           **{n: "constexpr" for n in consts}}
+    ck = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": warps, "num_stages": stages})
+    out[name] = {"shared": ck.metadata.shared, "tile_n": tile_n, "block_m": block_m}
+print(json.dumps(out))
+"""
+
+
+def test_two_d_kernel_launches_compile_for_hopper_within_its_shared_memory(tmp_path):
+    """The launch paged_attention picks for the 2-D kernel (decode steps walk 128-key tiles, prefill 256-row query
+    tiles) compiles for sm_90 within its 227 KiB of shared memory (ptxas from the Triton wheel; no GPU needed).
+    Where the shared-memory estimate (Q plus every pipeline stage of K/V, an upper bound: the compiled decode
+    kernels use far less) leaves no room for 128 keys, float32 caches and MLA's 192-wide keys, a decode keeps the
+    64-key tile it had before 128 became the default."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    cases = [("decode bf16 d128", True, "bf16", 8, 128, 128), ("prefill bf16 d128", False, "bf16", 8, 128, 128),
+             ("decode fp32 d128", True, "fp32", 8, 128, 128), ("decode bf16 mla", True, "bf16", 16, 192, 128)]
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(repo / "backends"), TRITON_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, json.dumps(cases)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, r in result.items():
+        assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} bytes of shared memory"
+    assert result["decode bf16 d128"]["tile_n"] == 128 and result["prefill bf16 d128"]["block_m"] == 256
+    assert result["decode fp32 d128"]["tile_n"] == 64 and result["decode bf16 mla"]["tile_n"] == 64
