@@ -117,6 +117,10 @@ DEFAULT_CONFIGS: dict[str, tuple[TileConfig, TileConfig]] = {
 }
 
 
+# buckets of earlier versions -> the buckets that now cover their pairs
+_LEGACY_BUCKETS = {">8192": ("8193-16384", ">16384")}
+
+
 def bucket_of(pairs: int) -> str:
     for name, top in BUCKETS:
         if top is None or pairs <= top:
@@ -145,8 +149,10 @@ def table_key(device: str, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _table(device: str, E: int, H: int, I: int, dtype: torch.dtype, path: str) -> dict[str, tuple[TileConfig, ...]]:
-    """The defaults, with the buckets of the JSON file's table for exactly this (device, shape, dtype) over them.
-    A file that cannot be read leaves the defaults (with a warning): a bad table must not stop a server."""
+    """The defaults, with the buckets of the JSON file's table for exactly this (device, shape, dtype) over them
+    (a ">8192" bucket, written before that range was split, serves both of its halves; an unknown bucket name is
+    warned about). A file that cannot be read leaves the defaults (with a warning): a bad table must not stop a
+    server."""
     table = dict(DEFAULT_CONFIGS)
     p = Path(path)
     if p.is_file():
@@ -154,9 +160,17 @@ def _table(device: str, E: int, H: int, I: int, dtype: torch.dtype, path: str) -
         try:
             for entry in json.loads(p.read_text()).get("tables", []):
                 if {k: entry.get(k) for k in key} == key:
-                    for name, pair in entry.get("buckets", {}).items():
-                        if name in table:
-                            table[name] = (TileConfig.from_dict(pair["gate_up"]), TileConfig.from_dict(pair["down"]))
+                    buckets = entry.get("buckets", {})
+                    for name, pair in buckets.items():
+                        configs = (TileConfig.from_dict(pair["gate_up"]), TileConfig.from_dict(pair["down"]))
+                        # a table tuned before ">8192" was split keeps serving both halves, unless it has them
+                        names = [n for n in _LEGACY_BUCKETS.get(name, (name,)) if n == name or n not in buckets]
+                        for n in names:
+                            if n in table:
+                                table[n] = configs
+                            else:
+                                warnings.warn(f"fused_moe: bucket {n!r} in {p} is not one of {list(table)}; ignored",
+                                              stacklevel=2)
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
             warnings.warn(f"fused_moe: ignoring tile configs in {p} ({err!r}); using the defaults", stacklevel=2)
             return dict(DEFAULT_CONFIGS)

@@ -7,6 +7,7 @@ Triton's interpreter on CPU (tests/conftest.py); ``MOE_TEST_DEVICE=cuda`` runs t
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from types import SimpleNamespace
@@ -209,6 +210,25 @@ def test_tile_table_from_json_overrides_only_its_own_shape(tmp_path, monkeypatch
     assert fused_moe.tile_configs(8, DEVICE, 128, 2048, 1536, torch.bfloat16) == (tuned[1], tuned[0])
     assert [fused_moe.bucket_of(p) for p in (1, 2, 8, 2048, 2049, 8193, 16384, 16385)] == [
         "1", "2-8", "2-8", "513-2048", "2049-8192", "8193-16384", "8193-16384", ">16384"]
+
+
+def test_a_table_tuned_before_the_large_bucket_was_split_still_serves_large_steps(tmp_path, monkeypatch):
+    """A JSON written when the largest bucket was ">8192" keeps tuning every step above 8,192 pairs; a bucket name
+    this version does not know is reported, not silently dropped."""
+    import warnings
+
+    path = tmp_path / "configs.json"
+    tuned = (TileConfig(64, 64, 64, 8, 4, 3), TileConfig(128, 256, 64, 1, 8, 4))
+    key = fused_moe.table_key(fused_moe.device_name(DEVICE), 128, 2048, 768, torch.bfloat16)
+    entry = dict(key, buckets={">8192": {"gate_up": dataclasses.asdict(tuned[0]), "down": dataclasses.asdict(tuned[1])},
+                               "4-7": {"gate_up": dataclasses.asdict(tuned[1]), "down": dataclasses.asdict(tuned[0])}})
+    path.write_text(json.dumps({"tables": [entry]}))
+    monkeypatch.setenv(fused_moe.CONFIG_ENV, str(path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fused_moe.tile_configs(16384, DEVICE, 128, 2048, 768, torch.bfloat16) == tuned
+        assert fused_moe.tile_configs(65536, DEVICE, 128, 2048, 768, torch.bfloat16) == tuned
+    assert any("'4-7'" in str(w.message) for w in caught)
 
 
 def test_the_committed_h200_table_is_the_one_in_use_for_its_shape():
