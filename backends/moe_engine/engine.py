@@ -44,7 +44,7 @@ from .engine_config import EngineConfig
 from .errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
 from .kv_cache import blocks_for_budget
 from .paged_attention import available as paged_attention_available
-from .runner import LaunchedStep, ModelRunner, kv_cache_budget, log_late_compiles
+from .runner import LaunchedStep, ModelRunner, kv_cache_budget, log_late_compiles, starting_up
 from .sampling import SamplingParams, make_state
 from .scheduler import Scheduler
 from .sequence import Request, RequestOutput, Sequence
@@ -184,19 +184,21 @@ class Engine:
             # compiled later is logged. Tensor-parallel ranks run in lockstep, collectives inside: lazily, when
             # steps reach them all.
             triton_kernels = cuda and self.fused
-            if triton_kernels:
-                self.runner.warm_prefill(self.max_num_seqs)
-            if self.runner.graphs is not None:
-                # Routing on and the prefix cache off: a step in which no request asks for routing replays graphs
-                # without the capture, whose kernels are other variants (the router's and route's CAPTURE=False):
-                # captured now too, or the first such step would compile them (about a second at real shapes).
-                routing = self.runner.capture_buf is not None
-                for capture in (True, False) if routing and not keep_rows else (routing,):
-                    self.runner.graphs.capture_all(capture=capture)
-                    if self.runner.prefill_graphs is not None:
-                        self.runner.prefill_graphs.capture_all(capture=capture)
+            with starting_up():
                 if triton_kernels:
-                    self.runner.graphs.warm_split_kernels(capture=routing)
+                    self.runner.warm_prefill(self.max_num_seqs)
+                if self.runner.graphs is not None:
+                    # Routing on and the prefix cache off: a step in which no request asks for routing replays
+                    # graphs without the capture, whose kernels are other variants (the router's and route's
+                    # CAPTURE=False): captured now too, or the first such step would compile them (about a second
+                    # at real shapes).
+                    routing = self.runner.capture_buf is not None
+                    for capture in (True, False) if routing and not keep_rows else (routing,):
+                        self.runner.graphs.capture_all(capture=capture)
+                        if self.runner.prefill_graphs is not None:
+                            self.runner.prefill_graphs.capture_all(capture=capture)
+                    if triton_kernels:
+                        self.runner.graphs.warm_split_kernels(capture=routing)
             if triton_kernels:
                 log_late_compiles()
 

@@ -13,8 +13,10 @@ keeping rows), the model gets no buffer and does no capture work.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -237,6 +239,25 @@ def freeze_start_up_objects() -> int:
     return gc.get_freeze_count()
 
 
+_starting = [0]  # engines of this process between their first kernel warm-up and the end of their start-up
+_starting_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def starting_up():
+    """An engine's start-up (its warm-up and graph captures): the kernels it compiles are not late. The late-compile
+    hook is process-wide, so without this a second engine started in a process (a benchmark comparing two, a
+    test suite) would have its start-up compiles logged by the first engine's hook as stalls inside a step.
+    Compiles of another engine's steps during that window are not logged either."""
+    with _starting_lock:
+        _starting[0] += 1
+    try:
+        yield
+    finally:
+        with _starting_lock:
+            _starting[0] -= 1
+
+
 def log_late_compiles() -> bool:
     """From now on, log a warning whenever a Triton kernel variant is first needed in this process (compiled, or
     loaded from Triton's disk cache): after the start-up warm-up and graph capture, that happens inside a step,
@@ -253,7 +274,7 @@ def log_late_compiles() -> bool:
     previous = knobs.jit_cache_hook
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-        if not already_compiled:
+        if not already_compiled and not _starting[0]:
             log.warning("kernel variant first used after start-up, inside a step: %s", _variant_of(fn, compile, repr))
         return previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                         already_compiled=already_compiled) if previous is not None else None

@@ -16,6 +16,7 @@ from moe_engine.config import load_config
 from moe_engine.cuda_graphs import batch_buckets, kv_len_buckets
 from moe_engine.engine import Engine, EngineConfig
 from moe_engine.prefill_graphs import StagingLayout, stage_step, token_buckets
+from moe_engine import runner
 from moe_engine.runner import prefill_warm_shapes
 
 from .test_engine import prompt_of, run_all, submit
@@ -264,6 +265,27 @@ def test_decode_at_longer_contexts_compiles_nothing_after_start(tiny_cuda):
         assert all(len(c.tokens) == 3 for c in out)
     assert len({k[1] for k in graphs._graphs}) >= 3  # graphs of longer key buckets were captured on the way
     assert _compiled_variants() == before
+
+
+def test_kernels_compiled_while_an_engine_starts_up_are_not_logged_as_late(caplog, monkeypatch):
+    """The late-compile hook is process-wide (Triton's jit_cache_hook): the compiles of a second engine's start-up
+    in the same process (a benchmark comparing two engines; the multi-turn run logged eight) are not stalls inside
+    a step and are not logged as such; the same first use outside a start-up is, once."""
+    triton = pytest.importorskip("triton")
+    knobs = triton.knobs.runtime
+    monkeypatch.setattr(knobs, "jit_cache_hook", None)
+    assert runner.log_late_compiles()
+    hook = knobs.jit_cache_hook
+    first_use = dict(key="k", repr="_some_kernel[num_warps=4]", fn=None, compile={}, is_manual_warmup=False,
+                     already_compiled=False)
+    with caplog.at_level("WARNING", logger="moe_engine.runner"):
+        with runner.starting_up():
+            hook(**first_use)
+        assert not [r for r in caplog.records if "first used after start-up" in r.message]
+        hook(**first_use)
+        hook(**dict(first_use, already_compiled=True))
+    lines = [r.message for r in caplog.records if "first used after start-up" in r.message]
+    assert len(lines) == 1 and "_some_kernel" in lines[0]
 
 
 @cuda
