@@ -122,15 +122,13 @@ def down_combine(h, down, tok, offs, ids, pos, weights, counters, cfg: fused_moe
     y = torch.empty(P, H, dtype=h.dtype, device=h.device)
     out = torch.empty(T, H, dtype=h.dtype, device=h.device)
     num_pid_m = triton.cdiv(P, cfg.BLOCK_M) + min(E, P)
-    kw = {} if interpreting() else dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if not interpreting() and pdl(h.device):
-        kw["launch_pdl"] = True
-    _down_combine_kernel[(num_pid_m * triton.cdiv(H, cfg.BLOCK_N),)](
-        h, down, y, tok, offs, ids.contiguous(), pos.contiguous(), weights.contiguous(), out, counters,
+    # kernels._launch: no FMA contraction (combine's roundings, bit for bit), PDL as the engine's kernels
+    kernels._launch(
+        _down_combine_kernel, (num_pid_m * triton.cdiv(H, cfg.BLOCK_N),), h, down, y, tok, offs, ids.contiguous(), pos.contiguous(), weights.contiguous(), out, counters,
         E, H, I, num_pid_m, h.stride(0), down.stride(0), down.stride(1), down.stride(2),
         TOPK=K, BLOCK_TOPK=kernels._pow2(K), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        BLOCK_E=kernels._pow2(E), DT=_DT[h.dtype], UPCAST=interpreting(), PDL=pdl(h.device) and not interpreting(),
-        **kw,
+        BLOCK_E=kernels._pow2(E), DT=_DT[h.dtype], UPCAST=interpreting(), PDL=pdl(h.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y, out
 

@@ -104,18 +104,14 @@ def split_merge(q, k_cache, v_cache, tables, cu, seq_lens, num_splits, counters,
     part_m = torch.empty(B, q.shape[1], num_splits, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(B, q.shape[1], num_splits, Dv, dtype=torch.float32, device=q.device)
-    interp = pa.interpreting()
-    kw = {} if interp else dict(num_warps=4, num_stages=2)
-    if not interp and pdl(q.device):
-        kw["launch_pdl"] = True
-    _split_merge_kernel[(B, Hkv, num_splits)](
-        out, part_m, part_l, part_acc, counters, q, k_cache, v_cache, tables, cu, seq_lens,
+    pa._launch(
+        _split_merge_kernel, (B, Hkv, num_splits), out, part_m, part_l, part_acc, counters, q, k_cache, v_cache, tables, cu, seq_lens,
         q.shape[-1] ** -0.5 * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2),
         Hq=q.shape[1], G=G, BLOCK_M=max(16, pa._pow2(G)), TILE_N=tile_n, BLOCK_SIZE=k_cache.shape[1],
-        DK=q.shape[-1], DV=Dv, SPLITS_PAD=pa._pow2(num_splits), IEEE=q.dtype == torch.float32, INTERPRET=interp,
-        PDL=not interp and pdl(q.device), **kw,
+        DK=q.shape[-1], DV=Dv, SPLITS_PAD=pa._pow2(num_splits), IEEE=q.dtype == torch.float32,
+        INTERPRET=pa.interpreting(), PDL=pdl(q.device), num_warps=4, num_stages=2,
     )
     return out
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moe_engine import paged_attention as pa
 from moe_engine.kernels import _await_inputs, interpreting, pdl
 
 PROJECTIONS = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048)}  # (N, K)
@@ -86,13 +87,10 @@ def splitk_linear(x, w, ws, counters, block_n=64, block_k=128, split=4, warps=4,
     block_k = min(block_k, K // split)
     assert M <= 64 and K % (split * block_k) == 0 and ws.numel() >= split * block_m * N
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    interp = interpreting()
-    kw = {} if interp else dict(num_warps=warps, num_stages=stages)
-    if not interp and pdl(x.device):
-        kw["launch_pdl"] = True
-    _splitk_linear_kernel[(triton.cdiv(N, block_n), split)](
-        x, w, y, ws, counters, M, N, K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-        UPCAST=interp, PDL=not interp and pdl(x.device), **kw,
+    pa._launch(
+        _splitk_linear_kernel, (triton.cdiv(N, block_n), split), x, w, y, ws, counters, M, N, K,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, UPCAST=interpreting(), PDL=pdl(x.device),
+        num_warps=warps, num_stages=stages,
     )
     return y
 
