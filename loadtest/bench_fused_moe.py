@@ -29,7 +29,7 @@ padding counted); %peak over --peak-tflops (989: H200 bf16 dense).
     .venv/bin/python loadtest/bench_fused_moe.py --tune         # sweep tile configs per bucket (< 6 min), write JSON
 
 ``--tune`` times each GEMM (gate_up, down) alone per bucket of T*K on a representative T, coordinate descent from
-the current table (BLOCK_N, BLOCK_K, stages, BLOCK_M, warps, GROUP_M), within --tune-budget seconds, and writes the
+the current table (TMA loads or pointers, BLOCK_N, BLOCK_K, stages, BLOCK_M, warps, GROUP_M), within --tune-budget seconds, and writes the
 best per bucket to --tune-out (default backends/moe_engine/fused_moe_configs.json, which fused_moe reads: commit
 it). Bucket "1" (T*K = 1) needs K = 1 and keeps its default here.
 """
@@ -72,6 +72,7 @@ TUNE_SPACE = {
                 ">16384": (64, 128)},
     "num_warps": (4, 8),
     "GROUP_M": (1, 8, 16),
+    "tma": (0, 1),  # weight tiles (and down's rows) through TMA descriptors (Hopper+)
 }
 
 
@@ -354,11 +355,11 @@ def tune(args, layers, budget: float, out_path: Path) -> None:
         empty_cache(args.device)
     fused_moe.write_table(out_path, key, tuned)
     print(f"\ntile configs per bucket (T*K), {key}; written to {out_path}")
-    print(f"{'bucket':>9} {'T':>5} {'kernel':>7} {'start us':>9} {'tuned us':>9}  tuned config (BM BN BK GM warps stages)")
+    print(f"{'bucket':>9} {'T':>5} {'kernel':>7} {'start us':>9} {'tuned us':>9}  tuned config (BM BN BK GM warps stages tma)")
     for bucket, T, best in report:
         for name, (cfg, t, t0, n) in zip(("gate_up", "down"), best):
             print(f"{bucket:>9} {T:>5} {name:>7} {t0 * 1e6:>9.1f} {t * 1e6:>9.1f}  {cfg.BLOCK_M} {cfg.BLOCK_N} "
-                  f"{cfg.BLOCK_K} {cfg.GROUP_M} {cfg.num_warps} {cfg.num_stages}   ({n} configs timed)")
+                  f"{cfg.BLOCK_K} {cfg.GROUP_M} {cfg.num_warps} {cfg.num_stages} {cfg.tma}   ({n} configs timed)")
     print("start = the table in use before (defaults, or an earlier tuning); bucket '1' (T*K = 1) and buckets not "
           f"reached keep theirs. Tuning took {time.monotonic() - t_start:.0f} s")
 
@@ -395,7 +396,7 @@ def _descend(bucket, gate_up, calls, outs, refs, start: TileConfig, deadline: fl
     changed = True
     while changed and time.monotonic() < deadline:
         changed = False
-        for param in ("BLOCK_N", "BLOCK_K", "num_stages", "BLOCK_M", "num_warps", "GROUP_M"):
+        for param in ("tma", "BLOCK_N", "BLOCK_K", "num_stages", "BLOCK_M", "num_warps", "GROUP_M"):
             values = TUNE_SPACE[param]
             values = values[gate_up] if param == "BLOCK_N" else values[bucket] if param == "BLOCK_M" else values
             if param == "GROUP_M" and TUNE_SPACE["BLOCK_M"][bucket] == (16,):

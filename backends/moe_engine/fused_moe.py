@@ -83,7 +83,9 @@ BUCKETS: tuple[tuple[str, int | None], ...] = (
 @dataclass(frozen=True)
 class TileConfig:
     """One GEMM's launch: tile sizes (BLOCK_N counts output columns: h columns for gate_up, y for down),
-    GROUP_M row tiles per program group (L2 reuse of weight tiles), warps, software-pipeline stages."""
+    GROUP_M row tiles per program group (L2 reuse of weight tiles), warps, software-pipeline stages, and ``tma``:
+    1 = weight tiles (and down's rows of h, which are contiguous) loaded through TMA tensor descriptors (Hopper
+    and later; where the shape does not allow it, e.g. N not a multiple of BLOCK_N, the pointer loads serve)."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -91,6 +93,7 @@ class TileConfig:
     GROUP_M: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    tma: int = 0
 
     @classmethod
     def from_dict(cls, d: dict) -> "TileConfig":
@@ -212,16 +215,20 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["num_pid_m"])  # varies with the step size: no recompile per step size
     def _moe_gemm_kernel(
-        a_ptr, w_ptr, out_ptr, tok_ptr, offs_ptr,
+        a_ptr, w_ptr, out_ptr, tok_ptr, offs_ptr, a_desc, w_desc,
         E, N, K, num_pid_m,
         s_a, s_we, s_wn, s_wk, s_out,
         GATE_UP: tl.constexpr,  # a = x gathered by tok; w rows [0, N) gate, [N, 2N) up; SwiGLU epilogue
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, DT: tl.constexpr,
         UPCAST: tl.constexpr, PRECISE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+        TMA: tl.constexpr,  # w_desc: w as [E * (N or 2N), K] rows, [BLOCK_N, BLOCK_K] boxes (N % BLOCK_N == 0);
+        # down: a_desc too, h as [P, K] rows, [BLOCK_M, BLOCK_K] boxes (the rows past the expert's end that a box
+        # brings belong to the next expert or are zeros past P: their outputs are never stored)
     ):
         """out[r, n] for the rows r of one expert tile and BLOCK_N columns n: down_proj (out = y, a = h rows) or
-        gate_up with SwiGLU (out = h, a = x[tok[r]]). w: [E, N or 2N, K] with strides (s_we, s_wn, s_wk)."""
+        gate_up with SwiGLU (out = h, a = x[tok[r]]). w: [E, N or 2N, K] with strides (s_we, s_wn, s_wk).
+        TMA or pointer loads feed the same dots in the same order: the same sums either way."""
         _await_inputs(PDL)  # (the weights a program reads depend on offs, an earlier kernel's output)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -247,24 +254,37 @@ if triton is not None:
         else:
             a_ptrs = a_ptr + rows64[:, None] * s_a + offs_k[None, :]
         w_ptrs = w_ptr + expert.to(tl.int64) * s_we + offs_n[None, :] * s_wn + offs_k[:, None] * s_wk  # [BK, BN]
+        if GATE_UP:  # TMA: the tile's first weight row (gate rows; the up rows are N further)
+            w_row = expert * 2 * N + pid_n * BLOCK_N
+        else:
+            w_row = expert * N + pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if GATE_UP:
             u_ptrs = w_ptrs + N * s_wn
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
+            if not EVEN_K:
+                kmask = offs_k < K - k * BLOCK_K
+            if TMA and not GATE_UP:
+                a = a_desc.load([row0, k * BLOCK_K])  # [BM, BK]; zeros past K
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            if TMA:
+                w = tl.trans(w_desc.load([w_row, k * BLOCK_K]))  # [BN, BK] box -> [BK, BN]; zeros past K
+            elif EVEN_K:
                 w = tl.load(w_ptrs)
             else:
-                kmask = offs_k < K - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
             if UPCAST:  # the interpreter's dot reads bf16 as integers: products of the same values in float32
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
             acc = tl.dot(a, w, acc, input_precision=PREC)
             if GATE_UP:
-                if EVEN_K:
+                if TMA:
+                    wu = tl.trans(w_desc.load([w_row + N, k * BLOCK_K]))
+                elif EVEN_K:
                     wu = tl.load(u_ptrs)
                 else:
                     wu = tl.load(u_ptrs, mask=kmask[:, None], other=0.0)
@@ -306,6 +326,28 @@ def _shrink(cfg: TileConfig) -> TileConfig | None:
     return None
 
 
+def _tma_fits(a: torch.Tensor, w: torch.Tensor, N: int, K: int, cfg: TileConfig) -> bool:
+    """Whether ``cfg.tma`` can be honoured: Hopper or later (or the interpreter), a 16-bit dtype, whole column tiles
+    (no wrapped columns), and rows whose strides TMA accepts (contiguous, 16-byte aligned)."""
+    if not cfg.tma or a.dtype not in (torch.bfloat16, torch.float16) or N % cfg.BLOCK_N:
+        return False
+    if not interpreting() and (a.device.type != "cuda" or torch.cuda.get_device_capability(a.device)[0] < 9):
+        return False
+    aligned = lambda t: t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(  # noqa: E731
+        s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+    return w.is_contiguous() and aligned(w) and aligned(a) and K * a.element_size() % 16 == 0
+
+
+def _descriptors(a, w, K: int, cfg: TileConfig, gate_up: bool):
+    """(a_desc, w_desc) for the TMA loads: w as [E * rows, K], and down's h as [P, K] (gate_up gathers its rows of x
+    by token: pointer loads)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    w_desc = TensorDescriptor.from_tensor(w.view(-1, K), [cfg.BLOCK_N, cfg.BLOCK_K])
+    a_desc = None if gate_up else TensorDescriptor(a, list(a.shape), list(a.stride()), [cfg.BLOCK_M, cfg.BLOCK_K])
+    return a_desc, w_desc
+
+
 def _gemm(a, w, out, tok, offs, N: int, K: int, cfg: TileConfig, gate_up: bool) -> None:
     P, E = out.shape[0], w.shape[0]
     cfg = _fit(cfg, N, K)
@@ -314,14 +356,16 @@ def _gemm(a, w, out, tok, offs, N: int, K: int, cfg: TileConfig, gate_up: bool) 
     num_pid_m = triton.cdiv(P, cfg.BLOCK_M) + min(E, P)  # >= the tiles of any split of P rows over E experts
     while True:
         grid = (num_pid_m * triton.cdiv(N, cfg.BLOCK_N),)
+        tma = _tma_fits(a, w, N, K, cfg)
+        a_desc, w_desc = _descriptors(a, w, K, cfg, gate_up) if tma else (None, None)
         try:
             _launch(
-                _moe_gemm_kernel, grid, a, w, out, tok, offs, E, N, K, num_pid_m,
+                _moe_gemm_kernel, grid, a, w, out, tok, offs, a_desc, w_desc, E, N, K, num_pid_m,
                 a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
                 GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 BLOCK_E=kernels._pow2(E), EVEN_K=K % cfg.BLOCK_K == 0, DT=_DT[a.dtype],
                 UPCAST=interpreting(), PRECISE=not interpreting(),
-                PREC="ieee" if a.dtype == torch.float32 else "tf32", PDL=kernels.pdl(a.device),
+                PREC="ieee" if a.dtype == torch.float32 else "tf32", PDL=kernels.pdl(a.device), TMA=tma,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
             return

@@ -169,6 +169,57 @@ def test_moe_output_after_combine_equals_the_grouped_mm_path(T, K, E, dtype):
     assert_like_torch(out, expected, bound, dtype)
 
 
+@pytest.mark.parametrize("T,K,E", [(1, 8, 16), (17, 2, 8), (64, 4, 16)])
+def test_tma_loads_give_the_pointer_loads_bits(T, K, E):
+    """``tma=1`` loads the weight tiles (and down's rows of h) through TMA descriptors into the same dots: the
+    same bits as the pointer loads, including the K tails (48 = 32 + 16: the descriptor's zeros past K) and row
+    tiles whose box runs into the next expert's rows or past the last row (never stored), and within the GEMM-
+    rounding bound of torch. Shapes where TMA cannot serve (columns not a multiple of BLOCK_N) keep pointers."""
+    dtype, h_dim, i_dim = torch.bfloat16, 48, 48
+    g = torch.Generator().manual_seed(T)
+    gate_up = (torch.randn(E, 2 * i_dim, h_dim, generator=g) / h_dim**0.5).to(DEVICE, dtype)
+    down = (torch.randn(E, h_dim, i_dim, generator=g) / i_dim**0.5).to(DEVICE, dtype)
+    x = torch.randn(T, h_dim, generator=g).to(DEVICE, dtype)
+    pos, tok, offs = kernels.route(random_ids(T, K, E, seed=T + E, skew=T == 64), E)
+    pointers = (TileConfig(16, 16, 32), TileConfig(16, 16, 32))
+    tma = tuple(dataclasses.replace(c, tma=1) for c in pointers)
+    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or later")
+    assert fused_moe._tma_fits(x, gate_up, i_dim, h_dim, tma[0])
+    assert not fused_moe._tma_fits(x, gate_up, 40, h_dim, tma[0])  # 40 columns: no whole 16-column tiles
+    y = expert_mlp(x, gate_up, down, pos, tok, offs, tma)
+    assert torch.equal(y, expert_mlp(x, gate_up, down, pos, tok, offs, pointers))
+    y_ref, h_ref, gu_ref = torch_experts(x, gate_up, down, tok, offs)
+    assert_like_torch(y, y_ref, gemm_rounding_bound(h_ref, gu_ref, down, offs, y_ref, dtype), dtype)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_tma_launches_replay_in_a_cuda_graph_on_new_inputs():
+    """Decode steps replay CUDA graphs: the TMA descriptors captured with the launch (w's, and down's over the
+    step's h buffer) must serve every replay, with the routing and activations copied into the captured inputs."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or later")
+    T, K, E, dtype = 4, 8, 16, torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(E, 2 * 64, 64, generator=g) / 8).to(DEVICE, dtype)
+    down = (torch.randn(E, 64, 64, generator=g) / 8).to(DEVICE, dtype)
+    tma = (TileConfig(16, 32, 32, tma=1), TileConfig(16, 64, 32, tma=1))
+    inputs = []
+    for seed in range(3):
+        x = torch.randn(T, 64, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+        inputs.append((x, *kernels.route(random_ids(T, K, E, seed=seed), E)))
+    static = [t.clone() for t in inputs[0]]
+    expert_mlp(*static[:1], gate_up, down, *static[1:], tma)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = expert_mlp(*static[:1], gate_up, down, *static[1:], tma)
+    for x, pos, tok, offs in inputs[1:] + inputs[:1]:
+        for dst, src in zip(static, (x, pos, tok, offs)):
+            dst.copy_(src)
+        graph.replay()
+        assert torch.equal(y, expert_mlp(x, gate_up, down, pos, tok, offs, tma))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_swiglu_epilogue_rounds_like_torch(dtype):
     """h = silu(gate) * up from the first kernel against torch's bf16/fp16 ops, with gates from about -12 to 12
@@ -245,35 +296,44 @@ def test_the_committed_h200_table_is_the_one_in_use_for_its_shape():
 
 HOPPER_COMPILE = r"""
 import json, sys
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moe_engine import fused_moe as fm
 
 kernel, out = fm._moe_gemm_kernel, {}
+tuned = fm._table("NVIDIA H200", 128, 2048, 768, torch.bfloat16, str(fm.CONFIG_FILE))  # the shipped table
 for bucket in sys.argv[1:]:
-    for gate_up, cfg in zip((True, False), fm.DEFAULT_CONFIGS[bucket]):
+    for table, gate_up in ((t, g) for t in ("default", "tuned") for g in (True, False)):
+        cfg = (fm.DEFAULT_CONFIGS if table == "default" else tuned)[bucket][0 if gate_up else 1]
         N, K = (768, 2048) if gate_up else (2048, 768)  # Qwen3-30B-A3B
+        tma = bool(cfg.tma) and N % cfg.BLOCK_N == 0
         consts = dict(s_wk=1, GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                       GROUP_M=cfg.GROUP_M, BLOCK_E=128, EVEN_K=K % cfg.BLOCK_K == 0, DT=1, UPCAST=False, PRECISE=True,
-                      PREC="tf32", PDL=True)
-        sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "tok_ptr": "*i64", "offs_ptr": "*i32",
+                      PREC="tf32", PDL=True, TMA=tma)
+        descs = {"w_desc": f"tensordesc<bf16[{cfg.BLOCK_N}, {cfg.BLOCK_K}]>" if tma else "constexpr",
+                 "a_desc": f"tensordesc<bf16[{cfg.BLOCK_M}, {cfg.BLOCK_K}]>" if tma and not gate_up else "constexpr"}
+        consts.update({n: None for n, t in descs.items() if t == "constexpr"})
+        sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "tok_ptr": "*i64", "offs_ptr": "*i32", **descs,
                **{n: "i32" for n in ("E", "N", "K", "num_pid_m", "s_a", "s_we", "s_wn", "s_out")},
                **{n: "constexpr" for n in consts}}
         aligned = ("a_ptr", "w_ptr", "out_ptr", "tok_ptr", "offs_ptr", "E", "N", "K", "s_a", "s_we", "s_wn", "s_out")
         attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         ck = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False})
-        out[f"{bucket} {'gate_up' if gate_up else 'down'}"] = {
+        out[f"{table} {bucket} {'gate_up' if gate_up else 'down'}"] = {
             "shared": ck.metadata.shared, "div_rn": "div.rn.f32" in ck.asm["ptx"], "wgmma": "wgmma" in ck.asm["ptx"],
-            "pdl": "griddepcontrol.wait" in ck.asm["ptx"]}
+            "pdl": "griddepcontrol.wait" in ck.asm["ptx"], "tma": tma,
+            "tma_loads": "cp.async.bulk.tensor" in ck.asm["ptx"]}
 print(json.dumps(out))
 """
 
 
 def test_default_tiles_compile_for_hopper_within_its_shared_memory(tmp_path):
-    """The interpreter cannot see the compiled path (libdevice exp, IEEE division, shared memory, the PDL wait):
-    compile the kernels for sm_90 with ptxas from the Triton wheel (no GPU needed) for a decode, a mid and a prefill bucket."""
+    """The interpreter cannot see the compiled path (libdevice exp, IEEE division, shared memory, the PDL wait, TMA
+    loads): compile the kernels for sm_90 with ptxas from the Triton wheel (no GPU needed) for a decode, a mid and a
+    prefill bucket, with the default tiles and with the shipped H200 table's."""
     import subprocess
     import sys
     from pathlib import Path
@@ -286,9 +346,12 @@ def test_default_tiles_compile_for_hopper_within_its_shared_memory(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(result) == 6
+    assert len(result) == 12
     for name, r in result.items():
         assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} bytes of shared memory"
         assert r["div_rn"] == name.endswith("gate_up"), name  # silu's division is IEEE (torch's), only in gate_up
         assert r["pdl"], name  # programmatic dependent launch: the wait for the previous kernel is compiled in
-    assert result[">16384 gate_up"]["wgmma"] and result[">16384 down"]["wgmma"]  # prefill tiles on Hopper's MMA
+        assert r["tma_loads"] == r["tma"], name  # a TMA config loads through the tensor memory accelerator
+    for table in ("default", "tuned"):  # prefill tiles on Hopper's MMA
+        assert result[f"{table} >16384 gate_up"]["wgmma"] and result[f"{table} >16384 down"]["wgmma"]
+    assert any(r["tma"] for r in result.values())  # the shipped table uses TMA loads somewhere
