@@ -8,7 +8,7 @@ Each config is timed per call (median, ``bench_fused_moe.time_per_call``) on the
 prefill token counts and its output compared with the table config's (share of equal elements: only the GEMM's
 float32 summation order may differ).
 
-    PYTHONPATH=backends:.:loadtest python3 loadtest/probe_moe_prefill_tiles.py [--tokens 8192 2048]
+    PYTHONPATH=backends:.:loadtest python3 loadtest/probe_moe_prefill_tiles.py [--tokens 8192 2048] [--tma]
 """
 from __future__ import annotations
 
@@ -32,13 +32,27 @@ DOWN = [
     (256, 128, 64, 1, 16, 3), (256, 128, 64, 8, 16, 3), (256, 256, 64, 1, 16, 2), (256, 128, 32, 1, 16, 4),
     (128, 256, 64, 8, 8, 4), (128, 128, 64, 1, 8, 4), (256, 64, 64, 1, 8, 4),
 ]
+# --tma: the same kind of search with the weight tiles (and down's rows) loaded through TMA descriptors (a 7th
+# field, TileConfig.tma): bigger tiles and deeper pipelines, which TMA's bulk copies may feed where pointer
+# loads could not
+GATE_UP_TMA = [
+    (128, 64, 64, 1, 8, 3, 1), (128, 64, 64, 1, 8, 4, 1), (128, 128, 64, 1, 8, 3, 1), (128, 128, 64, 1, 8, 4, 1),
+    (128, 64, 128, 1, 8, 3, 1), (128, 128, 32, 1, 8, 5, 1), (64, 128, 64, 8, 4, 4, 1), (256, 64, 64, 1, 16, 3, 1),
+    (128, 64, 64, 8, 8, 4, 1),
+]
+DOWN_TMA = [
+    (128, 256, 64, 1, 8, 3, 1), (128, 256, 64, 8, 8, 4, 1), (128, 128, 64, 1, 8, 4, 1), (128, 128, 128, 1, 8, 3, 1),
+    (256, 128, 64, 1, 16, 3, 1), (256, 256, 64, 1, 16, 2, 1), (128, 256, 128, 1, 8, 2, 1),
+]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 2048])
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--tma", action="store_true", help="the TMA candidates instead of the pointer-load ones")
     a = p.parse_args()
+    gate_up_cands, down_cands = (GATE_UP_TMA, DOWN_TMA) if a.tma else (GATE_UP, DOWN)
     args = SimpleNamespace(experts=128, hidden=2048, inter=768, topk=8, layers=2, routings=8,
                            device=torch.device("cuda"))
     layers = bfm.make_layers(args)
@@ -53,7 +67,7 @@ def main() -> None:
                  for g in range(case.G)]
         h, y = [t.clone() for t in h_ref], [t.clone() for t in y_ref]
         flops = 2 * case.P * 2048 * 768
-        for name, table, cands, outs, refs in (("gate_up", start[0], GATE_UP, h, h_ref), ("down", start[1], DOWN, y, y_ref)):
+        for name, table, cands, outs, refs in (("gate_up", start[0], gate_up_cands, h, h_ref), ("down", start[1], down_cands, y, y_ref)):
             def calls(cfg):
                 if name == "gate_up":
                     return [lambda g=g: fused_moe.gate_up_swiglu(case.x, case.layer[g].gate_up_proj, routed[g][1],

@@ -177,7 +177,10 @@ def group_pairs(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
         tok = torch.empty(n, dtype=torch.long, device=ids.device)
         tok.scatter_(0, rows, torch.arange(n, device=ids.device) % T)
         return rows.view(K, T).t(), tok, ends
-    order = torch.argsort(flat, stable=True)  # [K*T] pairs grouped by expert
+    # [K*T] pairs grouped by expert. Keys in the narrowest integer type that holds the expert ids: a radix sort
+    # makes one pass per key byte (8 for int64 keys, 1 for uint8), and a stable sort orders the same either way.
+    keys = flat.to(torch.uint8) if num_experts <= 256 else flat.to(torch.int16) if num_experts <= 2**15 else flat
+    order = torch.argsort(keys, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(order))
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=ids.device))
