@@ -40,7 +40,7 @@ H, HQ, HK, D, E, K, I, L = 2048, 32, 4, 128, 128, 8, 768, 48  # Qwen3-30B-A3B; L
 
 def name_of(v) -> str:
     if isinstance(v, TileConfig):
-        return f"n{v.BLOCK_N} k{v.BLOCK_K} w{v.num_warps} s{v.num_stages}"
+        return f"n{v.BLOCK_N} k{v.BLOCK_K} w{v.num_warps} s{v.num_stages}" + (" tma" if v.tma else "")
     return str(v)
 
 
@@ -90,6 +90,8 @@ def main() -> None:
     p.add_argument("--kernels", default="combine,qk,route,rms_norm,experts")
     p.add_argument("--expert-sets", type=int, default=8, help="weight sets of E experts used in turn")
     p.add_argument("--expert-tokens", default="1", help="token counts at which the expert GEMMs are swept")
+    p.add_argument("--expert-tma", type=int, default=0, choices=(0, 1),
+                   help="sweep the expert tiles with TMA loads (1) or pointer loads (0)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -178,16 +180,17 @@ def main() -> None:
                 return make
             bm = default[0].BLOCK_M
             for gate_up, start in ((True, default[0]), (False, default[1])):
-                ns = (16, 32, 64) if gate_up else (32, 64, 128)
-                grid = [start] + [TileConfig(bm, n, k, 1, 4, s) for n, k, s in itertools.product(
-                    ns, (64, 128, 256), (3, 4, 5, 6)) if (n, k, s) != (start.BLOCK_N, start.BLOCK_K, start.num_stages)]
+                ns = (16, 32, 64) if gate_up else (32, 64, 128, 256)
+                grid = [start] + [TileConfig(bm, n, k, 1, 4, s, args.expert_tma) for n, k, s in itertools.product(
+                    ns, (64, 128, 256), (3, 4, 5, 6))
+                    if (n, k, s, args.expert_tma) != (start.BLOCK_N, start.BLOCK_K, start.num_stages, start.tma)]
                 name = "gate_up" if gate_up else "down"
                 sweep(f"{name}", T, grid, expert_calls(gate_up), args.reps, rows, t0)
                 mine = [r for r in rows if r["kernel"] == name and r["T"] == T and r["equal"] >= 0.99]
                 best = sorted(mine, key=lambda r: r["us"])[:3]
                 cfgs = [c for c in grid if name_of(c) in {r["value"] for r in best}]
-                more = [start] + [TileConfig(c.BLOCK_M, c.BLOCK_N, c.BLOCK_K, 1, w, c.num_stages)
-                                  for c in cfgs for w in (2, 8)]
+                more = [start] + [TileConfig(c.BLOCK_M, c.BLOCK_N, c.BLOCK_K, 1, w, c.num_stages, c.tma)
+                                  for c in cfgs for w in (2, 8) if w != c.num_warps]
                 sweep(f"{name}", T, more, expert_calls(gate_up), args.reps, rows, t0)
                 mine = [r for r in rows if r["kernel"] == name and r["T"] == T and r["equal"] >= 0.99]
                 b = min(mine, key=lambda r: r["us"])
