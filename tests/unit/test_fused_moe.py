@@ -263,6 +263,26 @@ def test_tile_table_from_json_overrides_only_its_own_shape(tmp_path, monkeypatch
         "1", "2-8", "2-8", "513-2048", "2049-8192", "8193-16384", "8193-16384", ">16384"]
 
 
+def test_a_table_variant_changes_one_config_and_keeps_the_rest(tmp_path):
+    """loadtest/tile_table_variant.py: the shipped H200 table with one bucket's down config replaced, read back by
+    the engine's loader exactly so; every other config as shipped."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "variant.json"
+    env = {k: v for k, v in os.environ.items() if k != fused_moe.CONFIG_ENV}
+    done = subprocess.run([sys.executable, str(repo / "loadtest/tile_table_variant.py"), "--bucket", "2-8", "--kernel",
+                           "down", "--config", "16,128,64,1,4,3,1", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    shipped = fused_moe._table("NVIDIA H200", 128, 2048, 768, torch.bfloat16, str(fused_moe.CONFIG_FILE))
+    variant = fused_moe._table("NVIDIA H200", 128, 2048, 768, torch.bfloat16, str(out))
+    assert variant["2-8"] == (shipped["2-8"][0], TileConfig(16, 128, 64, 1, 4, 3, tma=1))
+    assert {b: c for b, c in variant.items() if b != "2-8"} == {b: c for b, c in shipped.items() if b != "2-8"}
+
+
 def test_a_table_tuned_before_the_large_bucket_was_split_still_serves_large_steps(tmp_path, monkeypatch):
     """A JSON written when the largest bucket was ">8192" keeps tuning every step above 8,192 pairs; a bucket name
     this version does not know is reported, not silently dropped."""
