@@ -11,6 +11,11 @@ and counts, per num_warps:
     PYTHONPATH=backends:. python3 loadtest/kernel_ptx_stats.py --warps 1,2,4,8 --kernels softmax_topk
 
 Counts, not times: time them on the GPU (`bench_real_shape.py --profile b`).
+
+``--moe-bucket 2-8``: the expert GEMMs of that bucket as the tile table gives them (fused_moe.config_path(), so
+$MOE_FUSED_MOE_CONFIGS selects a variant from ``tile_table_variant.py``): shared memory, registers, and how many
+programs fit on one SM. Under programmatic dependent launch that footprint decides whether the next kernel's
+programs can become resident (and start their loads) while this one runs.
 """
 from __future__ import annotations
 
@@ -102,11 +107,62 @@ def stats(kernel_name: str, num_warps: int) -> dict:
     return out
 
 
+def _ptxas_registers(ptx: str) -> int | None:
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                              capture_output=True, text=True)
+    regs = re.search(r"Used (\d+) registers", info.stdout + info.stderr)
+    return int(regs.group(1)) if regs else None
+
+
+def moe_footprints(bucket: str) -> None:
+    """The bucket's gate_up and down launches at the real shape, compiled for sm_90 as the engine launches them."""
+    import torch
+
+    from moe_engine import fused_moe as FM
+
+    table = FM._table("NVIDIA H200", E, HIDDEN, 768, torch.bfloat16, str(FM.config_path()))
+    print(f"expert GEMMs of bucket {bucket} from {FM.config_path()} (sm_90: 227 KB shared memory, 64K registers, "
+          "64 warps per SM)")
+    print("| kernel | config | shared KB | registers | programs per SM |")
+    print("|---|---|---:|---:|---:|")
+    for gate_up, cfg in zip((True, False), table[bucket]):
+        N, Kdim = (768, HIDDEN) if gate_up else (HIDDEN, 768)
+        tma = bool(cfg.tma) and N % cfg.BLOCK_N == 0
+        consts = dict(s_wk=1, GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                      GROUP_M=cfg.GROUP_M, BLOCK_E=E, EVEN_K=Kdim % cfg.BLOCK_K == 0, DT=1, UPCAST=False,
+                      PRECISE=True, PREC="tf32", PDL=True, TMA=tma)
+        descs = {"w_desc": f"tensordesc<bf16[{cfg.BLOCK_N}, {cfg.BLOCK_K}]>" if tma else "constexpr",
+                 "a_desc": f"tensordesc<bf16[{cfg.BLOCK_M}, {cfg.BLOCK_K}]>" if tma and not gate_up else "constexpr"}
+        consts.update({n: None for n, t in descs.items() if t == "constexpr"})
+        sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "tok_ptr": "*i64", "offs_ptr": "*i32", **descs,
+               **{n: "i32" for n in ("E", "N", "K", "num_pid_m", "s_a", "s_we", "s_wn", "s_out")},
+               **{n: "constexpr" for n in consts}}
+        kernel = FM._moe_gemm_kernel
+        aligned = ("a_ptr", "w_ptr", "out_ptr", "tok_ptr", "offs_ptr", "E", "N", "K", "s_a", "s_we", "s_wn", "s_out")
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        ck = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                     "enable_fp_fusion": False})
+        regs = _ptxas_registers(ck.asm["ptx"])
+        shared = ck.metadata.shared
+        fit = min(227 * 1024 // max(shared, 1), 65536 // (regs * 32 * cfg.num_warps) if regs else 32,
+                  64 // cfg.num_warps, 32)
+        print(f"| {'gate_up' if gate_up else 'down'} | {cfg} | {shared / 1024:.1f} | {regs} | {fit} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", default=",".join(KERNELS), help=f"any of {', '.join(KERNELS)}")
     ap.add_argument("--warps", default="1,4", help="num_warps values")
+    ap.add_argument("--moe-bucket", default=None, help="instead: the expert GEMMs' footprints for this bucket")
     args = ap.parse_args()
+    if args.moe_bucket:
+        moe_footprints(args.moe_bucket)
+        return
     warps = [int(w) for w in args.warps.split(",")]
     cols = ["bar.sync", "shfl", "ld/st.shared", "registers", "spill stores (bytes)"]
     print("| kernel | num_warps | " + " | ".join(cols) + " |")
