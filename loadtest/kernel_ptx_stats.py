@@ -93,6 +93,12 @@ def stats(kernel_name: str, num_warps: int) -> dict:
     ptx = compiled.asm["ptx"]
     out = {"bar.sync": len(re.findall(r"\b(bar|barrier)\.sync\b", ptx)), "shfl": len(re.findall(r"\bshfl\.", ptx)),
            "ld/st.shared": len(re.findall(r"\b(ld|st)\.shared", ptx))}
+    out.update(ptxas_resources(ptx))
+    return out
+
+
+def ptxas_resources(ptx: str) -> dict:
+    """ptxas -v (the Triton wheel's) on sm_90a: registers per thread and spill-store bytes."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
@@ -102,20 +108,8 @@ def stats(kernel_name: str, num_warps: int) -> dict:
     text = info.stdout + info.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores", text)
-    out["registers"] = int(regs.group(1)) if regs else None
-    out["spill stores (bytes)"] = int(spill.group(1)) if spill else None
-    return out
-
-
-def _ptxas_registers(ptx: str) -> int | None:
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
-                              capture_output=True, text=True)
-    regs = re.search(r"Used (\d+) registers", info.stdout + info.stderr)
-    return int(regs.group(1)) if regs else None
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill stores (bytes)": int(spill.group(1)) if spill else None}
 
 
 def moe_footprints(bucket: str) -> None:
@@ -147,7 +141,7 @@ def moe_footprints(bucket: str) -> None:
         ck = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                                      "enable_fp_fusion": False})
-        regs = _ptxas_registers(ck.asm["ptx"])
+        regs = ptxas_resources(ck.asm["ptx"])["registers"]
         shared = ck.metadata.shared
         fit = min(227 * 1024 // max(shared, 1), 65536 // (regs * 32 * cfg.num_warps) if regs else 32,
                   64 // cfg.num_warps, 32)
