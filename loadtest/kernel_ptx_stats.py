@@ -112,6 +112,31 @@ def ptxas_resources(ptx: str) -> dict:
             "spill stores (bytes)": int(spill.group(1)) if spill else None}
 
 
+def compile_moe_gemm(cfg, gate_up: bool, N: int = 768, K: int = HIDDEN):
+    """fused_moe's expert GEMM compiled for sm_90 as the engine launches it (bf16, PDL, TMA where the config asks
+    and the shape allows) for ``cfg`` (a fused_moe.TileConfig); gate_up: N = expert width, K = hidden (down: the
+    other way round). -> (the compiled kernel, whether it loads through TMA)."""
+    from moe_engine import fused_moe as FM
+
+    tma = bool(cfg.tma) and N % cfg.BLOCK_N == 0
+    consts = dict(s_wk=1, GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                  GROUP_M=cfg.GROUP_M, BLOCK_E=E, EVEN_K=K % cfg.BLOCK_K == 0, DT=1, UPCAST=False, PRECISE=True,
+                  PREC="tf32", PDL=True, TMA=tma)
+    descs = {"w_desc": f"tensordesc<bf16[{cfg.BLOCK_N}, {cfg.BLOCK_K}]>" if tma else "constexpr",
+             "a_desc": f"tensordesc<bf16[{cfg.BLOCK_M}, {cfg.BLOCK_K}]>" if tma and not gate_up else "constexpr"}
+    consts.update({n: None for n, t in descs.items() if t == "constexpr"})
+    sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "tok_ptr": "*i64", "offs_ptr": "*i32", **descs,
+           **{n: "i32" for n in ("E", "N", "K", "num_pid_m", "s_a", "s_we", "s_wn", "s_out")},
+           **{n: "constexpr" for n in consts}}
+    kernel = FM._moe_gemm_kernel
+    aligned = ("a_ptr", "w_ptr", "out_ptr", "tok_ptr", "offs_ptr", "E", "N", "K", "s_a", "s_we", "s_wn", "s_out")
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                       "enable_fp_fusion": False})
+    return compiled, tma
+
+
 def moe_footprints(bucket: str) -> None:
     """The bucket's gate_up and down launches at the real shape, compiled for sm_90 as the engine launches them."""
     import torch
@@ -124,23 +149,7 @@ def moe_footprints(bucket: str) -> None:
     print("| kernel | config | shared KB | registers | programs per SM |")
     print("|---|---|---:|---:|---:|")
     for gate_up, cfg in zip((True, False), table[bucket]):
-        N, Kdim = (768, HIDDEN) if gate_up else (HIDDEN, 768)
-        tma = bool(cfg.tma) and N % cfg.BLOCK_N == 0
-        consts = dict(s_wk=1, GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                      GROUP_M=cfg.GROUP_M, BLOCK_E=E, EVEN_K=Kdim % cfg.BLOCK_K == 0, DT=1, UPCAST=False,
-                      PRECISE=True, PREC="tf32", PDL=True, TMA=tma)
-        descs = {"w_desc": f"tensordesc<bf16[{cfg.BLOCK_N}, {cfg.BLOCK_K}]>" if tma else "constexpr",
-                 "a_desc": f"tensordesc<bf16[{cfg.BLOCK_M}, {cfg.BLOCK_K}]>" if tma and not gate_up else "constexpr"}
-        consts.update({n: None for n, t in descs.items() if t == "constexpr"})
-        sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "tok_ptr": "*i64", "offs_ptr": "*i32", **descs,
-               **{n: "i32" for n in ("E", "N", "K", "num_pid_m", "s_a", "s_we", "s_wn", "s_out")},
-               **{n: "constexpr" for n in consts}}
-        kernel = FM._moe_gemm_kernel
-        aligned = ("a_ptr", "w_ptr", "out_ptr", "tok_ptr", "offs_ptr", "E", "N", "K", "s_a", "s_we", "s_wn", "s_out")
-        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        ck = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                                     "enable_fp_fusion": False})
+        ck, _ = compile_moe_gemm(cfg, gate_up, *((768, HIDDEN) if gate_up else (HIDDEN, 768)))
         regs = ptxas_resources(ck.asm["ptx"])["registers"]
         shared = ck.metadata.shared
         fit = min(227 * 1024 // max(shared, 1), 65536 // (regs * 32 * cfg.num_warps) if regs else 32,

@@ -228,11 +228,11 @@ if triton is not None:
         offs_n = tl.arange(0, TILE_N)
         dk = tl.arange(0, DK_PAD)
         dv = tl.arange(0, DV_PAD)
+        k_base = k_cache_ptr + kvh * s_kh  # this kv head's keys
         for start in range(key_lo, full_hi, TILE_N):
             kpos = start + offs_n  # [TILE_N]
             blk = tl.load(table_ptr + kpos // BLOCK_SIZE).to(tl.int64)
             off = kpos % BLOCK_SIZE
-            k_base = k_cache_ptr + kvh * s_kh
             kt = _k_tile(  # [DK_PAD, TILE_N]
                 k_base + blk[:, None] * s_kb + off[:, None] * s_ko + dk[None, :],
                 k_base + blk[None, :] * s_kb + off[None, :] * s_ko + dk[:, None],
@@ -255,7 +255,6 @@ if triton is not None:
             kvalid = kpos < key_hi
             blk = tl.load(table_ptr + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
             off = kpos % BLOCK_SIZE
-            k_base = k_cache_ptr + kvh * s_kh
             kt = _k_tile(  # [DK_PAD, TILE_N]
                 k_base + blk[:, None] * s_kb + off[:, None] * s_ko + dk[None, :],
                 k_base + blk[None, :] * s_kb + off[None, :] * s_ko + dk[:, None],

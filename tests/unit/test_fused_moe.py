@@ -317,31 +317,16 @@ def test_the_committed_h200_table_is_the_one_in_use_for_its_shape():
 HOPPER_COMPILE = r"""
 import json, sys
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from kernel_ptx_stats import compile_moe_gemm  # loadtest/: the launch the engine makes, compiled for sm_90
 from moe_engine import fused_moe as fm
 
-kernel, out = fm._moe_gemm_kernel, {}
+out = {}
 tuned = fm._table("NVIDIA H200", 128, 2048, 768, torch.bfloat16, str(fm.CONFIG_FILE))  # the shipped table
 for bucket in sys.argv[1:]:
     for table, gate_up in ((t, g) for t in ("default", "tuned") for g in (True, False)):
         cfg = (fm.DEFAULT_CONFIGS if table == "default" else tuned)[bucket][0 if gate_up else 1]
         N, K = (768, 2048) if gate_up else (2048, 768)  # Qwen3-30B-A3B
-        tma = bool(cfg.tma) and N % cfg.BLOCK_N == 0
-        consts = dict(s_wk=1, GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                      GROUP_M=cfg.GROUP_M, BLOCK_E=128, EVEN_K=K % cfg.BLOCK_K == 0, DT=1, UPCAST=False, PRECISE=True,
-                      PREC="tf32", PDL=True, TMA=tma)
-        descs = {"w_desc": f"tensordesc<bf16[{cfg.BLOCK_N}, {cfg.BLOCK_K}]>" if tma else "constexpr",
-                 "a_desc": f"tensordesc<bf16[{cfg.BLOCK_M}, {cfg.BLOCK_K}]>" if tma and not gate_up else "constexpr"}
-        consts.update({n: None for n, t in descs.items() if t == "constexpr"})
-        sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "tok_ptr": "*i64", "offs_ptr": "*i32", **descs,
-               **{n: "i32" for n in ("E", "N", "K", "num_pid_m", "s_a", "s_we", "s_wn", "s_out")},
-               **{n: "constexpr" for n in consts}}
-        aligned = ("a_ptr", "w_ptr", "out_ptr", "tok_ptr", "offs_ptr", "E", "N", "K", "s_a", "s_we", "s_wn", "s_out")
-        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        ck = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False})
+        ck, tma = compile_moe_gemm(cfg, gate_up, N, K)
         out[f"{table} {bucket} {'gate_up' if gate_up else 'down'}"] = {
             "shared": ck.metadata.shared, "div_rn": "div.rn.f32" in ck.asm["ptx"], "wgmma": "wgmma" in ck.asm["ptx"],
             "pdl": "griddepcontrol.wait" in ck.asm["ptx"], "tma": tma,
@@ -361,7 +346,8 @@ def test_default_tiles_compile_for_hopper_within_its_shared_memory(tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(repo / "backends"), TRITON_CACHE_DIR=str(tmp_path))
+    env.update(PYTHONPATH=os.pathsep.join([str(repo / "backends"), str(repo / "loadtest")]),
+               TRITON_CACHE_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, "2-8", "513-2048", ">16384"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
