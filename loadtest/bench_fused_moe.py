@@ -29,9 +29,9 @@ padding counted); %peak over --peak-tflops (989: H200 bf16 dense).
     .venv/bin/python loadtest/bench_fused_moe.py --tune         # sweep tile configs per bucket (< 6 min), write JSON
 
 ``--tune`` times each GEMM (gate_up, down) alone per bucket of T*K on a representative T, coordinate descent from
-the current table (TMA loads or pointers, BLOCK_N, BLOCK_K, stages, BLOCK_M, warps, GROUP_M), within --tune-budget seconds, and writes the
-best per bucket to --tune-out (default backends/moe_engine/fused_moe_configs.json, which fused_moe reads: commit
-it). Bucket "1" (T*K = 1) needs K = 1 and keeps its default here.
+the current table (TMA loads or pointers, BLOCK_N, BLOCK_K, stages, BLOCK_M, warps, GROUP_M), within --tune-budget
+seconds, and writes the best per bucket to --tune-out (default backends/moe_engine/fused_moe_configs.json, which
+fused_moe reads: commit it). Bucket "1" (T*K = 1) needs K = 1 and keeps its default here.
 """
 from __future__ import annotations
 
