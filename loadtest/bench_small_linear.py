@@ -8,6 +8,12 @@ bytes over it. Also the largest difference from a float32 reference and the shar
 
     PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --out OUT      # one H200: ~1 minute
     PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --sweep --tokens 1,2,4   # + tile / warps configs
+    PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --moe-gemm --tokens 16,32,64   # + one-expert GEMM
+
+--moe-gemm also times the expert GEMM kernel (``fused_moe.down_proj``) with one expert holding every token: the
+projection as a plain Triton GEMM, over a grid of tile configs (row tile = the step's tokens, column tile, K tile,
+stages, TMA weight loads), the best three per (projection, T) printed against cuBLAS. At 16-64 tokens cuBLAS reads
+o_proj at ~1.7 TB/s with a split-K pass and a reduction launch (run72_splitk_linear_not_kept.txt).
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_shape_model as rsm  # noqa: E402
-from moe_engine import kernels  # noqa: E402
+from moe_engine import fused_moe, kernels  # noqa: E402
 
 SHAPES = {"router": (128, 2048), "qkv": (5120, 2048), "o": (2048, 4096)}  # name: (N outputs, H inputs)
 
@@ -33,6 +39,26 @@ def graph_time(fn, xs, ws, reps: int) -> float:
     return rsm.graph_replay_seconds(lambda: [fn(x, w) for x, w in zip(xs, ws)], reps) / len(ws)
 
 
+def moe_gemm_configs(T: int, N: int) -> list[fused_moe.TileConfig]:
+    """Tile configs for a one-expert GEMM of T rows: one row tile (16-64 rows), column tiles that divide N."""
+    bm = max(16, kernels._pow2(T))
+    return [fused_moe.TileConfig(bm, bn, bk, 1, 4, stages, tma)
+            for bn in (16, 32, 64, 128) if N % bn == 0 and N // bn >= 4
+            for bk in (64, 128) for stages in (3, 5) for tma in (0, 1)]
+
+
+def one_expert_linear(cfg: fused_moe.TileConfig):
+    """x [T, H] @ w.T through fused_moe.down_proj with w as the only expert's weight (offs = [T])."""
+    offs_cache: dict[tuple, torch.Tensor] = {}
+
+    def fn(x, w):
+        key = (x.shape[0], x.device)
+        if key not in offs_cache:
+            offs_cache[key] = torch.tensor([x.shape[0]], dtype=torch.int32, device=x.device)
+        return fused_moe.down_proj(x, w[None], offs_cache[key], cfg)
+    return fn
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="1,2,4,8,16")
@@ -40,6 +66,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", default=None)
     p.add_argument("--sweep", action="store_true", help="also every (weight elements per program, warps) config")
+    p.add_argument("--moe-gemm", action="store_true", help="also the expert GEMM kernel with one expert, per config")
     args = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -71,6 +98,23 @@ def main() -> None:
                 best = min(row["sweep"], key=row["sweep"].get)
                 print(f"    sweep: best {best} {row['sweep'][best]:.2f} us; " + ", ".join(
                     f"{k} {v:.2f}" for k, v in row["sweep"].items()), flush=True)
+            if args.moe_gemm:
+                times = {}
+                for cfg in moe_gemm_configs(T, N):
+                    fn = one_expert_linear(cfg)
+                    times[cfg] = graph_time(fn, xs, ws, args.reps) * 1e6
+                best = sorted(times, key=times.get)
+                b = best[0]
+                y = one_expert_linear(b)(xs[0], ws[0])
+                row["moe_gemm"] = {str(tuple(vars(c).values())): t for c, t in times.items()}
+                row["moe_gemm_best"] = dict(config=vars(b), us=times[b], speedup=t_cublas * 1e6 / times[b],
+                                            max_err=(y.float() - ref).abs().max().item(),
+                                            equal_to_cublas=(y == theirs).float().mean().item())
+                print(f"    one-expert GEMM: best " + ", ".join(
+                    f"(M{c.BLOCK_M} N{c.BLOCK_N} K{c.BLOCK_K} s{c.num_stages} tma{c.tma}) {times[c]:.2f} us"
+                    for c in best[:3]) + f"; {t_cublas * 1e6 / times[b]:.2f}x cuBLAS, max err "
+                    f"{row['moe_gemm_best']['max_err']:.2e}, {100 * row['moe_gemm_best']['equal_to_cublas']:.1f}% "
+                    f"equal ({len(times)} configs)", flush=True)
             rows.append(row)
             print(f"{name:6s} {N:5d}x{H:<5d} T={T:2d}  cuBLAS {row['cublas_us']:6.2f} us ({row['cublas_tbps']:.2f} TB/s)"
                   f"  small_linear {row['small_us']:6.2f} us ({row['small_tbps']:.2f} TB/s)  {row['speedup']:.2f}x  "
