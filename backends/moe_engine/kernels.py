@@ -46,8 +46,10 @@ kernel                      replaces                                            
 
 Triton ships with CUDA builds of torch. Without it (CPU wheels) ``available()`` is False and the model
 keeps the op-by-op path. Tests run the kernels on CPU tensors under Triton's interpreter
-(``TRITON_INTERPRET=1``), which is why rounding is done with integer ops rather than a cast: the
-interpreter truncates float32 -> bfloat16 casts.
+(``TRITON_INTERPRET=1``), which truncates float32 -> bfloat16 casts: there ``_round`` rounds with integer ops
+(round to nearest even on the bits); on the GPU it is the hardware's conversion (``cvt.rn.bf16.f32``, the same
+rounding: the same bits), two instructions instead of four, which matters where a kernel's elements are many and
+its rounds per element are several (``combine`` rounds 16 times per output, ``qk_norm_rope`` 7).
 """
 from __future__ import annotations
 
@@ -149,10 +151,15 @@ if triton is not None:
             gdc_launch_dependents()
             gdc_wait()
 
+    # Whether _round may use the bfloat16 cast (read when a kernel compiles; the interpreter truncates the cast).
+    _BF16_CAST = tl.constexpr(not interpreting())
+
     @triton.jit
     def _round(x, DT: tl.constexpr):
         """float32 -> the nearest value of the model dtype (ties to even, as torch's casts), kept in float32."""
-        if DT == 1:  # bfloat16: keep the top 16 bits, rounding on the 17th
+        if DT == 1 and _BF16_CAST:  # the GPU's conversion rounds to nearest even
+            return x.to(tl.bfloat16).to(tl.float32)
+        elif DT == 1:  # bfloat16 by hand: keep the top 16 bits, rounding on the 17th
             bits = x.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             return bits.to(tl.float32, bitcast=True)

@@ -404,3 +404,67 @@ def test_weight_updates_reach_the_fused_qkv_gemm(bf16_checkpoints):
     model.use_fused_kernels(False)
     torch.testing.assert_close(after, reference_forward(model, prompt_of(8, seed=9))[0], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(after, before, atol=1e-3)
+
+
+if kernels.triton is not None:
+    import triton
+    import triton.language as tl
+
+    from moe_engine.kernels import _round
+
+    @triton.jit
+    def _round_bf16_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+        tl.store(y_ptr + i, _round(x, 1), mask=i < n)
+
+
+def test_kernel_rounding_to_bfloat16_gives_torchs_cast_bits():
+    """``_round`` (every fused kernel's rounding to bf16) equals torch's float32 -> bfloat16 cast bit for bit: ties
+    to even both ways, values that round up into the next binade or to infinity, subnormals, signed zeros. Under the
+    interpreter that is the integer formula; on a GPU (MOE_TEST_DEVICE=cuda) the hardware conversion."""
+    if not kernels.available(DEVICE):
+        pytest.skip("Triton not available")
+    ulp_lo = torch.tensor([1.0, 1.0078125, -3.0, 3.0078125, 255.0, 256.0], dtype=torch.float32)  # bf16 values
+    half_ulp = ulp_lo * 2.0**-8  # exactly between two bf16 values: ties (to the even neighbour)
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1.1754944e-38, 3.3895e38, 3.4e38, -3.4e38, 65504.0,
+                            1.0 + 2.0**-8 + 2.0**-20, 1.0 + 2.0**-8 - 2.0**-20], dtype=torch.float32)
+    noise = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 30, 4096)
+    x = torch.cat([ulp_lo + half_ulp, ulp_lo - half_ulp, special, noise]).to(DEVICE)
+    y = torch.empty_like(x)
+    kernels._launch(_round_bf16_kernel, (1,), x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    want = x.to(torch.bfloat16).float()
+    assert torch.equal(y.view(torch.int32), want.view(torch.int32)), (x[y != want], y[y != want], want[y != want])
+
+
+ROUND_PTX = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_engine import kernels
+
+consts = dict(K=8, BLOCK_K=8, BLOCK=256, DT=1, PDL=True)
+sig = {"y_ptr": "*bf16", "ids_ptr": "*i32", "pos_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32",
+       **{n: "constexpr" for n in consts}}
+ck = triton.compile(ASTSource(kernels._combine_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": 4})
+print(ck.asm["ptx"])
+"""
+
+
+def test_compiled_kernels_round_with_the_hardware_conversion(tmp_path):
+    """Compiled for a GPU (sm_90 here, no GPU needed), ``_round`` is the hardware's round-to-nearest-even conversion,
+    not the interpreter's integer formula: ``combine`` (16 roundings per output element) has no bit masking left."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(repo / "backends"), TRITON_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", ROUND_PTX], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = done.stdout
+    assert ptx.count("cvt.rn.bf16.f32") >= 16, ptx.count("cvt.rn.bf16.f32")
+    assert "-65536" not in ptx  # the integer formula's mask of the top 16 bits
