@@ -170,8 +170,7 @@ def group_pairs(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     T, K = ids.shape
     flat = ids.t().reshape(-1)  # [K*T] slot-major pairs
     n = flat.numel()
-    capturing = ids.is_cuda and torch.cuda.is_current_stream_capturing()
-    if n <= EAGER_COUNT_MAX_PAIRS or (n <= COUNT_MAX_PAIRS and capturing):
+    if n <= EAGER_COUNT_MAX_PAIRS or (n <= COUNT_MAX_PAIRS and torch.cuda.is_current_stream_capturing()):
         seen = torch.zeros(num_experts, n, dtype=torch.int32, device=ids.device)
         seen.scatter_(0, flat[None, :], 1)  # [E, K*T]: pair p is expert flat[p]'s
         ranks = seen.cumsum(1, dtype=torch.int32)  # [E, K*T]: pairs of each expert up to p, p included
