@@ -150,27 +150,23 @@ def group_by_expert(ids: Tensor) -> tuple[Tensor, Tensor]:
     return order % T, order // T
 
 
-# Above kernels.ROUTE_MAX_PAIRS the fused path groups a step's pairs by counting (``group_pairs``): no host sync,
-# so the step can replay a CUDA graph (prefill_graphs.py), up to this many (token, slot) pairs (8,192 tokens at
-# top-8: a full default step; its [E, pairs] int32 table is 33.5 MB at 128 experts). Eager steps count up to
-# EAGER_COUNT_MAX_PAIRS and sort with torch above it (a stable sort, which waits for the GPU once per layer and
-# needs no table: in an eager step of that size the host has nothing to run ahead to, and (b)'s prefill steps were
-# no faster counting, reports/real_shape/run40*).
+# Above kernels.ROUTE_MAX_PAIRS and up to this many (token, slot) pairs (8,192 tokens at top-8: a full default
+# step) the fused path groups a step's pairs by counting (``group_pairs``): no host sync, so such steps can replay
+# CUDA graphs (prefill_graphs.py); its [E, pairs] int32 table is 33.5 MB at 128 experts. Above it torch's stable
+# sort, which waits for the GPU once per layer and needs no table.
 COUNT_MAX_PAIRS = 65536
-EAGER_COUNT_MAX_PAIRS = 16384
 
 
 def group_pairs(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """The fused experts' grouping of a step's pairs, as ``kernels.route`` returns it: ids [T, K] ->
     (pos [T, K] long: the grouped row of each pair, tok [K*T] long: the token of each grouped row, ends [E] int32:
     where each expert's rows end). Rows by expert, then slot k, then token (HF's order, ``group_by_expert``).
-    By counting (each pair's rank among its expert's pairs: a cumulative sum over a [E, K*T] one-hot table) up to
-    EAGER_COUNT_MAX_PAIRS pairs, and up to COUNT_MAX_PAIRS while a CUDA graph is captured; else by torch's stable
-    sort; the same result either way."""
+    Up to COUNT_MAX_PAIRS pairs by counting (each pair's rank among its expert's pairs: a cumulative sum over a
+    [E, K*T] one-hot table), above it by torch's stable sort; the same result either way."""
     T, K = ids.shape
     flat = ids.t().reshape(-1)  # [K*T] slot-major pairs
     n = flat.numel()
-    if n <= EAGER_COUNT_MAX_PAIRS or (n <= COUNT_MAX_PAIRS and torch.cuda.is_current_stream_capturing()):
+    if n <= COUNT_MAX_PAIRS:
         seen = torch.zeros(num_experts, n, dtype=torch.int32, device=ids.device)
         seen.scatter_(0, flat[None, :], 1)  # [E, K*T]: pair p is expert flat[p]'s
         ranks = seen.cumsum(1, dtype=torch.int32)  # [E, K*T]: pairs of each expert up to p, p included
