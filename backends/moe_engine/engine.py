@@ -105,7 +105,7 @@ class Engine:
         self.fused = model.use_fused_kernels(cuda if ec.fused_kernels is None else ec.fused_kernels,
                                              within_rounding=False if ec.exact_kernels else None)
         graphs_off = self._graphs_off_reason(model)
-        graph_tokens = (max(8192, self.max_num_seqs) if ec.max_cudagraph_capture_size is None
+        graph_tokens = (max(2048, self.max_num_seqs) if ec.max_cudagraph_capture_size is None
                         else ec.max_cudagraph_capture_size)
         if graph_tokens < 0:
             raise ValueError(f"max_cudagraph_capture_size must be >= 0, got {graph_tokens}")

@@ -150,11 +150,11 @@ def group_by_expert(ids: Tensor) -> tuple[Tensor, Tensor]:
     return order % T, order // T
 
 
-# Above kernels.ROUTE_MAX_PAIRS and up to this many (token, slot) pairs (8,192 tokens at top-8: a full default
-# step) the fused path groups a step's pairs by counting (``group_pairs``): no host sync, so such steps can replay
-# CUDA graphs (prefill_graphs.py); its [E, pairs] int32 table is 33.5 MB at 128 experts. Above it torch's stable
-# sort, which waits for the GPU once per layer and needs no table.
-COUNT_MAX_PAIRS = 65536
+# Above kernels.ROUTE_MAX_PAIRS and up to this many (token, slot) pairs (2,048 tokens at top-8) the fused path
+# groups a step's pairs by counting (``group_pairs``): no host sync, so such steps can replay CUDA graphs
+# (prefill_graphs.py). Above it torch's stable sort, which waits for the GPU once per layer (harmless in an eager
+# step: its host has nothing to run ahead to) and needs no [E, pairs] table.
+COUNT_MAX_PAIRS = 16384
 
 
 def group_pairs(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:

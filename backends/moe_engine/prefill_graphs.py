@@ -52,11 +52,10 @@ log = logging.getLogger(__name__)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Multiples of 16 to 128, of 32 to 256, of 64 to 512, of 128 to 1,024, of 256 to 2,048, of 512 to 4,096, of
-    1,024 beyond, and max_tokens: padding adds at most 25% (16 at the smallest), and a full 8,192-token step none;
-    32 graphs up to 8,192 tokens."""
+    """Multiples of 16 to 128, of 32 to 256, of 64 to 512, of 128 to 1,024, of 256 beyond, and max_tokens: padding
+    adds at most 25% (16 at the smallest)."""
     sizes = [*range(16, 129, 16), *range(160, 257, 32), *range(320, 513, 64), *range(640, 1025, 128),
-             *range(1280, 2049, 256), *range(2560, 4097, 512), *range(5120, max_tokens + 1024, 1024)]
+             *range(1280, max_tokens + 256, 256)]
     return [t for t in sizes if t < max_tokens] + [max_tokens]
 
 

@@ -297,7 +297,7 @@ class ModelRunner(ReleasableMemory):
         graphs_off: str | None,
         overlap: bool,
         use_attention_kernels: bool = False,
-        max_cudagraph_capture_size: int = 8192,
+        max_cudagraph_capture_size: int = 2048,
     ):
         cfg = model.config
         self.model = model
@@ -334,9 +334,8 @@ class ModelRunner(ReleasableMemory):
         # Attention through paged_attention.py's kernels (they read only each sequence's own blocks) on CUDA with
         # the fused kernels on; the reference (gather + SDPA) elsewhere, and for MLA's latent cache.
         self.use_kernels = use_attention_kernels
-        self.dense_prefill = False  # whether long prompts' attention runs through cuDNN (attention.dense_causal)
         if use_attention_kernels and cuda and self.dtype != torch.float32:
-            self.dense_prefill = self._warm_dense_prefill(step_tokens)
+            self._warm_dense_prefill(step_tokens)
         # Steps of up to max_cudagraph_capture_size tokens replay graphs: decode steps of that many sequences (at
         # most max_num_seqs), and prefill and mixed steps of that many tokens where the attention kernels read the
         # cache themselves and the fused experts group the pairs without the host (at most COUNT_MAX_PAIRS).
@@ -366,18 +365,17 @@ class ModelRunner(ReleasableMemory):
                 self.model, self.kv, self.max_prefill_graph_tokens, self.graph_max_batch, self.max_model_len,
                 self.capture_buf, self.weights_buf, logits=self.graphs.logits, pool=self.graphs.pool)
 
-    def _warm_dense_prefill(self, max_tokens: int) -> bool:
+    def _warm_dense_prefill(self, max_tokens: int) -> None:
         """cuDNN's attention plans for the prompt-length buckets of attention.dense_causal, made now (70 ms to a
-        second each on an H200) rather than by the first request of each length. Whether there are any."""
+        second each on an H200) rather than by the first request of each length."""
         shapes = {s for m in self.model.modules() if (s := getattr(m, "dense_prefill_shape", None)) is not None}
         if not shapes or max_tokens < attention.DENSE_PREFILL_MIN_TOKENS:
-            return False
+            return
         t = time.perf_counter()
         with torch.inference_mode():
             calls = attention.warm_dense_prefill(shapes, self.device, self.dtype, max_tokens)
         log.info("dense prefill attention: %d plans warmed for prompts of %d-%d tokens in %.1f s", calls,
                  attention.DENSE_PREFILL_MIN_TOKENS, max_tokens, time.perf_counter() - t)
-        return True
 
     @torch.inference_mode()
     def warm_prefill(self, max_num_seqs: int) -> None:
@@ -432,12 +430,7 @@ class ModelRunner(ReleasableMemory):
         )
         step.graph = (self.graphs is not None and T == len(items) and forced is None and not scoring
                       and self.graphs.supports(T, max(context) + 1))
-        # A prompt of DENSE_PREFILL_MIN_TOKENS+ from position 0 keeps the eager step, whose attention for it is
-        # cuDNN's (~570 TFLOP/s on an H200 against the paged kernel's ~440, which a graph would use).
-        long_prompt = self.dense_prefill and any(c == 0 and n >= attention.DENSE_PREFILL_MIN_TOKENS
-                                                 for c, (_, n) in zip(context, items))
         step.prefill_graph = (not step.graph and self.prefill_graphs is not None and forced is None and not scoring
-                              and not long_prompt
                               and self.prefill_graphs.supports(T, len(items), max(c + n for c, (_, n) in
                                                                                  zip(context, items))))
         if self.publish is not None:  # tensor parallelism: the other ranks run the same forward (ranks.py)

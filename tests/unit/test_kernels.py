@@ -127,19 +127,14 @@ def test_route_orders_pairs_like_a_stable_sort_by_expert():
     assert kernels.route(torch.zeros(4097, 1, dtype=torch.long, device=DEVICE), 64) is None  # too big: fallback
 
 
-@pytest.mark.parametrize("path", ["count", "sort"])
-@pytest.mark.parametrize("T,K,E", [(600, 8, 128), (2049, 8, 128), (700, 6, 150), (2100, 8, 300), (8192, 8, 128)])
-def test_large_steps_group_their_pairs_like_a_stable_sort_by_expert(T, K, E, path, monkeypatch):
-    """Steps past the route kernel's size: ``group_pairs`` (counting up to COUNT_MAX_PAIRS pairs, a full 8,192-token
-    step at top-8; torch's sort above, on uint8 keys, or int16 ones past 256 experts; both ways here) gives the route
-    kernel's outputs for a stable argsort of the slot-major pairs, experts without a pair included (E > pairs per
-    step for the third case's first experts)."""
-    from moe_engine import experts
+@pytest.mark.parametrize("T,K,E", [(600, 8, 128), (2048, 8, 128), (2049, 8, 128), (700, 6, 150), (2100, 8, 300)])
+def test_large_steps_group_their_pairs_like_a_stable_sort_by_expert(T, K, E):
+    """Steps past the route kernel's size: ``group_pairs`` (counting up to COUNT_MAX_PAIRS pairs, torch's sort
+    above, on uint8 keys, or int16 ones past 256 experts) gives the route kernel's outputs for a stable argsort of
+    the slot-major pairs, experts without a pair included (E > pairs per step for the fourth case's first experts)."""
     from moe_engine.experts import group_pairs
 
-    assert T * K > kernels.ROUTE_MAX_PAIRS and 8192 * 8 <= experts.COUNT_MAX_PAIRS
-    if path == "sort":
-        monkeypatch.setattr(experts, "COUNT_MAX_PAIRS", 0)
+    assert T * K > kernels.ROUTE_MAX_PAIRS
     g = torch.Generator().manual_seed(T)
     ids = torch.stack([torch.randperm(E - 20, generator=g)[:K] + 20 for _ in range(T)]).to(DEVICE)  # 0-19 unused
     pos, tok, ends = group_pairs(ids, E)
