@@ -74,18 +74,20 @@ ROUTE_MAX_PAIRS = 4096
 # columns per program of ``combine``, heads per program of ``qk_norm_rope`` (per-head or no norm). On the H200 at
 # the real shape (loadtest/bench_decode_kernels.py, 48 calls per CUDA graph; run31_decode_kernels.txt): combine
 # 2.85 -> 1.81 us at 1 token, 5.52 -> 3.54 us at 64 (1024 -> 256 columns); qk_norm_rope 4.39 -> 3.35 us at 1
-# token, 6.11 -> 5.52 us at 64 (all 32 q heads in one program -> 4 heads per program).
+# token, 6.11 -> 5.52 us at 64 (all 32 q heads in one program -> 4 heads per program); since ``_round`` is the
+# hardware conversion, 8 heads (run79_round_kernels_new.txt, run81_qk_heads_1token.txt): 3.14 -> 2.88 us at 64
+# tokens, 1.52 -> 1.48 at 1 (a batch-1 decode 2.82 -> 2.81 ms, run81_ab_a_qk8.txt).
 COMBINE_BLOCK = 256
-QK_HEADS_PER_PROGRAM = 4
+QK_HEADS_PER_PROGRAM = 8
 # Larger steps are the other way round: a program per 256 columns of each of hundreds or thousands of tokens spends
 # its time starting. combine's columns per program by step size, (fewest tokens, columns), first match; the same
 # benchmark (run43_combine_large_T.txt, run44_combine_mid_T.txt): 256 -> 512 columns 7.27 -> 6.57 us at 128 tokens,
 # 9.73 -> 8.47 at 256, 14.7 -> 12.1 at 512; 512 -> 1024 21.6 -> 20.3 at 1,024; 256 -> 1024 46.5 -> 30.9 at 2,048,
 # 162 -> 100 at 8,192.
 COMBINE_BLOCKS = ((1024, 1024), (128, 512), (0, COMBINE_BLOCK))
-# qk_norm_rope's heads per program by step size (same benchmark, run71_qk_heads.txt): 8 heads from 1,024 tokens,
-# 24.3 -> 23.3 us at 1,024 and 157.0 -> 147.7 us at 8,192 (16 heads: 24.7 / 157.2; 64: 29.1 / 192.8).
-QK_HEADS_BLOCKS = ((1024, 8), (0, QK_HEADS_PER_PROGRAM))
+# qk_norm_rope's heads per program by step size (same benchmark): 8 heads at every size (run71_qk_heads.txt, before
+# the hardware rounding: 8 from 1,024 tokens; run79: 56.5 us at 8,192 tokens, 16 heads 60.7, 4 heads 92.6).
+QK_HEADS_BLOCKS = ((0, QK_HEADS_PER_PROGRAM),)
 
 
 def interpreting() -> bool:
