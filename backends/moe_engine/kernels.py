@@ -83,8 +83,9 @@ QK_HEADS_PER_PROGRAM = 8
 # its time starting. combine's columns per program by step size, (fewest tokens, columns), first match; the same
 # benchmark (run43_combine_large_T.txt, run44_combine_mid_T.txt): 256 -> 512 columns 7.27 -> 6.57 us at 128 tokens,
 # 9.73 -> 8.47 at 256, 14.7 -> 12.1 at 512; 512 -> 1024 21.6 -> 20.3 at 1,024; 256 -> 1024 46.5 -> 30.9 at 2,048,
-# 162 -> 100 at 8,192.
-COMBINE_BLOCKS = ((1024, 1024), (128, 512), (0, COMBINE_BLOCK))
+# 162 -> 100 at 8,192; with the hardware rounding, 1024 -> 2048 columns 82.2 -> 78.3 us at 8,192
+# (run79_round_kernels_new.txt).
+COMBINE_BLOCKS = ((8192, 2048), (1024, 1024), (128, 512), (0, COMBINE_BLOCK))
 # qk_norm_rope's heads per program by step size (same benchmark): 8 heads at every size (run71_qk_heads.txt, before
 # the hardware rounding: 8 from 1,024 tokens; run79: 56.5 us at 8,192 tokens, 16 heads 60.7, 4 heads 92.6).
 QK_HEADS_BLOCKS = ((0, QK_HEADS_PER_PROGRAM),)
