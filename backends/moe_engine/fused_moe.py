@@ -49,9 +49,10 @@ Decode (P = 8 for one Qwen3-30B-A3B token) is weight-bandwidth bound: 8 x (2*768
 75.5 MB per layer, 17.6 us at 4.3 TB/s. With BLOCK_M 16 and narrow column tiles the 8 hit experts give
 8 x 768/32 = 192 gate_up programs (256 KB of weights each), all resident at once on the 132 SMs, without a tail
 wave; down's TMA tiles of 128 columns give 128 programs of 192 KB, which TMA's bulk copies (three stages of
-256-deep K tiles) keep streaming. The H200 table's batch-1 tiles were chosen by timing them inside a 48-layer CUDA
-graph, where they beat the ones that were fastest alone (loadtest/reports/real_shape_h200.md, runs 77-80). That is why there is no split-K variant: it would only add parallelism, which the column tiles
-already give, at the price of a float32 reduction pass before the SwiGLU.
+256-deep K tiles) keep streaming. That is why there is no split-K variant: it would only add parallelism, which the
+column tiles already give, at the price of a float32 reduction pass before the SwiGLU. The H200 table's batch-1
+tiles were chosen by timing them inside a 48-layer CUDA graph, where they beat the ones that were fastest alone
+(loadtest/reports/real_shape_h200.md, runs 77-80).
 """
 from __future__ import annotations
 
