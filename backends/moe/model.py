@@ -249,7 +249,7 @@ class TritonPythonModel:
         ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
         if ids_t is None:
             raise InvalidRequestError("input_ids: missing", param="input_ids")
-        prompt = ids_t.as_numpy().reshape(-1).astype(np.int64).tolist()
+        prompt = ids_t.as_numpy().reshape(-1).astype(np.int64)  # the engine validates and hashes the array as is
         d = SamplingParams()
         stop_t = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
 

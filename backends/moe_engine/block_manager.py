@@ -6,7 +6,10 @@ touches the device: the cache memory is kv_cache.py's, the block ids are plain i
 
 Prefix caching (on by default, as vLLM): a block whose ``block_size`` tokens are all computed gets a hash of
 (parent block's hash, its tokens, the sequence's cache key) and is registered; a later sequence whose tokens begin
-with the same blocks takes them (reference counted) instead of computing them again. The cache key holds
+with the same blocks takes them (reference counted) instead of computing them again. The hash is a chained
+multilinear one over 64-bit words (``BlockHasher``), so that a prompt's hundreds of blocks are hashed, looked up and
+checked in a few numpy operations: a multi-turn agent's turn admits 32 prompts of ~7,800 tokens before its first
+step, and per-block Python work there was time the GPU waited. The cache key holds
 everything else that changes the keys and values of those tokens (e.g. forced routing): sequences with different
 keys never share blocks. A freed block keeps its hash and contents until it is handed out again: free blocks are
 reused least-recently-freed first, so the most recently used prefixes stay longest. A hit is checked beyond the
@@ -22,9 +25,81 @@ its registration: an evicted (re-used) block loses its hash before anyone could 
 from __future__ import annotations
 
 import collections
+import secrets
 from dataclasses import dataclass, field
 
 import numpy as np
+
+_U64 = np.uint64
+
+
+def _mix(v: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 words (wrapping arithmetic): every input bit reaches every output bit."""
+    v = v ^ (v >> _U64(30))
+    v = v * _U64(0xBF58476D1CE4E5B9)
+    v = v ^ (v >> _U64(27))
+    v = v * _U64(0x94D049BB133111EB)
+    return v ^ (v >> _U64(31))
+
+
+class BlockHasher:
+    """Chained block hashes, all of a prompt's blocks at once.
+
+    Definition (arithmetic modulo 2**64): a block's value is ``v = mix(sum_i tokens[i] * M[i])`` with random odd
+    multipliers ``M`` (one per position in the block), and block j's hash is ``h_j = h_{j-1} * B + v_j``, starting
+    from ``h_{-1}`` = the cache key's hash (every block's hash depends on the key and on every block before it). The
+    recurrence unrolls to ``h_j = B**(j+1) * (h_{-1} + sum_{i<=j} v_i * B**-(i+1))`` (B odd: invertible modulo
+    2**64), a cumulative sum: no Python loop over blocks. Parameters are drawn per process, so inputs cannot be
+    crafted to collide without seeing them; a collision could only cost a cache miss anyway, since a hit is checked
+    against the block's tokens and history (``BlockManager.match_prefix``).
+    """
+
+    MASK = 2**64 - 1
+    # Up to this many blocks (a decode step filling one) in Python integers: ~20 numpy calls cost ~30 us whatever
+    # the size, the recurrence ~3 us a block.
+    SCALAR_BLOCKS = 4
+
+    def __init__(self, block_size: int):
+        rng = np.random.default_rng(secrets.randbits(128))
+        self.mult = rng.integers(0, 2**64, size=block_size, dtype=np.uint64) | _U64(1)  # M
+        self._mult = self.mult.tolist()
+        self.base = int(rng.integers(0, 2**64, dtype=np.uint64)) | 1  # B
+        self._inv = pow(self.base, -1, 2**64)
+        self._pow: np.ndarray = np.zeros(0, np.uint64)  # B**(j+1), j = 0, 1, ... (grown on demand)
+        self._inv_pow: np.ndarray = np.zeros(0, np.uint64)  # B**-(j+1)
+
+    def _powers(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self._pow) < n:
+            m = max(n, 2 * len(self._pow), 64)
+            self._pow = np.cumprod(np.full(m, self.base, np.uint64))
+            self._inv_pow = np.cumprod(np.full(m, self._inv, np.uint64))
+        return self._pow[:n], self._inv_pow[:n]
+
+    def seed(self, key: object) -> int:
+        return hash(key) & self.MASK
+
+    def __call__(self, parent: int, blocks: np.ndarray) -> list[int]:
+        """Hashes of ``blocks`` [n, block_size] (uint64 token ids) following a block whose hash is ``parent``
+        (``seed(key)`` for a sequence's first block)."""
+        n = len(blocks)
+        if n <= self.SCALAR_BLOCKS:
+            return self._recurrence(parent, blocks.tolist())
+        v = _mix((blocks * self.mult).sum(axis=1, dtype=np.uint64))  # [n]
+        pw, inv = self._powers(n)
+        return (pw * (_U64(parent) + np.cumsum(v * inv, dtype=np.uint64))).tolist()
+
+    def _recurrence(self, h: int, blocks: list[list[int]]) -> list[int]:
+        """The definition block by block, in Python integers (the same values)."""
+        mask, base, out = self.MASK, self.base, []
+        for block in blocks:
+            v = sum(map(int.__mul__, block, self._mult)) & mask
+            v ^= v >> 30
+            v = v * 0xBF58476D1CE4E5B9 & mask
+            v ^= v >> 27
+            v = v * 0x94D049BB133111EB & mask
+            h = (h * base + (v ^ (v >> 31))) & mask
+            out.append(h)
+        return out
 
 
 class NoFreeBlocks(Exception):
@@ -39,10 +114,11 @@ class BlockTable:
     cache_key: object = None  # sequences share cached blocks only with equal keys
     hashes: list[int] = field(default_factory=list)  # hash of each registered (full, computed) block, in order
     # BlockManager.block_hashes: the chained hashes of the full blocks of the sequence's tokens so far, under
-    # memo_key (a sequence's full blocks never change; a new cache key starts the memo again), and the blocks'
-    # tokens as the tuples that were hashed (what a hit's tokens are compared with, and what registering stores)
+    # memo_key (a sequence's full blocks never change; a new cache key starts the memo again), and those blocks'
+    # tokens as hashed, [len(memo), block_size] uint64 (what a hit's tokens are compared with, and what registering
+    # stores)
     memo: list[int] = field(default_factory=list)
-    memo_blocks: list[tuple[int, ...]] = field(default_factory=list)
+    memo_tokens: np.ndarray | None = None
     memo_key: object = None
     # The cached block that stands for the last registered block of this table, with its generation: what the
     # next block registers as its parent (None before the first block).
@@ -63,16 +139,18 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # guards against hash collisions
-        # ... with what each registered block follows: (parent block, the parent's generation then), None for a
-        # first block. A block's generation counts the times it was handed out, so a prefix hit is taken only
-        # where every block follows the hit before it as that block was when they were registered: blocks are
-        # shared only between equal token histories, whatever the hashes do (Python's hash can be made to
-        # collide on purpose; vLLM moved to sha256 for that). Keys, values and routing rows of one prefix never
-        # reach a request with another. (A parent is not handed out again while a child is cached: blocks are freed
-        # tail first and reused least recently freed first, so a cached entry never goes stale this way.)
-        self.block_parent: list[tuple[int, int] | None] = [None] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks  # None: not registered
+        self.hasher = BlockHasher(block_size)
+        # A registered block's tokens (guards against hash collisions), with what it follows: its parent block and
+        # the parent's generation then (-1 for a first block). A block's generation counts the times it was handed
+        # out, so a prefix hit is taken only where every block follows the hit before it as that block was when they
+        # were registered: blocks are shared only between equal token histories, whatever the hashes do. Keys,
+        # values and routing rows of one prefix never reach a request with another. (A parent is not handed out
+        # again while a child is cached: blocks are freed tail first and reused least recently freed first, so a
+        # cached entry never goes stale this way.) Arrays, so that a prompt's hits are checked at once.
+        self.block_tokens = np.zeros((num_blocks, block_size), np.uint64)
+        self.block_parent = np.full(num_blocks, -1, np.int64)
+        self.parent_gen = np.zeros(num_blocks, np.int64)
         self.block_gen = [0] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id (registered blocks, in use or free)
         # Free blocks, least recently freed first (OrderedDict: O(1) removal when a cached free block is hit).
@@ -106,47 +184,50 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _hash(self, parent: int | None, tokens: tuple[int, ...], key: object) -> int:
-        return hash((parent, tokens, key))
+    def _hashes(self, parent: int, blocks: np.ndarray) -> list[int]:
+        return self.hasher(parent, blocks)
 
-    def block_hashes(self, table: BlockTable, tokens: list[int], num_blocks: int) -> list[int]:
+    def block_hashes(self, table: BlockTable, tokens: list[int], num_blocks: int,
+                     prompt_ids: np.ndarray | None = None) -> list[int]:
         """Hashes of the first ``num_blocks`` full blocks of a sequence's ``tokens`` under its table's key, each
-        chained to its parent's, computed once per block and kept on the table: admitting a sequence looks its
-        blocks up, checks whether another sequence is computing the next one and claims the rest, and registering
-        reads them again; a 7,800-token prompt's 487 blocks cost ~0.8 ms a pass here, and a multi-turn agent's
-        turn admits 32 of them at once, before its first step. The block tuples are kept too: ``match_prefix``
-        compares them with the cached blocks' tokens and ``register`` stores them (matching 32 such prompts
-        19.2 -> 16.3 ms here with them; registered, they are the cached blocks' own tuples: no extra memory)."""
+        chained to its parent's, computed once per block and kept on the table with the blocks' tokens: admitting a
+        sequence looks its blocks up, checks whether another sequence is computing the next one and claims the
+        rest, and registering reads them again. The new blocks are hashed together (``BlockHasher``): a
+        7,800-token prompt's 487 blocks took ~0.3-0.5 ms as one tuple and one hash per block, and a multi-turn
+        agent's turn admits 32 such prompts before its first step. ``prompt_ids``: the first tokens as an int64
+        array (the engine's validation made it), read instead of the list where it reaches."""
         if table.memo_key != table.cache_key:
             table.memo.clear()
-            table.memo_blocks.clear()
+            table.memo_tokens = None
             table.memo_key = table.cache_key
         memo, bs = table.memo, self.block_size
-        parent = memo[-1] if memo else None
-        new = list(zip(*[iter(tokens[len(memo) * bs : num_blocks * bs])] * bs))  # the new blocks, as tuples
-        for block in new:
-            parent = self._hash(parent, block, table.cache_key)
-            memo.append(parent)
-        table.memo_blocks.extend(new)
+        have = len(memo)
+        if num_blocks > have:
+            lo, hi = have * bs, num_blocks * bs
+            new = (prompt_ids[lo:hi].astype(np.uint64) if prompt_ids is not None and hi <= len(prompt_ids)
+                   else np.array(tokens[lo:hi], dtype=np.uint64)).reshape(-1, bs)
+            memo.extend(self._hashes(memo[-1] if memo else self.hasher.seed(table.cache_key), new))
+            table.memo_tokens = new if table.memo_tokens is None else np.concatenate([table.memo_tokens, new])
         return memo[:num_blocks]
 
-    def match_prefix(self, table: BlockTable, tokens: list[int]) -> list[int]:
+    def match_prefix(self, table: BlockTable, tokens: list[int], prompt_ids: np.ndarray | None = None) -> list[int]:
         """The cached blocks that hold a prefix of ``tokens`` under ``table``'s key (whole blocks; at least one
         token is left to compute, so that the last token's logits come from a forward)."""
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
-        full = (len(tokens) - 1) // bs
-        hits: list[int] = []
-        parent = None  # each hit follows the one before it (the first follows nothing): the same history
-        cached, tokens_of, parent_of, gen = self.cached, self.block_tokens, self.block_parent, self.block_gen
-        for h, block in zip(self.block_hashes(table, tokens, full), table.memo_blocks):
-            b = cached.get(h)
-            if b is None or tokens_of[b] != block or parent_of[b] != parent:  # (a collision would differ here)
-                break
-            hits.append(b)
-            parent = (b, gen[b])
-        return hits
+        full = (len(tokens) - 1) // self.block_size
+        found = list(map(self.cached.get, self.block_hashes(table, tokens, full, prompt_ids)))  # registered, same hash
+        n = found.index(None) if None in found else len(found)
+        if n == 0:
+            return []
+        # A hit has the prompt's tokens and follows the hit before it (the first follows nothing): the same
+        # history. A collision would differ here; the hits end before the first block that does.
+        c = np.array(found[:n], np.int64)
+        ok = (self.block_tokens[c] == table.memo_tokens[:n]).all(axis=1)
+        ok &= self.block_parent[c] == np.concatenate(([-1], c[:-1]))
+        ok[1:] &= self.parent_gen[c[1:]] == np.fromiter(map(self.block_gen.__getitem__, found[: n - 1]), np.int64,
+                                                         n - 1)
+        return found[:n] if ok.all() else found[: int(ok.argmin())]
 
     def can_allocate(self, num_new_blocks: int, hits: list[int] = (), watermark: bool = False) -> bool:
         """Whether ``num_new_blocks`` fresh blocks (plus taking ``hits`` out of the free list) fit."""
@@ -203,8 +284,6 @@ class BlockManager:
             if self.cached.get(h) == b:
                 del self.cached[h]
             self.block_hash[b] = None
-            self.block_tokens[b] = None
-            self.block_parent[b] = None
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -220,15 +299,16 @@ class BlockManager:
         full = min(num_computed // bs, len(table.blocks))
         hashes = self.block_hashes(table, tokens, full)  # hashed at admission, most of the time
         row_blocks, row_starts = [], []  # blocks whose rows are stored, and where their rows start in ``rows``
+        new_blocks, new_js, parents = [], [], []  # registered now: block, its index in the table, its parent
         for j in range(len(table.hashes), full):
-            chunk = table.memo_blocks[j]  # the tuple that was hashed
             h = hashes[j]
             b = table.blocks[j]
             table.hashes.append(h)
-            parent, table.link = table.link, (b, self.block_gen[b])  # children follow this block, unless ...
+            parent, table.link = table.link or (-1, 0), (b, self.block_gen[b])  # children follow b, unless ...
             c = self.cached.get(h)
             if c is not None:  # the same prefix was computed twice (two cold requests at once): keep the first
-                if self.block_tokens[c] == chunk and self.block_parent[c] == parent:
+                if ((int(self.block_parent[c]), int(self.parent_gen[c])) == parent
+                        and np.array_equal(self.block_tokens[c], table.memo_tokens[j])):
                     table.link = (c, self.block_gen[c])  # ... the cached twin stands for it
                 continue
             if self.rows is not None:
@@ -239,8 +319,12 @@ class BlockManager:
                 row_starts.append(lo)
             self.cached[h] = b
             self.block_hash[b] = h
-            self.block_tokens[b] = chunk
-            self.block_parent[b] = parent
+            new_blocks.append(b)
+            new_js.append(j)
+            parents.append(parent)
+        if new_blocks:
+            self.block_tokens[new_blocks] = table.memo_tokens[new_js]
+            self.block_parent[new_blocks], self.parent_gen[new_blocks] = zip(*parents)
         if row_blocks:  # one copy (and cast) for all of them: half the time of a copy per block
             n, lo = len(row_blocks), row_starts[0]
             if row_starts[-1] - lo == (n - 1) * bs:  # consecutive (the usual case): a view, no gather
@@ -249,11 +333,16 @@ class BlockManager:
                 src = rows[np.asarray(row_starts)[:, None] + np.arange(bs)]
             self.rows[row_blocks] = src
 
-    def cached_rows(self, blocks: list[int]) -> np.ndarray | None:
-        """Routing rows [len(blocks) * block_size, L, K] of cached blocks (a copy)."""
+    def cached_rows(self, blocks: list[int], skip: int = 0, out: np.ndarray | None = None) -> np.ndarray | None:
+        """Routing rows [len(blocks) * block_size - skip, L, K] of cached blocks from the first block's row
+        ``skip`` on: a copy, or written into ``out`` (in its dtype) and returned."""
         if self.rows is None or not blocks:
             return None
-        return self.rows[blocks].reshape(len(blocks) * self.block_size, *self.rows.shape[2:])
+        rows = self.rows[blocks].reshape(len(blocks) * self.block_size, *self.rows.shape[2:])[skip:]
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
 
     def flush(self) -> int:
         """Forget every cached prefix (e.g. after a weight update); blocks in use stay with their owners.
@@ -261,7 +350,5 @@ class BlockManager:
         n = len(self.cached)
         for b in list(self.cached.values()):
             self.block_hash[b] = None
-            self.block_tokens[b] = None
-            self.block_parent[b] = None
         self.cached.clear()
         return n

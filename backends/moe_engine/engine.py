@@ -26,6 +26,7 @@ under other weights never match a later request, whether or not the cache is flu
 """
 from __future__ import annotations
 
+import array
 import collections
 import hashlib
 import itertools
@@ -82,6 +83,21 @@ def validate_replay(replay: np.ndarray, num_prompt: int, cfg: MoEConfig) -> None
             r, layer = dup[0]
             bad(f"row {r}, layer {cfg.moe_layers[layer]} repeats an expert id ({moe[r, layer].tolist()}): a token's "
                 f"{K} experts must be distinct")
+
+
+def _id_array(prompt) -> np.ndarray | None:
+    """A prompt's token ids as int64 [n] in one C-level pass (a list's ints through ``array``, which refuses
+    floats and ids beyond int64), or None when they are not all integers."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1:
+            return None
+        if prompt.dtype.kind in "iu":
+            return prompt.astype(np.int64)
+        prompt = prompt.tolist()
+    try:
+        return np.frombuffer(array.array("q", prompt), np.int64)
+    except (TypeError, OverflowError):
+        return None
 
 
 class Engine:
@@ -256,17 +272,18 @@ class Engine:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def validate(self, req: Request) -> None:
-        """Raise InvalidRequestError naming the problem; cheap, runs in the caller's thread."""
+    def validate(self, req: Request) -> np.ndarray:
+        """Raise InvalidRequestError naming the problem; cheap, runs in the caller's thread. Returns the prompt's
+        ids as an int64 array (what the prefix cache hashes: one conversion for both)."""
         n = len(req.prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("input_ids: the prompt is empty", param="input_ids")
         V = self.cfg.vocab_size
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < V]
-        if bad:
-            raise InvalidRequestError(
-                f"input_ids: token id {bad[0]} is outside the vocabulary [0, {V})", param="input_ids"
-            )
+        ids = _id_array(req.prompt_token_ids)
+        if ids is None or ids.min() < 0 or ids.max() >= V:
+            bad = next(t for t in req.prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < V))
+            shown = f"{int(bad)} is outside" if isinstance(bad, (int, np.integer)) else f"{bad!r} is not an integer of"
+            raise InvalidRequestError(f"input_ids: token id {shown} the vocabulary [0, {V})", param="input_ids")
         req.sampling.validate(V)
         limit = self.max_model_len
         if n + req.sampling.max_tokens > limit:
@@ -288,6 +305,7 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt_logprobs: must be in [0, {SamplingParams.MAX_LOGPROBS}], got {lp}", param="prompt_logprobs"
             )
+        return ids
 
     def add_request(self, req: Request) -> None:
         self.add_requests([req])
@@ -297,9 +315,10 @@ class Engine:
         them, where one ``add_request`` after another lets the loop start a step with the first few (and the rest
         wait for it). All or none: any invalid request, a duplicate id or a full queue raises and submits none;
         the message names the request's index when there are several."""
+        ids = []
         for i, req in enumerate(reqs):
             try:
-                self.validate(req)
+                ids.append(self.validate(req))
             except InvalidRequestError as exc:
                 if len(reqs) == 1:
                     raise
@@ -318,18 +337,20 @@ class Engine:
                 raise EngineOverloadedError(
                     f"the engine's waiting queue is full ({self.ecfg.max_waiting} requests); retry later"
                 )
-            for req in reqs:
-                self._enqueue(req)
+            for req, prompt_ids in zip(reqs, ids):
+                self._enqueue(req, prompt_ids)
             self._cv.notify_all()
 
-    def _enqueue(self, req: Request) -> None:
+    def _enqueue(self, req: Request, prompt_ids: np.ndarray) -> None:
         """A validated request into the inbox (the caller holds the lock and notifies)."""
         self._known_ids.add(req.request_id)
+        p = req.prompt_token_ids
         seq = Sequence(
             req=req,
             sampler=make_state(req.sampling, self.device),
-            tokens=list(req.prompt_token_ids),
-            num_prompt=len(req.prompt_token_ids),
+            tokens=p.tolist() if isinstance(p, np.ndarray) else list(p),
+            num_prompt=len(p),
+            prompt_ids=prompt_ids,
         )
         key = []
         if req.cache_salt:  # only requests of the same salt share cached blocks
@@ -424,7 +445,9 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return prev is not None
-        self._keep_or_complete(self.runner.launch(plan, self._wants_routing(plan)))
+        launched = self.runner.launch(plan, self._wants_routing(plan))
+        self.scheduler.prepare_outputs(plan)  # while the device computes the step
+        self._keep_or_complete(launched)
         return True
 
     def _wants_routing(self, plan) -> bool:

@@ -47,7 +47,7 @@ OutputCallback = Callable[[RequestOutput], None]
 @dataclass
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | np.ndarray  # ids, or an integer array [n]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     return_routed_experts: bool = True
     routed_experts_prompt_start: int = 0
@@ -93,6 +93,7 @@ class Sequence:
     prompt_lp: list = field(default_factory=list)  # prompt-logprob chunks of the steps so far (until sent)
     prompt_lp_sent: bool = False
     arrival: float = field(default_factory=time.monotonic)
+    prompt_ids: np.ndarray | None = None  # the prompt as int64 [num_prompt] (validated; what admission hashes)
 
     def __post_init__(self):
         self.rows_sent = self.req.routed_experts_prompt_start

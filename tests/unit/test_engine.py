@@ -96,6 +96,42 @@ def prompt_of(n, seed):
     return torch.randint(3, 500, (n,), generator=g).tolist()
 
 
+def test_prompt_ids_are_validated_in_bulk_from_lists_and_integer_arrays(tiny):
+    """Token ids come as a list (the engine API) or an integer array (the Triton backend's input tensor): both run
+    the same; a non-integer, an id outside the vocabulary or beyond int64, or a 2-D array is refused by name."""
+    cfg, _ = tiny
+    engine = make_engine(tiny)
+    p = prompt_of(40, 3)
+
+    def request(ids, c=None):
+        return Request(request_id=engine.new_request_id(), prompt_token_ids=ids, on_output=c,
+                       sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+
+    runs = [Collector() for _ in range(3)]
+    for ids, c in zip((list(p), np.array(p, np.int64), np.array(p, np.int32)), runs):
+        engine.add_request(request(ids, c))
+    run_all(engine, runs)
+    for c in runs[1:]:
+        assert c.tokens == runs[0].tokens
+        np.testing.assert_array_equal(c.routing, runs[0].routing)
+    V = cfg.vocab_size
+    for ids, message in (
+        ([1, V], f"token id {V} is outside the vocabulary"),
+        ([-1, 2], "token id -1 is outside the vocabulary"),
+        ([1, 2**70], f"token id {2**70} is outside the vocabulary"),
+        (np.array([1, V], np.int64), f"token id {V} is outside the vocabulary"),
+        (np.array([1, 2**64 - 1], np.uint64), f"token id {2**64 - 1} is outside the vocabulary"),
+        ([1, 2.5], "token id 2.5 is not an integer of the vocabulary"),
+        ([1, "7"], "token id '7' is not an integer of the vocabulary"),
+        (np.array([1.0, 2.0]), "token id 1.0 is not an integer of the vocabulary"),
+    ):
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.add_request(request(ids))
+    with pytest.raises(InvalidRequestError, match="not an integer"):
+        engine.add_request(request(np.array([[1, 2]])))
+    assert engine.num_unfinished == 0
+
+
 def test_rows_are_prompt_plus_output_minus_one_and_match_the_router(tiny):
     cfg, model = tiny
     engine = make_engine(tiny)

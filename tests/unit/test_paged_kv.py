@@ -124,6 +124,43 @@ def test_prefix_cache_hit_returns_the_rows_and_tokens_of_a_cold_run(tiny):
     assert no_rows.routing is None and no_rows.tokens == ref.tokens
 
 
+def test_cached_rows_copied_while_the_step_runs_are_the_rows_copied_after_it(tiny, monkeypatch):
+    """A cache hit's first output carries its history's rows: the engine copies them from the cache while the device
+    computes the step (``Scheduler.prepare_outputs``), and the output equals, output by output, what copying them
+    once the step's rows are back gives, for prompt starts before, inside and after the cached blocks."""
+    base = prompt_of(100, 31)
+    tail = prompt_of(30, 32)
+
+    def run(prepare: bool):
+        engine = make_engine(tiny, max_model_len=512)
+        prepared = []
+        if prepare:
+            plain = engine.scheduler.prepare_outputs
+
+            def counting(plan):
+                plain(plan)
+                prepared.extend(len(rows) for rows in plan.first_rows.values())
+
+            monkeypatch.setattr(engine.scheduler, "prepare_outputs", counting)
+        else:
+            monkeypatch.setattr(engine.scheduler, "prepare_outputs", lambda plan: None)
+        run_all(engine, [submit(engine, base, max_tokens=3, ignore_eos=True)])
+        warm = [submit(engine, base[:70] + tail, max_tokens=5, ignore_eos=True, prompt_start=ps) for ps in (0, 20, 90)]
+        run_all(engine, warm)
+        return warm, prepared
+
+    with_prepare, prepared = run(True)
+    after_step, none = run(False)
+    # The first warm request: 64 cached tokens (4 blocks of the shared 70) + 36 forwarded, 100 rows. The other two
+    # wait for it to compute blocks 4 and 5 (same prompt), then hit 96 tokens and forward 4: rows 20.. and 90..
+    assert sorted(prepared) == [96 + 4 - 90, 96 + 4 - 20, 100] and none == []
+    for a, b in zip(with_prepare, after_step):
+        assert a.tokens == b.tokens and len(a.rows) == len(b.rows)
+        for x, y in zip(a.rows, b.rows):
+            assert x.dtype == y.dtype == np.uint16
+            np.testing.assert_array_equal(x, y)
+
+
 def test_exact_block_multiple_prompt_recomputes_its_last_block_for_the_logits(tiny):
     engine = make_engine(tiny, max_model_len=512)
     p = prompt_of(64, 13)  # exactly 4 blocks: the last token must be forwarded, so the last block is recomputed
@@ -181,13 +218,41 @@ def test_prefix_cache_off_serves_nothing_from_the_cache(tiny):
 # ----------------------------------------------------------------------------- block manager
 
 
-def chained_hashes(tokens: list[int], key: object, num_blocks: int, bs: int) -> list[int]:
-    """The definition: block j's hash = hash((block j-1's hash, block j's tokens, the cache key))."""
-    out, parent = [], None
+def chained_hashes(bm: BlockManager, tokens: list[int], key: object, num_blocks: int) -> list[int]:
+    """The definition (BlockHasher), block by block in Python integers: block j's value v_j = mix(sum_i
+    tokens[i] * M[i] mod 2**64) with splitmix64's finaliser, its hash h_j = h_{j-1} * B + v_j mod 2**64, from
+    h_{-1} = hash(key) mod 2**64."""
+    mask, bs = 2**64 - 1, bm.block_size
+    mult, base = [int(m) for m in bm.hasher.mult], bm.hasher.base
+
+    def mix(v):
+        v ^= v >> 30
+        v = v * 0xBF58476D1CE4E5B9 & mask
+        v ^= v >> 27
+        v = v * 0x94D049BB133111EB & mask
+        return v ^ (v >> 31)
+
+    out, h = [], hash(key) & mask
     for j in range(num_blocks):
-        parent = hash((parent, tuple(tokens[j * bs : (j + 1) * bs]), key))
-        out.append(parent)
+        v = mix(sum(t * m for t, m in zip(tokens[j * bs : (j + 1) * bs], mult)) & mask)
+        h = (h * base + v) & mask
+        out.append(h)
     return out
+
+
+def test_block_hashes_follow_their_definition_for_long_prompts_and_large_token_ids():
+    """The vectorised hashes (a cumulative sum over B's powers) equal the block-by-block recurrence for a prompt
+    of thousands of blocks (powers grown past their first size) and ids up to 2**31, and every block's hash
+    depends on the tokens before it and on the key."""
+    bm = BlockManager(num_blocks=4, block_size=16)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 2**31, size=16 * 1500 + 7).tolist()
+    t = BlockTable()
+    assert bm.block_hashes(t, tokens, 1500) == chained_hashes(bm, tokens, None, 1500)
+    other = [tokens[0] + 1] + tokens[1:]
+    assert all(a != b for a, b in zip(bm.block_hashes(BlockTable(), other, 50), chained_hashes(bm, tokens, None, 50)))
+    salted = bm.block_hashes(BlockTable(cache_key=("salt", "x")), tokens, 50)
+    assert all(a != b for a, b in zip(salted, chained_hashes(bm, tokens, None, 50)))
 
 
 def test_block_hashes_are_computed_once_per_block_and_follow_the_cache_key(monkeypatch):
@@ -196,25 +261,25 @@ def test_block_hashes_are_computed_once_per_block_and_follow_the_cache_key(monke
     weight update re-keys waiting sequences), and what lookups and registrations use."""
     bm = BlockManager(num_blocks=16, block_size=4)
     calls = []
-    plain_hash = bm._hash
-    monkeypatch.setattr(bm, "_hash", lambda *a: calls.append(1) or plain_hash(*a))
+    plain = bm._hashes
+    monkeypatch.setattr(bm, "_hashes", lambda parent, blocks: calls.append(len(blocks)) or plain(parent, blocks))
     tokens = list(range(100, 118))  # 4 full blocks + 2 tokens
     t = BlockTable()
-    assert bm.block_hashes(t, tokens, 4) == chained_hashes(tokens, None, 4, 4)
-    assert bm.block_hashes(t, tokens, 2) == chained_hashes(tokens, None, 2, 4)
-    assert bm.block_hashes(t, tokens, 4) == chained_hashes(tokens, None, 4, 4)
-    assert len(calls) == 4  # each block once
+    assert bm.block_hashes(t, tokens, 4) == chained_hashes(bm, tokens, None, 4)
+    assert bm.block_hashes(t, tokens, 2) == chained_hashes(bm, tokens, None, 2)
+    assert bm.block_hashes(t, tokens, 4) == chained_hashes(bm, tokens, None, 4)
+    assert sum(calls) == 4  # each block once
     tokens += [1, 2]  # a decode step completes block 5
-    assert bm.block_hashes(t, tokens, 5) == chained_hashes(tokens, None, 5, 4)
-    assert len(calls) == 5  # one new block hashed
+    assert bm.block_hashes(t, tokens, 5) == chained_hashes(bm, tokens, None, 5)
+    assert sum(calls) == 5  # one new block hashed
     t.cache_key = ("epoch", 1)
-    assert bm.block_hashes(t, tokens, 5) == chained_hashes(tokens, ("epoch", 1), 5, 4)
-    assert chained_hashes(tokens, ("epoch", 1), 5, 4) != chained_hashes(tokens, None, 5, 4)
+    assert bm.block_hashes(t, tokens, 5) == chained_hashes(bm, tokens, ("epoch", 1), 5)
+    assert chained_hashes(bm, tokens, ("epoch", 1), 5) != chained_hashes(bm, tokens, None, 5)
     # registering and matching read them
     a = BlockTable(cache_key=("epoch", 1))
     assert bm.allocate(a, len(tokens))
     bm.register(a, tokens, num_computed=len(tokens))
-    assert a.hashes == chained_hashes(tokens, ("epoch", 1), 5, 4)
+    assert a.hashes == chained_hashes(bm, tokens, ("epoch", 1), 5)
     # 20 tokens: 5 full blocks, of which a prompt may take 4 from the cache (its last token is computed)
     assert bm.match_prefix(t, tokens) == a.blocks[:4]
     assert bm.match_prefix(BlockTable(cache_key=("epoch", 1)), tokens) == a.blocks[:4]
@@ -224,7 +289,7 @@ def test_block_hashes_are_computed_once_per_block_and_follow_the_cache_key(monke
 def test_an_engine_without_prefix_caching_hashes_no_blocks(tiny, monkeypatch):
     engine = make_engine(tiny, enable_prefix_caching=False)
     calls = []
-    monkeypatch.setattr(engine.blocks, "_hash", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(engine.blocks, "_hashes", lambda *a: calls.append(a) or [])
     out = [submit(engine, prompt_of(40, seed), max_tokens=3, ignore_eos=True) for seed in (1, 1, 2)]
     run_all(engine, out)
     assert all(len(c.tokens) == 3 for c in out) and calls == []
@@ -291,10 +356,10 @@ def submit_salted(engine, prompt, salt):
     return c
 
 
-def colliding_hash(parent, tokens, key):
-    """A chained block hash that ignores the parent: equal blocks after different histories collide, as crafted
-    inputs can make Python's hash collide."""
-    return hash((tokens, key))
+def colliding_hash(parent, blocks):
+    """Block hashes that ignore the parent (and so the key): equal blocks after different histories collide, as
+    crafted inputs could make a weaker hash collide."""
+    return [hash(tuple(block)) for block in blocks.tolist()]
 
 
 def test_a_hash_collision_never_shares_a_block_across_different_histories(monkeypatch):
@@ -302,7 +367,7 @@ def test_a_hash_collision_never_shares_a_block_across_different_histories(monkey
     another history with the same tokens and the same hash is not a hit (its keys, values and routing rows
     were computed after other tokens)."""
     bm = BlockManager(num_blocks=32, block_size=4)
-    monkeypatch.setattr(bm, "_hash", colliding_hash)
+    monkeypatch.setattr(bm, "_hashes", colliding_hash)
     a0, b0, x, y = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]
     tables = {}
     for name, tokens in (("a", a0 + x + [0]), ("c", b0 + y + [0])):  # cached: a0 | x and b0 | y
@@ -325,7 +390,7 @@ def test_a_hash_collision_gives_the_tokens_and_rows_of_a_cold_run(tiny, monkeypa
     after a different first block gets exactly what a cold run gives (the other prompt's keys and values for
     those tokens would change its logits and routing)."""
     engine = make_engine(tiny, max_model_len=256)
-    monkeypatch.setattr(engine.blocks, "_hash", colliding_hash)
+    monkeypatch.setattr(engine.blocks, "_hashes", colliding_hash)
     a0, b0, x, y = (prompt_of(BS, seed) for seed in (21, 22, 23, 24))
     first = [submit(engine, p, max_tokens=4, ignore_eos=True) for p in (a0 + x + [7], b0 + y + [7])]
     run_all(engine, first)
