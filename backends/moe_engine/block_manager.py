@@ -147,9 +147,10 @@ class BlockManager:
         # were registered: blocks are shared only between equal token histories, whatever the hashes do. Keys,
         # values and routing rows of one prefix never reach a request with another. (A parent is not handed out
         # again while a child is cached: blocks are freed tail first and reused least recently freed first, so a
-        # cached entry never goes stale this way.) Arrays, so that a prompt's hits are checked at once.
+        # cached entry never goes stale this way.) Tokens and generations as arrays, so that a prompt's hits are
+        # checked at once; the parents as a list, walked one by one.
         self.block_tokens = np.zeros((num_blocks, block_size), np.uint64)
-        self.block_parent = np.full(num_blocks, -1, np.int64)
+        self.block_parent = [-1] * num_blocks
         self.parent_gen = np.zeros(num_blocks, np.int64)
         self.block_gen = [0] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id (registered blocks, in use or free)
@@ -216,15 +217,41 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         full = (len(tokens) - 1) // self.block_size
-        found = list(map(self.cached.get, self.block_hashes(table, tokens, full, prompt_ids)))  # registered, same hash
+        hashes = self.block_hashes(table, tokens, full, prompt_ids)
+        # How many of the prompt's blocks are cached: a cached block's ancestors are cached too (blocks are freed
+        # tail first and reused least recently freed first), so they are the first n, found by bisection; their
+        # blocks are the n-th's ancestors, by its parent links (a list walk instead of n dictionary lookups: ~0.1 ms
+        # less per 7,800-token prompt). Taken when all of them check out, else looked up one by one.
+        cached, parent_of = self.cached, self.block_parent
+        lo, hi = 0, len(hashes)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if hashes[mid] in cached else (lo, mid)
+        if lo == 0:
+            return []
+        chain, b = [0] * lo, cached[hashes[lo - 1]]
+        for j in range(lo - 1, 0, -1):
+            chain[j] = b
+            b = parent_of[b]
+            if b < 0:  # a history shorter than the prompt's cached blocks (a collision): look them up
+                return self._check_hits(table, list(map(cached.get, hashes)))
+        chain[0] = b
+        if list(map(self.block_hash.__getitem__, chain)) == hashes[:lo]:  # each the block registered for its hash
+            hits = self._check_hits(table, chain)
+            if len(hits) == lo:
+                return hits
+        return self._check_hits(table, list(map(cached.get, hashes)))
+
+    def _check_hits(self, table: BlockTable, found: list[int | None]) -> list[int]:
+        """The blocks of ``found`` (cached blocks for the prompt's blocks, None where none is) that hold the
+        prompt's tokens and follow the hit before them (the first follows nothing): the same history. A collision
+        would differ here; the hits end before the first block that does."""
         n = found.index(None) if None in found else len(found)
         if n == 0:
             return []
-        # A hit has the prompt's tokens and follows the hit before it (the first follows nothing): the same
-        # history. A collision would differ here; the hits end before the first block that does.
         c = np.array(found[:n], np.int64)
         ok = (self.block_tokens[c] == table.memo_tokens[:n]).all(axis=1)
-        ok &= self.block_parent[c] == np.concatenate(([-1], c[:-1]))
+        ok &= np.fromiter(map(self.block_parent.__getitem__, found[:n]), np.int64, n) == np.concatenate(([-1], c[:-1]))
         ok[1:] &= self.parent_gen[c[1:]] == np.fromiter(map(self.block_gen.__getitem__, found[: n - 1]), np.int64,
                                                          n - 1)
         return found[:n] if ok.all() else found[: int(ok.argmin())]
@@ -307,7 +334,7 @@ class BlockManager:
             parent, table.link = table.link or (-1, 0), (b, self.block_gen[b])  # children follow b, unless ...
             c = self.cached.get(h)
             if c is not None:  # the same prefix was computed twice (two cold requests at once): keep the first
-                if ((int(self.block_parent[c]), int(self.parent_gen[c])) == parent
+                if ((self.block_parent[c], int(self.parent_gen[c])) == parent
                         and np.array_equal(self.block_tokens[c], table.memo_tokens[j])):
                     table.link = (c, self.block_gen[c])  # ... the cached twin stands for it
                 continue
@@ -324,7 +351,9 @@ class BlockManager:
             parents.append(parent)
         if new_blocks:
             self.block_tokens[new_blocks] = table.memo_tokens[new_js]
-            self.block_parent[new_blocks], self.parent_gen[new_blocks] = zip(*parents)
+            self.parent_gen[new_blocks] = [g for _, g in parents]
+            for b, (p, _) in zip(new_blocks, parents):
+                self.block_parent[b] = p
         if row_blocks:  # one copy (and cast) for all of them: half the time of a copy per block
             n, lo = len(row_blocks), row_starts[0]
             if row_starts[-1] - lo == (n - 1) * bs:  # consecutive (the usual case): a view, no gather
