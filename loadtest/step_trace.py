@@ -4,8 +4,8 @@
 that reaches ``results`` appends a dict to ``tracer.steps``:
 
 - ``t_launch`` / ``t_launched``: the host clock when ``launch`` was called / returned (the host's share: building
-  the step and queueing its kernels or graph replays; an eager step's launch returns only once the GPU has run its
-  forward, since picking the sampling rows with a host list copies that list synchronously);
+  the step and queueing its kernels or graph replays; the engine's host work for the step's outputs follows, while
+  the GPU computes);
 - ``t_results`` / ``t_done``: when ``results`` was called / returned (waiting for the GPU, then the hand-out);
 - ``gpu_s`` (CUDA only): the stream's time from the step's first queued work to its last (CUDA events recorded
   around ``launch``); includes the GPU waiting for the host inside the step, not the gaps between steps;

@@ -479,6 +479,14 @@ class ModelRunner(ReleasableMemory):
         if step.forced is not None:
             forced = tuple(torch.from_numpy(a).to(self.device, non_blocking=True) for a in step.forced)
         T = len(input_ids)
+        # The sampling rows, picked before the forward is queued: indexing with a host list copies it to the device
+        # synchronously, which after the forward made launch wait for the whole forward (the host work done while
+        # a step runs, Scheduler.prepare_outputs, then ran after it instead).
+        rows = None
+        if step.samplers:
+            rows = batch.last_token_index
+            if len(step.samplers) != len(step.context):
+                rows = rows[torch.tensor(step.samplers, dtype=torch.long, device=self.device)]
         want = self.capture_buf is not None
         routing = StepRouting(
             ids=self.capture_buf[:T] if want and step.want_routing else None,
@@ -487,9 +495,7 @@ class ModelRunner(ReleasableMemory):
             forced_ids=forced[1] if forced else None,
         )
         hidden = self.model(input_ids, batch, self.kv, routing=routing)  # [T, H]
-        logits = None
-        if step.samplers:
-            logits = self.model.compute_logits(hidden[batch.last_token_index[step.samplers]])  # [N, V] float32
+        logits = None if rows is None else self.model.compute_logits(hidden[rows])  # [N, V] float32
         return logits, hidden
 
     def score_logits(self, hidden: torch.Tensor, rows: list[int]):

@@ -354,3 +354,44 @@ def test_overlapped_graph_decode_equals_sequential_graph_decode(tiny_cuda):
     for w, g in zip(want, got):
         assert (g.finish_reason, g.tokens, g.num_outputs) == (w.finish_reason, w.tokens, w.num_outputs)
         np.testing.assert_array_equal(g.routing, w.routing)
+
+
+@cuda
+@pytest.mark.parametrize("all_sample", [True, False])
+def test_an_eager_prefill_steps_launch_returns_while_the_device_computes_it(tiny_cuda, monkeypatch, all_sample):
+    """``launch`` queues an eager step (forward, sampling, transfer) without waiting for the device, so that the host
+    work the engine does meanwhile (``Scheduler.prepare_outputs``) overlaps the step. The forward starts behind a
+    ~100 ms device sleep: launch must return before it has run. With sequences whose chunk samples nothing
+    (a prompt longer than the step) and without."""
+    cfg, model = tiny_cuda
+    engine = Engine(model, cfg, EngineConfig(max_model_len=512, max_num_batched_tokens=256,
+                                             max_cudagraph_capture_size=0, kv_cache_memory_bytes=256 << 20))
+    r = engine.runner
+    plain_model = r.model
+    forward = plain_model.forward
+    cycles = int(0.1 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # clock_rate in kHz
+
+    forward_done = []
+
+    def sleep_then_forward(*a, **k):
+        torch.cuda._sleep(cycles)
+        hidden = forward(*a, **k)
+        forward_done.append(torch.cuda.Event())
+        forward_done[-1].record()  # completes when the forward has run
+        return hidden
+
+    monkeypatch.setattr(plain_model, "forward", sleep_then_forward)
+    busy = []
+    launch = r.launch
+
+    def launch_and_look(plan, *a, **k):
+        step = launch(plan, *a, **k)
+        busy.append(not forward_done[-1].query())
+        return step
+
+    monkeypatch.setattr(r, "launch", launch_and_look)
+    lens = (40, 50, 300) if not all_sample else (40, 50, 60)  # 300 tokens: its first chunk does not sample
+    out = [submit(engine, prompt_of(n, 70 + n), max_tokens=2, ignore_eos=True) for n in lens]
+    run_all(engine, out)
+    assert busy and all(busy)
+    assert all(c.finish_reason == "length" and len(c.tokens) == 2 for c in out)
