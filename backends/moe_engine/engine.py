@@ -282,6 +282,7 @@ class Engine:
         ids = _id_array(req.prompt_token_ids)
         if ids is None or ids.min() < 0 or ids.max() >= V:
             bad = next(t for t in req.prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < V))
+            bad = bad.item() if isinstance(bad, np.generic) else bad  # 1.0, not np.float64(1.0)
             shown = f"{int(bad)} is outside" if isinstance(bad, (int, np.integer)) else f"{bad!r} is not an integer of"
             raise InvalidRequestError(f"input_ids: token id {shown} the vocabulary [0, {V})", param="input_ids")
         req.sampling.validate(V)
