@@ -236,22 +236,26 @@ class BlockManager:
             if b < 0:  # a history shorter than the prompt's cached blocks (a collision): look them up
                 return self._check_hits(table, list(map(cached.get, hashes)))
         chain[0] = b
-        if list(map(self.block_hash.__getitem__, chain)) == hashes[:lo]:  # each the block registered for its hash
-            hits = self._check_hits(table, chain)
+        # each the block registered for its hash, the first one a first block (each follows the one before it)
+        if parent_of[b] < 0 and list(map(self.block_hash.__getitem__, chain)) == hashes[:lo]:
+            hits = self._check_hits(table, chain, linked=True)
             if len(hits) == lo:
                 return hits
         return self._check_hits(table, list(map(cached.get, hashes)))
 
-    def _check_hits(self, table: BlockTable, found: list[int | None]) -> list[int]:
+    def _check_hits(self, table: BlockTable, found: list[int | None], linked: bool = False) -> list[int]:
         """The blocks of ``found`` (cached blocks for the prompt's blocks, None where none is) that hold the
-        prompt's tokens and follow the hit before them (the first follows nothing): the same history. A collision
-        would differ here; the hits end before the first block that does."""
+        prompt's tokens and follow the hit before them (the first follows nothing) as it was then (its generation):
+        the same history. A collision would differ here; the hits end before the first block that does.
+        ``linked``: found by the parent links, so each follows the one before it (its generation still checked)."""
         n = found.index(None) if None in found else len(found)
         if n == 0:
             return []
         c = np.array(found[:n], np.int64)
         ok = (self.block_tokens[c] == table.memo_tokens[:n]).all(axis=1)
-        ok &= np.fromiter(map(self.block_parent.__getitem__, found[:n]), np.int64, n) == np.concatenate(([-1], c[:-1]))
+        if not linked:
+            ok &= np.fromiter(map(self.block_parent.__getitem__, found[:n]), np.int64, n) == np.concatenate(
+                ([-1], c[:-1]))
         ok[1:] &= self.parent_gen[c[1:]] == np.fromiter(map(self.block_gen.__getitem__, found[: n - 1]), np.int64,
                                                          n - 1)
         return found[:n] if ok.all() else found[: int(ok.argmin())]
