@@ -359,10 +359,10 @@ def test_overlapped_graph_decode_equals_sequential_graph_decode(tiny_cuda):
 @cuda
 @pytest.mark.parametrize("all_sample", [True, False])
 def test_an_eager_prefill_steps_launch_returns_while_the_device_computes_it(tiny_cuda, monkeypatch, all_sample):
-    """``launch`` queues an eager step (forward, sampling, transfer) without waiting for the device, so that the host
-    work the engine does meanwhile (``Scheduler.prepare_outputs``) overlaps the step. The forward starts behind a
-    ~100 ms device sleep: launch must return before it has run. With sequences whose chunk samples nothing
-    (a prompt longer than the step) and without."""
+    """``launch`` queues what follows an eager step's forward (the sampling rows' logits, sampling, the transfer)
+    without waiting for the device, so that the host work the engine does meanwhile (``Scheduler.prepare_outputs``)
+    overlaps the step. A ~100 ms device sleep is queued right after the forward: launch must return before it has
+    run. With sequences whose chunk samples nothing (a prompt longer than the step) and without."""
     cfg, model = tiny_cuda
     engine = Engine(model, cfg, EngineConfig(max_model_len=512, max_num_batched_tokens=256,
                                              max_cudagraph_capture_size=0, kv_cache_memory_bytes=256 << 20))
@@ -371,22 +371,22 @@ def test_an_eager_prefill_steps_launch_returns_while_the_device_computes_it(tiny
     forward = plain_model.forward
     cycles = int(0.1 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # clock_rate in kHz
 
-    forward_done = []
+    slept = []
 
-    def sleep_then_forward(*a, **k):
-        torch.cuda._sleep(cycles)
+    def forward_then_sleep(*a, **k):
         hidden = forward(*a, **k)
-        forward_done.append(torch.cuda.Event())
-        forward_done[-1].record()  # completes when the forward has run
+        torch.cuda._sleep(cycles)
+        slept.append(torch.cuda.Event())
+        slept[-1].record()  # completes when the forward and the sleep have run
         return hidden
 
-    monkeypatch.setattr(plain_model, "forward", sleep_then_forward)
+    monkeypatch.setattr(plain_model, "forward", forward_then_sleep)
     busy = []
     launch = r.launch
 
     def launch_and_look(plan, *a, **k):
         step = launch(plan, *a, **k)
-        busy.append(not forward_done[-1].query())
+        busy.append(not slept[-1].query())
         return step
 
     monkeypatch.setattr(r, "launch", launch_and_look)
