@@ -1,10 +1,11 @@
 """CPU cost of the engine at two revisions, as CPU seconds per trial (less sensitive to a loaded machine than wall
 time): the OLMoE-like bench_engine checkpoint, 1 thread, C requests of 128 prompt + 64 greedy output tokens,
-prefix cache off; the median of 3 trials after a warm-up.
+prefix cache off (a third argument ``cache``: on, the engine's default, every request's blocks hashed and
+registered); the median of 3 trials after a warm-up.
 
     git archive <rev> backends | tar -x -C /tmp/old
-    PYTHONPATH=/tmp/old/backends .venv/bin/python loadtest/cpu_engine_ab.py 16 old
-    PYTHONPATH=backends .venv/bin/python loadtest/cpu_engine_ab.py 16 new
+    PYTHONPATH=/tmp/old/backends .venv/bin/python loadtest/cpu_engine_ab.py 16 old [cache]
+    PYTHONPATH=backends .venv/bin/python loadtest/cpu_engine_ab.py 16 new [cache]
 
 (run ``loadtest/bench_engine.py`` once first: it writes the checkpoint.)
 """
@@ -24,7 +25,7 @@ path = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "results/checkpo
 cfg = load_config(path); model = load_model(path, dtype="float32", progress=False)
 kw = dict(max_num_seqs=16, max_model_len=256)
 import dataclasses
-if "enable_prefix_caching" in {f.name for f in dataclasses.fields(EngineConfig)}:
+if "enable_prefix_caching" in {f.name for f in dataclasses.fields(EngineConfig)} and sys.argv[3:4] != ["cache"]:
     kw["enable_prefix_caching"] = False
 eng = Engine(model, cfg, EngineConfig(**kw))
 C = int(sys.argv[1])
