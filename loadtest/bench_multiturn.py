@@ -278,12 +278,16 @@ class EngineBackend:
             raise TimeoutError(f"a turn took longer than {timeout:.0f} s")
         if self.steps is not None:
             for st in self.steps[first:]:
-                st["t_launch"] -= t0
-                st["t_done"] -= t0
+                for k in ("t_launch", "t_launched", "t_results", "t_done"):
+                    st[k] -= t0
                 if st["prefill_tokens"]:
-                    log(f"  step {1e3 * st['t_launch']:7.1f} -> {1e3 * st['t_done']:7.1f} ms: {st['tokens']} tokens, "
-                        f"{st['seqs']} sequences; prefill {st['prefill_tokens']} tokens of {st['prefill_seqs']} "
-                        f"sequences after {st['prefill_context']} cached tokens (mean)")
+                    # launched: launch returned (the host's output work for the step follows); results: the host
+                    # starts waiting for the GPU (later than the GPU's end when that work outlasts it)
+                    gpu = f", GPU {1e3 * st['gpu_s']:.1f} ms" if st.get("gpu_s") is not None else ""
+                    log(f"  step {1e3 * st['t_launch']:7.1f} -> {1e3 * st['t_done']:7.1f} ms (launched "
+                        f"{1e3 * st['t_launched']:.1f}, results {1e3 * st['t_results']:.1f}{gpu}): {st['tokens']} "
+                        f"tokens, {st['seqs']} sequences; prefill {st['prefill_tokens']} tokens of "
+                        f"{st['prefill_seqs']} sequences after {st['prefill_context']} cached tokens (mean)")
             ttft = sorted(r.ttft_s for r in results if r.ttft_s is not None)
             if ttft:
                 log(f"  TTFT min / p50 / max {1e3 * ttft[0]:.0f} / {1e3 * pct(ttft, 50):.0f} / {1e3 * ttft[-1]:.0f} ms")
