@@ -115,8 +115,8 @@ class BlockTable:
     hashes: list[int] = field(default_factory=list)  # hash of each registered (full, computed) block, in order
     # BlockManager.block_hashes: the chained hashes of the full blocks of the sequence's tokens so far, under
     # memo_key (a sequence's full blocks never change; a new cache key starts the memo again), and those blocks'
-    # tokens as hashed, [len(memo), block_size] uint64 (what a hit's tokens are compared with, and what registering
-    # stores)
+    # tokens as hashed, uint64 rows [:len(memo)] of a buffer grown by doubling (what a hit's tokens are compared
+    # with, and what registering stores; a decode step that fills a block adds a row, not a copy of the history)
     memo: list[int] = field(default_factory=list)
     memo_tokens: np.ndarray | None = None
     memo_key: object = None
@@ -208,7 +208,12 @@ class BlockManager:
             new = (prompt_ids[lo:hi].astype(np.uint64) if prompt_ids is not None and hi <= len(prompt_ids)
                    else np.array(tokens[lo:hi], dtype=np.uint64)).reshape(-1, bs)
             memo.extend(self._hashes(memo[-1] if memo else self.hasher.seed(table.cache_key), new))
-            table.memo_tokens = new if table.memo_tokens is None else np.concatenate([table.memo_tokens, new])
+            buf = table.memo_tokens
+            if buf is None or len(buf) < num_blocks:
+                grown = np.empty((max(num_blocks, 2 * have), bs), np.uint64)
+                grown[:have] = buf[:have] if have else grown[:0]
+                table.memo_tokens = buf = grown
+            buf[have:num_blocks] = new
         return memo[:num_blocks]
 
     def match_prefix(self, table: BlockTable, tokens: list[int], prompt_ids: np.ndarray | None = None) -> list[int]:
