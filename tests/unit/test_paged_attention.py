@@ -9,6 +9,7 @@ contiguous keys and values (plain causal softmax attention, heads repeated), so 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -148,6 +149,61 @@ def test_default_tiles_prefill_and_decode():
         step = make_step(contexts, q_lens, hq=8, hkv=2, dk=64, block_size=16, seed=7)
         out = pa.paged_attention(*step.args(), **step.kw(), num_splits=1)
         assert_close(out, dense_float64(step), torch.float32, f"default tiles {q_lens}")
+
+
+# The TMA launch with the pointer launch's small tiles, so that the two differ only in how key tiles are loaded.
+SMALL_TMA = dataclasses.replace(SMALL, prefill_tma_block_m=SMALL.prefill_block_m, prefill_k_rows=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("contexts,q_lens,hq,hkv,bs,window,with_sinks", [
+    ([0, 0], [40, 7], 8, 2, 16, None, False),  # prompts from position 0
+    ([37, 16, 0], [20, 9, 1], 4, 1, 32, None, False),  # chunks after cached keys, and a decode row
+    ([70, 5], [33, 12], 8, 2, 64, None, True),  # 64-key blocks (four key tiles each), sinks
+    ([50, 0], [26, 30], 8, 2, 16, 7, False),  # a window: every tile masked, pointer loads throughout
+], ids=["from_zero", "cached_context", "blocks64_sinks", "window"])
+def test_tma_key_tiles_give_the_pointer_loads_result_to_the_bit(contexts, q_lens, hq, hkv, bs, window, with_sinks):
+    """A bf16 prefill whose key tiles lie in one block loads its unmasked tiles through TMA descriptors: the same
+    tiles into the same dots, so every output element equals the pointer-load launch's to the bit (and the dense
+    float64 attention within bf16 tolerance); cache slots past each sequence hold NaN and are never read."""
+    step = make_step(contexts, q_lens, hq=hq, hkv=hkv, dk=32, block_size=bs, dtype=torch.bfloat16, seed=bs + hq)
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(2)).to(DEVICE) if with_sinks else None
+    kw = step.kw(sliding_window=window, sinks=sinks)
+    assert pa.tma_fits(step.q, step.k_cache, step.v_cache, SMALL.prefill_tile_n)
+    made = []
+    real = pa._cache_descriptor
+
+    def counted(cache, tile_n):
+        made.append(tile_n)
+        return real(cache, tile_n)
+
+    pa._cache_descriptor, before = counted, pa._cache_descriptor
+    try:
+        with_tma = pa.paged_attention(*step.args(), **kw, config=SMALL_TMA)
+    finally:
+        pa._cache_descriptor = before
+    assert made == [SMALL.prefill_tile_n] * 2  # the launch went through TMA (K and V descriptors)
+    pointers = pa.paged_attention(*step.args(), **kw, config=dataclasses.replace(SMALL_TMA, prefill_tma=False))
+    assert torch.isfinite(with_tma).all(), "read a NaN outside the sequences' keys"
+    assert torch.equal(with_tma, pointers)
+    assert_close(with_tma, dense_float64(step, window, sinks), torch.bfloat16, "TMA kernel vs dense")
+
+
+def test_tma_needs_a_16_bit_cache_whose_blocks_hold_whole_key_tiles():
+    """Where TMA does not apply the pointer loads run: float32, key tiles across blocks, head dims that are not
+    powers of two (no whole boxes)."""
+    def fits(dtype, bs, dk, tile_n=64):
+        q = torch.zeros(4, 8, dk, dtype=dtype, device=DEVICE)
+        cache = torch.zeros(3, bs, 2, dk, dtype=dtype, device=DEVICE)
+        return pa.tma_fits(q, cache, cache, tile_n)
+
+    if not pa.interpreting() and not (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9):
+        assert not fits(torch.bfloat16, 64, 128)  # no TMA before Hopper
+        return
+    assert fits(torch.bfloat16, 64, 128) and fits(torch.float16, 128, 64) and fits(torch.bfloat16, 16, 128, 16)
+    assert not fits(torch.float32, 64, 128)
+    assert not fits(torch.bfloat16, 16, 128) and not fits(torch.bfloat16, 32, 128)
+    assert not fits(torch.bfloat16, 64, 80)
 
 
 @needs_kernels
@@ -427,20 +483,25 @@ from triton.compiler import ASTSource
 from moe_engine import paged_attention as pa
 
 kernel, out = pa._attn_2d_kernel, {}
-for name, decode, dtype, G, dk, dv in json.loads(sys.argv[1]):
+for name, decode, dtype, G, dk, dv, tma in json.loads(sys.argv[1]):
     dk_pad, dv_pad, esize = pa._pow2(dk), pa._pow2(dv), 4 if dtype == "fp32" else 2
-    block_m, tile_n, warps, stages, krow = pa.tiles_2d(decode, G, dk_pad, dv_pad, esize)
-    consts = dict(G=G, BLOCK_Q=1 if decode else block_m // G, BLOCK_M=block_m, TILE_N=tile_n, BLOCK_SIZE=16, DK=dk,
-                  DV=dv, DK_PAD=dk_pad, DV_PAD=dv_pad, HAS_WINDOW=False, HAS_SINKS=False, KROW=krow,
-                  IEEE=dtype == "fp32", INTERPRET=False, PDL=True)
+    block_m, tile_n, warps, stages, krow = pa.tiles_2d(decode, G, dk_pad, dv_pad, esize, tma=tma)
+    consts = dict(G=G, BLOCK_Q=1 if decode else block_m // G, BLOCK_M=block_m, TILE_N=tile_n,
+                  BLOCK_SIZE=64 if tma else 16, DK=dk, DV=dv, DK_PAD=dk_pad, DV_PAD=dv_pad, HAS_WINDOW=False,
+                  HAS_SINKS=False, KROW=krow, TMA=tma, IEEE=dtype == "fp32", INTERPRET=False, PDL=True)
+    descs = {"k_desc": f"tensordesc<{dtype}[{tile_n}, {dk}]>" if tma else "constexpr",
+             "v_desc": f"tensordesc<{dtype}[{tile_n}, {dv}]>" if tma else "constexpr"}
+    consts.update({n: None for n, t in descs.items() if t == "constexpr"})
     ptr = "*" + dtype
-    sig = {"out_ptr": ptr, "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "sinks_ptr": ptr, "tables_ptr": "*i32",
-           "cu_ptr": "*i32", "seq_lens_ptr": "*i32", "num_seqs": "i32", "scale_log2": "fp32", "window": "i32",
+    sig = {"out_ptr": ptr, "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, **descs, "sinks_ptr": ptr,
+           "tables_ptr": "*i32", "cu_ptr": "*i32", "seq_lens_ptr": "*i32", "num_seqs": "i32", "scale_log2": "fp32",
+           "window": "i32",
            **{n: "i32" for n in ("s_qt", "s_qh", "s_ot", "s_oh", "s_bt", "s_kb", "s_ko", "s_kh", "s_vb", "s_vo", "s_vh")},
-           **{n: "constexpr" for n in consts}}
+           **{n: "constexpr" for n in consts if n not in descs}}
     ck = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": warps, "num_stages": stages})
-    out[name] = {"shared": ck.metadata.shared, "tile_n": tile_n, "block_m": block_m}
+    out[name] = {"shared": ck.metadata.shared, "tile_n": tile_n, "block_m": block_m, "warps": warps,
+                 "tma_loads": "cp.async.bulk.tensor" in ck.asm["ptx"], "wgmma": "wgmma" in ck.asm["ptx"]}
 print(json.dumps(out))
 """
 
@@ -457,8 +518,9 @@ def test_two_d_kernel_launches_compile_for_hopper_within_its_shared_memory(tmp_p
     from pathlib import Path
 
     pytest.importorskip("triton.backends.nvidia")
-    cases = [("decode bf16 d128", True, "bf16", 8, 128, 128), ("prefill bf16 d128", False, "bf16", 8, 128, 128),
-             ("decode fp32 d128", True, "fp32", 8, 128, 128), ("decode bf16 mla", True, "bf16", 16, 192, 128)]
+    cases = [("decode bf16 d128", True, "bf16", 8, 128, 128, False), ("prefill bf16 d128", False, "bf16", 8, 128, 128, False),
+             ("decode fp32 d128", True, "fp32", 8, 128, 128, False), ("decode bf16 mla", True, "bf16", 16, 192, 128, False),
+             ("prefill bf16 d128 tma", False, "bf16", 8, 128, 128, True)]
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(repo / "backends"), TRITON_CACHE_DIR=str(tmp_path))
@@ -470,3 +532,6 @@ def test_two_d_kernel_launches_compile_for_hopper_within_its_shared_memory(tmp_p
         assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} bytes of shared memory"
     assert result["decode bf16 d128"]["tile_n"] == 128 and result["prefill bf16 d128"]["block_m"] == 256
     assert result["decode fp32 d128"]["tile_n"] == 64 and result["decode bf16 mla"]["tile_n"] == 64
+    tma = result["prefill bf16 d128 tma"]  # 64-key blocks: one warpgroup's 128 rows, tiles through TMA on wgmma
+    assert tma["tma_loads"] and tma["wgmma"] and (tma["block_m"], tma["tile_n"], tma["warps"]) == (128, 64, 4)
+    assert not any(r["tma_loads"] for name, r in result.items() if not name.endswith("tma"))
