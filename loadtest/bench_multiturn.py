@@ -669,7 +669,8 @@ def engine_mode(args) -> tuple[list[dict], str]:
     model, cfg = rsm.build_engine_model(rsm.SHAPES[args.shape], device, dtype, args.seed, args.init, log)
     max_len = -(-(args.turns * (args.user_tokens + args.output_tokens) + 16) // 16) * 16
     extra = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
-                               ("gpu_memory_utilization", args.gpu_memory_utilization)) if v}
+                               ("gpu_memory_utilization", args.gpu_memory_utilization),
+                               ("block_size", args.block_size)) if v}
 
     def backend(name: str, endpoint: str):
         ecfg = EngineConfig(max_num_seqs=args.conversations, max_model_len=max_len, enable_routed_experts=True,
@@ -726,6 +727,7 @@ def parse_args(argv=None):
     g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"))
     g.add_argument("--init", default="balanced", choices=("balanced", "std0.02"))
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: the engine's)")
     args = p.parse_args(argv)
     args.run_list = (args.runs or ("on-mixed,off-mixed" if args.quick else "on-full,on-start,off-full")).split(",")
     bad = [r for r in args.run_list if not re.fullmatch(r"(on|off)-(full|start|mixed)", r)]

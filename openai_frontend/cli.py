@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="tokens per engine step (prefill chunk size); default 8192 on CUDA (as vLLM), 512 on CPU",
     )
-    add("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128], help="tokens per KV-cache block")
+    add("--block-size", type=int, default=None, choices=[8, 16, 32, 64, 128],
+        help="tokens per KV-cache block (default: 64 on Hopper or later GPUs, where the prefill attention loads "
+             "whole blocks through TMA; 16 elsewhere)")
     add(
         "--gpu-memory-utilization",
         type=float,

@@ -45,6 +45,7 @@ from .engine_config import EngineConfig
 from .errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
 from .kv_cache import blocks_for_budget
 from .paged_attention import available as paged_attention_available
+from .paged_attention import default_block_size
 from .runner import LaunchedStep, ModelRunner, kv_cache_budget, log_late_compiles, starting_up
 from .sampling import SamplingParams, make_state
 from .scheduler import Scheduler
@@ -127,10 +128,11 @@ class Engine:
             raise ValueError(f"max_cudagraph_capture_size must be >= 0, got {graph_tokens}")
 
         specs = model.kv_layout()
-        bs = ec.block_size
         overlap = cuda if ec.overlap_decode is None else ec.overlap_decode
         use_kernels = (self.fused and cuda and model.config.attention.mla is None
                        and paged_attention_available(self.device))
+        bs = ec.block_size or default_block_size(use_kernels, self.device, self.dtype,
+                                                 {d for spec in specs for d in (spec.k_dim, spec.v_dim)})
         if parallel is not None:  # the other ranks build the same runner (ranks.build_runner) from these
             parallel.send_setup(dict(
                 fused=self.fused, exact_kernels=ec.exact_kernels, block_size=bs, step_tokens=self.step_tokens,

@@ -20,7 +20,9 @@ class EngineConfig:
     # the tensor cores' peak, and fewer steps cost less host time), 512 on CPU (a step's time grows with its
     # tokens, and running requests wait for it).
     max_num_batched_tokens: int | None = None
-    block_size: int = 16  # tokens per KV block
+    # Tokens per KV block. None: 64 where the prefill attention kernel loads whole blocks through TMA (CUDA on
+    # Hopper or later with the fused kernels, bf16/fp16), else 16 (paged_attention.default_block_size).
+    block_size: int | None = None
     gpu_memory_utilization: float = 0.9  # CUDA: share of GPU memory for weights + activations + KV cache
     kv_cache_memory_bytes: int | None = None  # KV cache size; None: from gpu_memory_utilization (CPU: 2 GiB)
     enable_prefix_caching: bool = True  # reuse computed KV blocks (and their routing rows) across requests

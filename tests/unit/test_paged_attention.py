@@ -206,16 +206,28 @@ def test_tma_needs_a_16_bit_cache_whose_blocks_hold_whole_key_tiles():
     assert not fits(torch.bfloat16, 64, 80)
 
 
+def test_default_block_size_is_64_only_where_prefill_key_tiles_come_through_tma():
+    """--block-size unset: 64 (a key tile per block) where the attention kernels run with TMA, else vLLM's 16."""
+    tma_here = pa.interpreting() or (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9)
+    assert pa.default_block_size(True, DEVICE, torch.bfloat16, {128}) == (64 if tma_here else 16)
+    assert pa.default_block_size(False, DEVICE, torch.bfloat16, {128}) == 16  # reference attention (CPU engines)
+    assert pa.default_block_size(True, DEVICE, torch.float32, {128}) == 16
+    assert pa.default_block_size(True, DEVICE, torch.bfloat16, {192, 128}) == 16  # MLA-like widths: no whole boxes
+
+
 @needs_kernels
-@pytest.mark.parametrize("k_rows", [True, False], ids=["k_rows", "k_cols"])
-def test_a_prompts_rows_do_not_depend_on_how_it_was_chunked(k_rows):
+@pytest.mark.parametrize("k_rows,block_size", [(True, 8), (False, 8), (True, 16)], ids=["k_rows", "k_cols", "tma"])
+def test_a_prompts_rows_do_not_depend_on_how_it_was_chunked(k_rows, block_size):
     """What makes a prefix-cache hit return a cold run's routing: a prompt's attention rows come out the same,
     to the bit, whether it is prefilled in one step or in chunks over its cached part. Chunks start mid-tile,
     so a key tile a row saw unmasked in one step is a masked (diagonal) tile in another; both loops must do
-    the same arithmetic (on the GPU: the same fused multiply-adds too)."""
+    the same arithmetic (on the GPU: the same fused multiply-adds too), also when the unmasked tiles come
+    through TMA (blocks that hold whole key tiles)."""
     L = 70
-    whole = make_step([0], [L], hq=8, hkv=2, dk=64, block_size=8, dtype=torch.bfloat16, seed=5)
-    config = pa.KernelConfig(prefill_block_m=16, prefill_tile_n=16, prefill_k_rows=k_rows)  # 4 tokens per tile
+    whole = make_step([0], [L], hq=8, hkv=2, dk=64, block_size=block_size, dtype=torch.bfloat16, seed=5)
+    config = pa.KernelConfig(prefill_block_m=16, prefill_tile_n=16, prefill_k_rows=k_rows,  # 4 tokens per tile
+                             prefill_tma_block_m=16)
+    assert pa.tma_fits(whole.q, whole.k_cache, whole.v_cache, 16) == (block_size == 16)
     expected = pa.paged_attention(*whole.args(), **whole.kw(), config=config)
     for cuts in ((0, 29, 51, L), (0, 2, 18, 21, 66, L)):  # chunks of >= 2 tokens: 1 is a decode step
         rows = []
