@@ -81,7 +81,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "backends"))
 
 T0 = time.perf_counter()
-BLOCK_SIZE = 16  # KV block size: moe-serve's and EngineConfig's default (whole blocks are what the cache serves)
+SERVER_BLOCK_SIZE = 16  # KV block size of the servers of server mode (passed as --block-size)
 _WORDS = ("the agent reads a file then calls a tool and the router picks experts for every token while the trainer "
           "replays each rollout policy gradient step with cached prefix blocks of the conversation so far").split()
 
@@ -169,6 +169,7 @@ class EngineBackend:
 
         self.cfg = cfg
         self.engine = Engine(model, cfg, ecfg)
+        self.block_size = self.engine.blocks.block_size  # whole blocks are what the prefix cache serves
         # --step-trace: every step timed (step_trace.py); ``run_turn`` logs a turn's prefill steps
         self.steps: list[dict] | None = StepTracer(self.engine).steps if step_trace else None
         self.turn_no = 0  # set by AgentRun.turn before run_turn (0: a warm-up)
@@ -311,6 +312,7 @@ class ServerBackend:
         import httpx
 
         self.server, self.endpoint = server, endpoint
+        self.block_size = SERVER_BLOCK_SIZE  # whole blocks are what the prefix cache serves
         self.client = httpx.Client(timeout=httpx.Timeout(900.0), limits=httpx.Limits(max_connections=workers + 4))
         self.pool = concurrent.futures.ThreadPoolExecutor(workers)
 
@@ -429,7 +431,8 @@ class AgentRun:
                     diff = (r.rows[:n] != c.prev_rows[:n]).any(axis=(1, 2))
                     # With the cache on, whole blocks of the rows the previous turn returned are served from the
                     # cache: a changed row there would be a stale one; the rest were forwarded again.
-                    cached = (n // BLOCK_SIZE) * BLOCK_SIZE if name.startswith("on") else 0
+                    bs = backend.block_size
+                    cached = (n // bs) * bs if name.startswith("on") else 0
                     changed[i] = (int(diff[:cached].sum()), int(diff[cached:].sum()))
                 c.prev_rows, c.prev_tokens = r.rows, c.prompt + r.reply_ids
             c.prev_total = r.prompt_tokens + r.output_tokens
@@ -621,9 +624,10 @@ def server_mode(args) -> tuple[list[dict], str]:
     elem = 2 if cfg.get("torch_dtype") in ("bfloat16", "float16") else 4
     per_token = cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * 2 * head_dim * elem
     on_runs = sum(r.startswith("on") for r in args.run_list)
-    kv_gib = 1.1 * max(1, on_runs) * args.conversations * (max_len + 2 * BLOCK_SIZE) * per_token / 2**30
+    kv_gib = 1.1 * max(1, on_runs) * args.conversations * (max_len + 2 * SERVER_BLOCK_SIZE) * per_token / 2**30
     flags = ["--model", ckpt, "--served-model-name", name, "--max-num-seqs", str(args.conversations),
-             "--max-model-len", str(max_len), "--kv-cache-memory", f"{kv_gib:.6f}"]
+             "--max-model-len", str(max_len), "--kv-cache-memory", f"{kv_gib:.6f}",
+             "--block-size", str(SERVER_BLOCK_SIZE)]
     flags += ["--num-threads", str(args.num_threads)] if args.num_threads else []
     flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []
     work = args.out / "servers"
