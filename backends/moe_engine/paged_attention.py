@@ -601,9 +601,9 @@ def tiles_2d(decode: bool, G: int, dk_pad: int, dv_pad: int, esize: int, config:
 
 
 def _tma_capable(device: torch.device, dtype: torch.dtype, head_dims) -> bool:
-    """Hopper or later (or the interpreter), a 16-bit dtype, head dims that are powers of two of at least 16 (a
-    [tile, D] box is whole rows of 32+ bytes)."""
-    if dtype not in (torch.bfloat16, torch.float16) or not all(d >= 16 and d == _pow2(d) for d in head_dims):
+    """Hopper or later (or the interpreter), a 16-bit dtype, head dims that are powers of two from 16 to 256 (a
+    [tile, D] box is whole rows of 32+ bytes, and a box spans at most 256 elements per dimension)."""
+    if dtype not in (torch.bfloat16, torch.float16) or not all(16 <= d <= 256 and d == _pow2(d) for d in head_dims):
         return False
     device = torch.device(device)
     return interpreting() or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)

@@ -203,7 +203,7 @@ def test_tma_needs_a_16_bit_cache_whose_blocks_hold_whole_key_tiles():
     assert fits(torch.bfloat16, 64, 128) and fits(torch.float16, 128, 64) and fits(torch.bfloat16, 16, 128, 16)
     assert not fits(torch.float32, 64, 128)
     assert not fits(torch.bfloat16, 16, 128) and not fits(torch.bfloat16, 32, 128)
-    assert not fits(torch.bfloat16, 64, 80)
+    assert not fits(torch.bfloat16, 64, 80) and not fits(torch.bfloat16, 64, 512)  # TMA boxes: <= 256 per dim
 
 
 def test_default_block_size_is_64_only_where_prefill_key_tiles_come_through_tma():
