@@ -4,7 +4,7 @@ and handing out their first outputs (no model, no device).
 At turn 16 of ``bench_multiturn.py`` 32 conversations each send ~7,800 tokens, ~7,500 of them cached; the GPU
 waits while the host validates and admits them, and the first outputs carry each conversation's ~7,500-row history
 of routed experts. This replays that on the CPU with the engine's own scheduler and block manager at the real
-shape's bookkeeping sizes (48 layers x top-8 routing rows, uint8 in the cache, 45,416 blocks of 16 as on an H200),
+shape's bookkeeping sizes (48 layers x top-8 routing rows, uint8 in the cache, 11,353 blocks of 64 as on an H200),
 prompts as JSON-parsed lists (fresh int objects, as a server gets them), and reports the median over rounds of:
 
 - validate: the prompts' token ids checked (``Engine.validate``'s conversion to an id array and range check)
@@ -106,10 +106,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--num-blocks", type=int, default=45416)
+    ap.add_argument("--num-blocks", type=int, default=None, help="default: 726,592 tokens' worth (an H200's)")
+    ap.add_argument("--block-size", type=int, default=64, help="64: the engine's default on Hopper GPUs")
     ap.add_argument("--step-tokens", type=int, default=8192)
     args = ap.parse_args()
-    bm = BlockManager(args.num_blocks, 16, True, routing_shape=(args.layers, args.top_k), routing_dtype=np.uint8)
+    bm = BlockManager(args.num_blocks or 726592 // args.block_size, args.block_size, True, routing_shape=(args.layers, args.top_k), routing_dtype=np.uint8)
     rng = random.Random(0)
     rounds = [one_round(bm, args, rng, r) for r in range(args.rounds)]
     print(f"{args.conversations} prompts of {args.history} cached + {args.new} new tokens, rows {args.layers} x "
