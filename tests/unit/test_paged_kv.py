@@ -94,16 +94,18 @@ def test_preemption_with_the_prefix_cache_on_recomputes_from_cached_blocks(tiny)
 # ----------------------------------------------------------------------------- prefix caching
 
 
-def test_prefix_cache_hit_returns_the_rows_and_tokens_of_a_cold_run(tiny):
-    engine = make_engine(tiny, max_model_len=512)
-    base = prompt_of(100, 11)  # 6 full blocks + 4 tokens
+@pytest.mark.parametrize("block_size", [BS, 64])  # 64: the default on Hopper GPUs
+def test_prefix_cache_hit_returns_the_rows_and_tokens_of_a_cold_run(tiny, block_size):
+    engine = make_engine(tiny, max_model_len=512, block_size=block_size)
+    base = prompt_of(100, 11)  # 6 full blocks of 16 + 4 tokens; 1 block of 64 + 36
     cold = submit(engine, base, max_tokens=8, ignore_eos=True, logprobs=2)
     run_all(engine, [cold])
     before = engine.stats()
     warm = submit(engine, base, max_tokens=8, ignore_eos=True, logprobs=2)
     run_all(engine, [warm])
     after = engine.stats()
-    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 96  # every full prompt block was reused
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert hits == 100 // block_size * block_size  # every full prompt block was reused
     assert warm.tokens == cold.tokens
     np.testing.assert_array_equal(warm.routing, cold.routing)
     assert warm.routing.shape[0] == 100 + 8 - 1  # no gap where the cached tokens were not forwarded
@@ -115,7 +117,7 @@ def test_prefix_cache_hit_returns_the_rows_and_tokens_of_a_cold_run(tiny):
     partly = [submit(engine, base[:70] + tail, max_tokens=6, ignore_eos=True, prompt_start=ps) for ps in (0, 20, 90)]
     no_rows = submit(engine, base[:70] + tail, max_tokens=6, ignore_eos=True, routing=False)
     run_all(engine, partly + [no_rows])
-    fresh = make_engine(tiny, max_model_len=512, enable_prefix_caching=False)
+    fresh = make_engine(tiny, max_model_len=512, enable_prefix_caching=False, block_size=block_size)
     ref = submit(fresh, base[:70] + tail, max_tokens=6, ignore_eos=True)
     run_all(fresh, [ref])
     for c, ps in zip(partly, (0, 20, 90)):
