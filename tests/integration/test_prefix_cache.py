@@ -5,7 +5,7 @@ a warm run (prompt fully or partly cached) and a run after the cached blocks wer
 logprobs and routed experts (rows of cached tokens included, none missing, none stale), also with
 ``routed_experts_prompt_start``, with n = 2, with streaming, and for requests preempted while sharing cached
 blocks. Prefix-cache counters on Triton's metrics port prove each case did what it claims: a warm run hit the
-cache for every full block it shares (block size 16, moe-serve's default; the prompt's last token is always
+cache for every full block it shares (block size 16, moe-serve's default on CPU; the prompt's last token is always
 forwarded), a cold one or one after eviction hit nothing, and preemption happened.
 
 Servers: the shared ``moe_server`` (cache on, room to spare) for cold / warm runs; two of this module's own,
@@ -33,7 +33,7 @@ import pytest
 from .conftest import start_moe_serve
 from .openai_helpers import NUM_EXPERTS_PER_TOK, NUM_HIDDEN_LAYERS, decode, extra
 
-BLOCK = 16  # moe-serve's default --block-size
+BLOCK = 16  # moe-serve's default --block-size on CPU (64 on Hopper GPUs)
 TIGHT_BLOCKS = 40  # the tight server's KV cache (640 tokens); one sequence may reach TIGHT_LEN
 TIGHT_LEN = 320
 ENDPOINTS = ("completions", "chat", "generate")
