@@ -16,8 +16,9 @@ sliding window W only the W most recent of them (itself included), as HF's and a
 * ``_attn_2d_kernel``, any step (decode, prefill from empty, chunks with cached context, mixed): a program
   takes BLOCK_Q query tokens of one sequence times the G = Hq / Hkv query heads of one kv head (BLOCK_M =
   BLOCK_Q * G rows, so a K/V tile is read once for all G heads: grouped-query attention without repeated K/V),
-  and walks that sequence's keys in tiles of TILE_N (each key's block looked up in its block table) with
-  an online (flash) softmax in float32. A program finds its sequence by binary search over ``cu_seqlens_q``;
+  and walks that sequence's keys in tiles of TILE_N (each key's block looked up in its block table; on Hopper,
+  where a block holds whole tiles, a prefill's unmasked tiles are copied by TMA instead) with an online (flash)
+  softmax in float32. A program finds its sequence by binary search over ``cu_seqlens_q``;
   the grid is the upper bound ``T // BLOCK_Q + B`` tiles (extra programs exit), so no host value depends on
   the data.
 * ``_attn_split_kernel`` + ``_merge_splits_kernel``, decode steps (one query per sequence) with long contexts

@@ -162,7 +162,8 @@ SMALL_TMA = dataclasses.replace(SMALL, prefill_tma_block_m=SMALL.prefill_block_m
     ([70, 5], [33, 12], 8, 2, 64, None, True),  # 64-key blocks (four key tiles each), sinks
     ([50, 0], [26, 30], 8, 2, 16, 7, False),  # a window: every tile masked, pointer loads throughout
 ], ids=["from_zero", "cached_context", "blocks64_sinks", "window"])
-def test_tma_key_tiles_give_the_pointer_loads_result_to_the_bit(contexts, q_lens, hq, hkv, bs, window, with_sinks):
+def test_tma_key_tiles_give_the_pointer_loads_result_to_the_bit(contexts, q_lens, hq, hkv, bs, window, with_sinks,
+                                                                 monkeypatch):
     """A bf16 prefill whose key tiles lie in one block loads its unmasked tiles through TMA descriptors: the same
     tiles into the same dots, so every output element equals the pointer-load launch's to the bit (and the dense
     float64 attention within bf16 tolerance); cache slots past each sequence hold NaN and are never read."""
@@ -177,11 +178,9 @@ def test_tma_key_tiles_give_the_pointer_loads_result_to_the_bit(contexts, q_lens
         made.append(tile_n)
         return real(cache, tile_n)
 
-    pa._cache_descriptor, before = counted, pa._cache_descriptor
-    try:
-        with_tma = pa.paged_attention(*step.args(), **kw, config=SMALL_TMA)
-    finally:
-        pa._cache_descriptor = before
+    monkeypatch.setattr(pa, "_cache_descriptor", counted)  # the real descriptors, counted
+    with_tma = pa.paged_attention(*step.args(), **kw, config=SMALL_TMA)
+    monkeypatch.undo()
     assert made == [SMALL.prefill_tile_n] * 2  # the launch went through TMA (K and V descriptors)
     pointers = pa.paged_attention(*step.args(), **kw, config=dataclasses.replace(SMALL_TMA, prefill_tma=False))
     assert torch.isfinite(with_tma).all(), "read a NaN outside the sequences' keys"
