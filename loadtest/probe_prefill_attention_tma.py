@@ -28,6 +28,7 @@ import torch
 import triton
 
 from moe_engine import paged_attention as pa
+from probe_prefill_attention_variants import step  # a paged step: 16-key blocks in random order, random q/k/v
 from sweep_prefill_tiles import median_ms  # CUDA-event timing, median of reps (loadtest/ is on the script's path)
 
 HQ, HKV, D = 32, 4, 128
@@ -41,20 +42,6 @@ def tma_config(block_m=128, tile_n=64, warps=4, stages=3, tma=True) -> pa.Kernel
     """The engine's kernel with these TMA launch settings (``tma=False``: the same tiles by pointer loads)."""
     return pa.KernelConfig(prefill_tma=tma, prefill_tma_block_m=block_m, prefill_tile_n=tile_n,
                            prefill_tma_num_warps=warps, prefill_tma_num_stages=stages)
-
-
-def step(S, new, cached, device, dtype, block, hq=HQ, hkv=HKV, d=D, seed=0):
-    """S sequences of `new` queries after `cached` keys in a paged cache of `block`-key blocks in random order."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    L = cached + new
-    nblk = -(-L // block)
-    k = torch.randn(S * nblk, block, hkv, d, device=device, dtype=dtype, generator=g)
-    v = torch.randn(S * nblk, block, hkv, d, device=device, dtype=dtype, generator=g)
-    tables = torch.randperm(S * nblk, device=device, generator=g).view(S, nblk).to(torch.int32)
-    q = torch.randn(S * new, hq, d, device=device, dtype=dtype, generator=g)
-    cu = torch.arange(S + 1, device=device, dtype=torch.int32) * new
-    seq_lens = torch.full((S,), L, device=device, dtype=torch.int32)
-    return q, k, v, tables, cu, seq_lens
 
 
 def reblock(k, tables, block):
@@ -82,7 +69,7 @@ def check_cpu() -> None:
     to the bit, on 16-key blocks, 64-key blocks (re-blocked) and one block per sequence."""
     assert pa.interpreting(), "run with TRITON_INTERPRET=1"
     for S, new, cached in ((2, 9, 0), (3, 5, 37), (1, 40, 70)):
-        q, k, v, tables, cu, seq_lens = step(S, new, cached, "cpu", torch.bfloat16, 16, hq=4, hkv=2, d=16)
+        q, k, v, tables, cu, seq_lens = step(S, new, cached, "cpu", torch.bfloat16, hq=4, hkv=2, d=16, block=16)
         kw = dict(max_query_len=new, max_seq_len=new + cached, scale=16**-0.5)
         for block in (16, 64, 128):
             kb, tb = reblock(k, tables, block)
@@ -108,7 +95,7 @@ def main() -> None:
         (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (256, 128, 16, 2), (64, 64, 4, 3), (64, 128, 4, 2),
     ]
     for name, (S, new, cached) in SHAPES.items():
-        q, k, v, tables, cu, seq_lens = step(S, new, cached, "cuda", torch.bfloat16, 16)
+        q, k, v, tables, cu, seq_lens = step(S, new, cached, "cuda", torch.bfloat16, block=16)
         L = cached + new
         flops = 4 * S * new * (cached + (new + 1) / 2) * D * HQ
         kw = dict(max_query_len=new, max_seq_len=L, scale=D**-0.5)
