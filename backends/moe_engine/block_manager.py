@@ -211,7 +211,8 @@ class BlockManager:
             buf = table.memo_tokens
             if buf is None or len(buf) < num_blocks:
                 grown = np.empty((max(num_blocks, 2 * have), bs), np.uint64)
-                grown[:have] = buf[:have] if have else grown[:0]
+                if have:
+                    grown[:have] = buf[:have]
                 table.memo_tokens = buf = grown
             buf[have:num_blocks] = new
         return memo[:num_blocks]
