@@ -114,13 +114,6 @@ def main() -> None:
         ids = torch.rand(T, E, device=dev, generator=g).argsort(dim=1)[:, :K]
         return ids, torch.softmax(torch.randn(T, K, device=dev, generator=g), -1).to(dt)
 
-    def grouped_rows(ids):  # each pair's row in the expert-grouped order, as the engine computes it
-        routed = kernels.route(ids, E)
-        if routed is None:  # a prefill-sized step: the torch sort of Experts._forward_fused
-            order = torch.argsort(ids.t().reshape(-1), stable=True)
-            return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=dev)).view(K, -1).t()
-        return routed[0]
-
     sets = None
     if "experts" in which:
         sets = [(rnd(E, 2 * I, H, scale=H**-0.5), rnd(E, H, I, scale=I**-0.5)) for _ in range(args.expert_sets)]
@@ -130,7 +123,7 @@ def main() -> None:
         if "combine" in which:
             ys = [rnd(P, H) for _ in range(L)]
             rts = [routing(T) for _ in range(L)]
-            rows_of = [grouped_rows(ids) for ids, _ in rts]
+            rows_of = [kernels.route(ids, E)[0] for ids, _ in rts]  # each pair's grouped row
 
             def combine_calls(block):
                 return layer_calls(lambda i: kernels.combine(ys[i], rts[i][0], rows_of[i], rts[i][1], dt,

@@ -127,24 +127,9 @@ def router_like(T: int, E: int, K: int, popularity: torch.Tensor, gen: torch.Gen
     return ids, torch.softmax(top.float(), dim=-1).to(torch.bfloat16)
 
 
-def route_pairs(ids: torch.Tensor, E: int, capture: torch.Tensor | None):
-    """kernels.route, or for steps of more pairs than it takes, the torch sort of Experts._forward_fused."""
-    routed = kernels.route(ids, E, capture)
-    if routed is None:
-        if capture is not None:
-            capture.copy_(ids)
-        T, K = ids.shape
-        order = torch.argsort(ids.t().reshape(-1), stable=True)
-        counts = torch.zeros(E, dtype=torch.long, device=ids.device)
-        counts.scatter_add_(0, ids.reshape(-1), torch.ones_like(order))
-        pos = torch.empty_like(order).scatter_(0, order, torch.arange(K * T, device=ids.device))
-        routed = pos.view(K, T).t(), order % T, torch.cumsum(counts, 0).to(torch.int32)
-    return routed
-
-
 def fused_layer(ex: Experts, x, ids, weights, capture):
     """What replaces the two grouped GEMMs of Experts._forward_fused."""
-    pos, tok, offs = route_pairs(ids, ex.num_experts, capture)
+    pos, tok, offs = kernels.route(ids, ex.num_experts, capture)
     y = fused_moe.expert_mlp(x, ex.gate_up_proj, ex.down_proj, pos, tok, offs)
     return kernels.combine(y, ids, pos, weights, x.dtype)
 
@@ -217,7 +202,7 @@ class Case:
 
     def gemm_calls(self):
         """fused_moe.expert_mlp alone, on routings grouped beforehand."""
-        routed = [route_pairs(ids, ex.num_experts, None) for ex, (ids, _) in zip(self.layer, self.routing)]
+        routed = [kernels.route(ids, ex.num_experts, None) for ex, (ids, _) in zip(self.layer, self.routing)]
         return [lambda g=g: fused_moe.expert_mlp(self.x, self.layer[g].gate_up_proj, self.layer[g].down_proj,
                                                  *routed[g]) for g in range(self.G)]
 
@@ -280,7 +265,7 @@ def check(args, layers, tokens) -> None:
         case = Case(args, layers, T, seed=1000 + T)
         ex, x, (ids, w) = case.layer[0], case.x, case.routing[0]
         cap_f, cap_t = torch.full_like(case.capture[0], -1), torch.full_like(case.capture[0], -1)
-        pos, tok, offs = route_pairs(ids, ex.num_experts, cap_f)
+        pos, tok, offs = kernels.route(ids, ex.num_experts, cap_f)
         y = fused_moe.expert_mlp(x, ex.gate_up_proj, ex.down_proj, pos, tok, offs)
         g_cfg = fused_moe.tile_configs(case.P, args.device, args.experts, args.hidden, args.inter, x.dtype)[0]
         h = fused_moe.gate_up_swiglu(x, ex.gate_up_proj, tok, offs, g_cfg)
@@ -326,7 +311,7 @@ def tune(args, layers, budget: float, out_path: Path) -> None:
         T = TUNE_T[bucket]
         slice_end = t_start + budget * sum(shares[: i + 1]) / sum(shares)  # what one leaves goes to the next
         case = Case(args, layers, T, seed=7 + T)
-        routed = [route_pairs(ids, args.experts, None) for ids, _ in case.routing]
+        routed = [kernels.route(ids, args.experts, None) for ids, _ in case.routing]
         start = fused_moe.tile_configs(case.P, args.device, args.experts, args.hidden, args.inter, torch.bfloat16)
         # outputs of the starting configs: every candidate must reproduce them (but for GEMM-order roundings)
         h_ref = [fused_moe.gate_up_swiglu(case.x, case.layer[g].gate_up_proj, routed[g][1], routed[g][2], start[0])

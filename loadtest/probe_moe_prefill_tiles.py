@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
-from moe_engine import fused_moe
+from moe_engine import fused_moe, kernels
 from moe_engine.fused_moe import TileConfig
 
 import bench_fused_moe as bfm
@@ -59,7 +59,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; E 128 H 2048 I 768 top-8 bf16", flush=True)
     for T in a.tokens:
         case = bfm.Case(args, layers, T, seed=T)
-        routed = [bfm.route_pairs(ids, 128, None) for ids, _ in case.routing]
+        routed = [kernels.route(ids, 128) for ids, _ in case.routing]
         start = fused_moe.tile_configs(case.P, args.device, 128, 2048, 768, torch.bfloat16)
         h_ref = [fused_moe.gate_up_swiglu(case.x, case.layer[g].gate_up_proj, routed[g][1], routed[g][2], start[0])
                  for g in range(case.G)]

@@ -150,43 +150,6 @@ def group_by_expert(ids: Tensor) -> tuple[Tensor, Tensor]:
     return order % T, order // T
 
 
-# Above kernels.ROUTE_MAX_PAIRS and up to this many (token, slot) pairs (2,048 tokens at top-8) the fused path
-# groups a step's pairs by counting (``group_pairs``): no host sync, so such steps can replay CUDA graphs
-# (prefill_graphs.py). Above it torch's stable sort, which waits for the GPU once per layer (harmless in an eager
-# step: its host has nothing to run ahead to) and needs no [E, pairs] table.
-COUNT_MAX_PAIRS = 16384
-
-
-def group_pairs(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The fused experts' grouping of a step's pairs, as ``kernels.route`` returns it: ids [T, K] ->
-    (pos [T, K] long: the grouped row of each pair, tok [K*T] long: the token of each grouped row, ends [E] int32:
-    where each expert's rows end). Rows by expert, then slot k, then token (HF's order, ``group_by_expert``).
-    Up to COUNT_MAX_PAIRS pairs by counting (each pair's rank among its expert's pairs: a cumulative sum over a
-    [E, K*T] one-hot table), above it by torch's stable sort; the same result either way."""
-    T, K = ids.shape
-    flat = ids.t().reshape(-1)  # [K*T] slot-major pairs
-    n = flat.numel()
-    if n <= COUNT_MAX_PAIRS:
-        seen = torch.zeros(num_experts, n, dtype=torch.int32, device=ids.device)
-        seen.scatter_(0, flat[None, :], 1)  # [E, K*T]: pair p is expert flat[p]'s
-        ranks = seen.cumsum(1, dtype=torch.int32)  # [E, K*T]: pairs of each expert up to p, p included
-        counts = ranks[:, -1]  # [E]
-        ends = counts.cumsum(0, dtype=torch.int32)  # [E]
-        rows = (ends - counts).gather(0, flat) + ranks.gather(0, flat[None, :])[0] - 1  # [K*T] grouped row
-        rows = rows.long()
-        tok = torch.empty(n, dtype=torch.long, device=ids.device)
-        tok.scatter_(0, rows, torch.arange(n, device=ids.device) % T)
-        return rows.view(K, T).t(), tok, ends
-    # [K*T] pairs grouped by expert. Keys in the narrowest integer type that holds the expert ids: a radix sort
-    # makes one pass per key byte (8 for int64 keys, 1 for uint8), and a stable sort orders the same either way.
-    keys = flat.to(torch.uint8) if num_experts <= 256 else flat.to(torch.int16) if num_experts <= 2**15 else flat
-    order = torch.argsort(keys, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(order))
-    pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=ids.device))
-    return pos.view(K, T).t(), order % T, torch.cumsum(counts, 0).to(torch.int32)
-
-
 def rank_in_row(ids: Tensor) -> Tensor:
     """[T, K] -> [T, K]: the rank of each entry within its row (ids in a row are distinct): one sort and a
     scatter, where argsort(argsort(ids)) takes two sorts."""
@@ -324,9 +287,6 @@ class Experts(nn.Module):
         offsets, the capture copy; or ``grouped``, from the router's launch) before the grouped GEMMs and
         ``combine`` (weights, HF-order sum) after them."""
         routed = grouped if grouped is not None else kernels.route(ids, self.num_experts, capture)
-        if routed is None:  # a large step (prefill): counting or torch's sort
-            _capture(capture, ids)
-            routed = group_pairs(ids, self.num_experts)
         pos, tok, offs = routed  # [T, K] grouped row of each pair, [K*T] token of each row, [E] row ends
         if ids.numel() <= self.triton_gemm_max_pairs:  # only the hit experts' weights are read
             y = fused_moe.expert_mlp(x, self.gate_up_proj, self.down_proj, pos, tok, offs)  # [K*T, H]

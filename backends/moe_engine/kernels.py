@@ -406,6 +406,65 @@ if triton is not None:
                 ends += tl.sum(((id_j[None, :] <= e[:, None]) & vj[None, :]).to(tl.int32), axis=1)
             tl.store(offs_ptr + e, ends, mask=e < E)
 
+    # Steps of more than ROUTE_MAX_PAIRS pairs (prefill): the same grouping by counting per chunk of pairs, in two
+    # launches whose work grows as pairs x experts, not pairs^2. Sizes are runtime ints: one compiled variant
+    # serves every step size (a size first seen mid-serving would otherwise compile inside its step).
+    @triton.jit(do_not_specialize=["T", "chunk", "C"])
+    def _count_chunks_kernel(
+        ids_ptr, hist_ptr, cap_ptr, cap_stride, T, K, E, chunk, C,
+        SUB: tl.constexpr, BLOCK_E: tl.constexpr, CAPTURE: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """hist[c, e] = how many of chunk c's pairs (i = c * chunk .. c * chunk + chunk - 1, slot-major i =
+        slot * T + token) expert e has; CAPTURE: each pair's id also into the routing capture buffer."""
+        _await_inputs(PDL)
+        c = tl.program_id(0)
+        N = T * K
+        e = tl.arange(0, BLOCK_E)
+        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for s in range(0, chunk, SUB):
+            i = c * chunk + s + tl.arange(0, SUB)
+            vi = i < N
+            ti = i % T
+            id_i = tl.load(ids_ptr + ti * K + i // T, mask=vi, other=-1)  # -1: no expert's
+            counts += tl.sum((id_i[:, None] == e[None, :]).to(tl.int32), axis=0)
+            if CAPTURE:
+                tl.store(cap_ptr + ti * cap_stride + i // T, id_i.to(tl.int32), mask=vi)
+        tl.store(hist_ptr + c * E + e, counts, mask=e < E)
+
+    @triton.jit(do_not_specialize=["T", "chunk", "C"])
+    def _place_chunks_kernel(
+        ids_ptr, hist_ptr, pos_ptr, tok_ptr, offs_ptr, T, K, E, chunk, C,
+        SUB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """Chunk c's pairs in expert-grouped order (``_route_kernel``'s outputs): expert e's rows start after all
+        pairs of smaller experts and after e's pairs in chunks before c; within the chunk a pair follows its
+        expert's pairs before it (a running count over SUB-pair blocks). Program 0 also writes offs."""
+        _await_inputs(PDL)
+        c = tl.program_id(0)
+        N = T * K
+        e = tl.arange(0, BLOCK_E)
+        ve = e < E
+        total = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs of expert e in the step
+        before = tl.zeros([BLOCK_E], dtype=tl.int32)  # ... in chunks 0..c-1
+        for c0 in range(0, C, BLOCK_C):
+            cc = c0 + tl.arange(0, BLOCK_C)
+            h = tl.load(hist_ptr + cc[:, None] * E + e[None, :], mask=(cc[:, None] < C) & ve[None, :], other=0)
+            total += tl.sum(h, axis=0)
+            before += tl.sum(tl.where(cc[:, None] < c, h, 0), axis=0)
+        ends = tl.cumsum(total, 0)  # [BLOCK_E] end row of each expert
+        tl.store(offs_ptr + e, ends, mask=ve & (c == 0))
+        nxt = ends - total + before  # [BLOCK_E] the row of expert e's next pair in this chunk
+        for s in range(0, chunk, SUB):
+            i = c * chunk + s + tl.arange(0, SUB)
+            vi = i < N
+            ti = i % T
+            id_i = tl.load(ids_ptr + ti * K + i // T, mask=vi, other=-1)
+            hit = (id_i[:, None] == e[None, :]).to(tl.int32)  # [SUB, BLOCK_E]
+            row = tl.sum(hit * (tl.cumsum(hit, 0) - 1 + nxt[None, :]), axis=1)  # [SUB]
+            tl.store(pos_ptr + ti * K + i // T, row.to(tl.int64), mask=vi)
+            tl.store(tok_ptr + row, ti.to(tl.int64), mask=vi)
+            nxt += tl.sum(hit, axis=0)
+
     @triton.jit
     def _combine_kernel(
         y_ptr, ids_ptr, pos_ptr, w_ptr, out_ptr, N,
@@ -719,26 +778,49 @@ def qk_norm_rope(
 
 def route(
     ids: torch.Tensor, num_experts: int, capture: torch.Tensor | None = None, block_i: int = 16,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, K] -> (pos [T, K] long, tok [T*K] long, offs [E] int32) as described in ``_route_kernel``, and
-    the ids copied into ``capture`` ([T, K] int32, unit last stride) when given; or None for a step of more
-    than ROUTE_MAX_PAIRS pairs (the caller sorts with torch, and captures)."""
+    the ids copied into ``capture`` ([T, K] int32, unit last stride) when given. Up to ROUTE_MAX_PAIRS pairs (decode
+    steps) in one launch that compares every pair with every other; larger steps in two that count per chunk of
+    pairs (``_count_chunks_kernel``, ``_place_chunks_kernel``). No host sync either way (CUDA-graph capturable)."""
     T, K = ids.shape
     n = T * K
-    if n > ROUTE_MAX_PAIRS:
-        return None
     ids = ids.contiguous()
     pos = torch.empty(T, K, dtype=torch.long, device=ids.device)
     tok = torch.empty(n, dtype=torch.long, device=ids.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    if n:
+    cap = dict(cap_ptr=ids if capture is None else capture, cap_stride=0 if capture is None else capture.stride(0))
+    if n > ROUTE_MAX_PAIRS:
+        _route_chunks(ids, num_experts, pos, tok, offs, capture is not None, **cap)
+    elif n:
         block_j, block_e = min(max(_pow2(n), 16), 256), 32  # [block_i x 256] or [32 x 256] per pass
         pair_programs = triton.cdiv(n, block_i)
         _launch(_route_kernel, (pair_programs + triton.cdiv(num_experts, block_e),), ids, pos, tok, offs,
-                ids if capture is None else capture, 0 if capture is None else capture.stride(0), T, K, num_experts,
-                pair_programs, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e, CAPTURE=capture is not None,
-                PDL=pdl(ids.device))
+                cap["cap_ptr"], cap["cap_stride"], T, K, num_experts, pair_programs, BLOCK_I=block_i,
+                BLOCK_J=block_j, BLOCK_E=block_e, CAPTURE=capture is not None, PDL=pdl(ids.device))
     return pos, tok, offs
+
+
+# A large step's pairs go in about this many chunks (one program each, in both launches): a chunk's program
+# reads every chunk's expert counts ([chunks, E] int32, from L2), so fewer, longer chunks; enough to spread the
+# counting over the SMs. ROUTE_CHUNK_ELEMENTS bounds a [pairs, experts] block of the counting (registers).
+ROUTE_CHUNKS = 128
+ROUTE_CHUNK_ELEMENTS = 16384
+
+
+def _route_chunks(ids, num_experts: int, pos, tok, offs, capture: bool, cap_ptr, cap_stride) -> None:
+    T, K = ids.shape
+    n = T * K
+    block_e = _pow2(num_experts)
+    sub = max(16, min(128, ROUTE_CHUNK_ELEMENTS // block_e))  # pairs per block of a chunk
+    chunk = triton.cdiv(triton.cdiv(n, ROUTE_CHUNKS), sub) * sub
+    C = triton.cdiv(n, chunk)  # <= ROUTE_CHUNKS
+    hist = torch.empty(C, num_experts, dtype=torch.int32, device=ids.device)
+    common = dict(SUB=sub, BLOCK_E=block_e, PDL=pdl(ids.device))
+    _launch(_count_chunks_kernel, (C,), ids, hist, cap_ptr, cap_stride, T, K, num_experts, chunk, C,
+            CAPTURE=capture, **common)
+    _launch(_place_chunks_kernel, (C,), ids, hist, pos, tok, offs, T, K, num_experts, chunk, C,
+            BLOCK_C=max(1, min(_pow2(ROUTE_CHUNKS), ROUTE_CHUNK_ELEMENTS // block_e)), **common)
 
 
 def combine(y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,

@@ -30,8 +30,8 @@ within bfloat16 rounding (the same expert ids and tokens on the tiny model's tes
 
 Only steps that need nothing per token on the host qualify (``ModelRunner`` decides): no replayed routing rows,
 no prompt logprobs (they read logits at every prompt position), the paged attention kernels (the reference path
-reads host copies), the fused experts in every MoE layer, and at most ``experts.COUNT_MAX_PAIRS`` (token, expert)
-pairs: above that the experts' grouping sorts with torch, which waits for the GPU and cannot be captured.
+reads host copies) and the fused experts in every MoE layer (``kernels.route`` groups a step's pairs on the device,
+at any size).
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache, KVSpec, bytes_per_block
 from .prefill_graphs import PrefillGraphs
 from .sampling import Sampler
-from .experts import COUNT_MAX_PAIRS, StepRouting
+from .experts import StepRouting
 from .scheduler import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -338,11 +338,11 @@ class ModelRunner(ReleasableMemory):
             self._warm_dense_prefill(step_tokens)
         # Steps of up to max_cudagraph_capture_size tokens replay graphs: decode steps of that many sequences (at
         # most max_num_seqs), and prefill and mixed steps of that many tokens where the attention kernels read the
-        # cache themselves and the fused experts group the pairs without the host (at most COUNT_MAX_PAIRS).
+        # cache themselves and the fused experts in every MoE layer (which group the pairs without the host).
         self.graph_max_batch = min(max_num_seqs, max_cudagraph_capture_size)
         self.max_model_len = max_model_len
         self.max_prefill_graph_tokens = (
-            min(max_cudagraph_capture_size, step_tokens, COUNT_MAX_PAIRS // K)
+            min(max_cudagraph_capture_size, step_tokens)
             if use_attention_kernels and model.prefill_graph_unsafe_reason() is None else 0)
         self.graphs_on = graphs_off is None and self.graph_max_batch > 0
         self.graphs: DecodeGraphs | None = None
