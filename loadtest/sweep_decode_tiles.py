@@ -1,14 +1,13 @@
 """Sweep the paged-attention kernel's decode launch (key tile, warps, pipeline stages, split count) on one GPU.
 
 Decode steps as the engine replays them: one ``paged_attention`` call per layer, 48 layers (each its own cache of
-``--block``-token blocks from a shuffled free list; 64, the engine's default on Hopper) in one CUDA graph, Qwen3-30B-A3B's attention (32 query / 4 kv heads of
+16-token blocks from a shuffled free list) in one CUDA graph, Qwen3-30B-A3B's attention (32 query / 4 kv heads of
 128, bf16). Shapes: (b)'s decode (64 x ~1,150 keys), the multi-turn turn-16 decode (32 x 7,900), a middle one
 (16 x 2,048) and (a)'s batch-1 decode (1 x 384). Time per layer = replay / 48 (median of ``--reps``); GB/s = the K/V
 bytes a layer reads / that time. Each config's output is compared with the engine's (max |difference|; splits and
 key tiles change the summation order, so within bf16 rounding, not to the bit).
 
-    PYTHONPATH=backends:.:loadtest python3 loadtest/sweep_decode_tiles.py [--shapes 64x1152,32x7900] [--budget 100]
-    ... sweep_decode_tiles.py --tma          # key tiles through TMA (KernelConfig.decode_tma), tiles dividing a block
+    PYTHONPATH=backends:.:loadtest python3 loadtest/sweep_decode_tiles.py [--shapes 64x1152,32x7900] [--budget 400]
 """
 from __future__ import annotations
 
@@ -23,16 +22,16 @@ from moe_engine import paged_attention as pa
 
 import real_shape_model as rsm
 
-HQ, HKV, D, LAYERS = 32, 4, 128, 48
+HQ, HKV, D, BLOCK, LAYERS = 32, 4, 128, 16, 48
 SHAPES = ((64, 1152), (32, 7900), (16, 2048), (1, 384))
 TILES, WARPS, STAGES, SPLITS = (32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8, 16)
 
 
-def layer_caches(B: int, L: int, device, seed: int, block: int):
+def layer_caches(B: int, L: int, device, seed: int):
     g = torch.Generator(device=device).manual_seed(seed)
-    nblk = -(-L // block)
-    k = torch.randn(B * nblk, block, HKV, D, device=device, dtype=torch.bfloat16, generator=g)
-    v = torch.randn(B * nblk, block, HKV, D, device=device, dtype=torch.bfloat16, generator=g)
+    nblk = -(-L // BLOCK)
+    k = torch.randn(B * nblk, BLOCK, HKV, D, device=device, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B * nblk, BLOCK, HKV, D, device=device, dtype=torch.bfloat16, generator=g)
     tables = torch.randperm(B * nblk, device=device, generator=g).view(B, nblk).to(torch.int32)
     return k, v, tables
 
@@ -41,9 +40,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(f"{b}x{n}" for b, n in SHAPES), help="BxL,... (sequences x keys)")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--budget", type=float, default=100.0, help="seconds per shape; configs past it are skipped")
-    p.add_argument("--block", type=int, default=64, help="KV block size (tokens)")
-    p.add_argument("--tma", action="store_true", help="sweep TMA launches (key tiles dividing the block)")
+    p.add_argument("--budget", type=float, default=400.0, help="seconds; configs past it are skipped")
     args = p.parse_args()
     device = torch.device("cuda")
     t_start = time.time()
@@ -51,7 +48,7 @@ def main() -> None:
           f"{args.reps} replays; engine decode config {pa.DEFAULT_CONFIG}", flush=True)
     for shape in args.shapes.split(","):
         B, L = (int(x) for x in shape.split("x"))
-        caches = [layer_caches(B, L, device, seed=i, block=args.block) for i in range(LAYERS)]
+        caches = [layer_caches(B, L, device, seed=i) for i in range(LAYERS)]
         g = torch.Generator(device=device).manual_seed(1)
         qs = [torch.randn(B, HQ, D, device=device, dtype=torch.bfloat16, generator=g) for _ in range(LAYERS)]
         cu = torch.arange(B + 1, device=device, dtype=torch.int32)
@@ -79,20 +76,14 @@ def main() -> None:
         print(f"  the engine's launch with decode_k_rows={cols.decode_k_rows}: {cols_us:.2f} us "
               f"({engine_us / cols_us:.3f}x engine)", flush=True)
         cells = []
-        t_shape = time.time()
-        tiles = (64, 32) if args.tma else TILES  # (TMA: the 64-key tile first, a budget may cut the rest)
-        for tile, warps, stages, splits in itertools.product(tiles, WARPS, STAGES, SPLITS):
-            if time.time() - t_shape > args.budget:
+        for tile, warps, stages, splits in itertools.product(TILES, WARPS, STAGES, SPLITS):
+            if time.time() - t_start > args.budget:
                 print("  (budget spent: remaining configs skipped)", flush=True)
                 break
-            if splits > 1 and L // splits < tile or args.tma and args.block % tile:
+            if splits > 1 and L // splits < tile:
                 continue
-            if args.tma:
-                config = pa.KernelConfig(decode_tma=True, decode_tma_tile_n=tile, decode_tma_num_warps=warps,
-                                         decode_tma_num_stages=stages)
-            else:
-                config = pa.KernelConfig(decode_tile_n=tile, decode_unsplit_tile_n=tile, decode_num_warps=warps,
-                                         decode_num_stages=stages)
+            config = pa.KernelConfig(decode_tile_n=tile, decode_unsplit_tile_n=tile, decode_num_warps=warps,
+                                     decode_num_stages=stages)
             try:
                 us = rsm.graph_replay_seconds(run_with(config, splits), args.reps) * 1e6 / LAYERS
             except Exception as exc:  # noqa: BLE001 - a config may not compile (shared memory): say so, go on

@@ -112,12 +112,6 @@ class KernelConfig:
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     decode_k_rows: bool = False
-    # Decode key tiles through TMA where a tile lies in one block (as the prefill's): both decode kernels then walk
-    # decode_tma_tile_n keys per iteration with these warps and stages.
-    decode_tma: bool = False
-    decode_tma_tile_n: int = 64
-    decode_tma_num_warps: int = 4
-    decode_tma_num_stages: int = 3
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -377,18 +371,18 @@ if triton is not None:
     @triton.jit(do_not_specialize=["s_bt"])
     def _attn_split_kernel(
         part_m_ptr, part_l_ptr, part_acc_ptr,  # [B, Hq, S], [B, Hq, S], [B, Hq, S, DV_PAD] float32
-        q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tables_ptr, cu_ptr, seq_lens_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, cu_ptr, seq_lens_ptr,
         scale_log2, window,
         s_qt, s_qh, s_bt,
         s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
         Hq: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, KROW: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr,
-        INTERPRET: tl.constexpr, PDL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, KROW: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program (sequence, kv head, split) of a decode step: the G heads' one query over split's share of
         the keys (whole tiles, split evenly at run time). Empty splits write (-inf, 0, 0). The split count is
-        the grid's third dimension (one compiled kernel for every count). TMA: as ``_attn_2d_kernel``'s."""
+        the grid's third dimension (one compiled kernel for every count)."""
         _await_inputs(PDL)
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -422,9 +416,9 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
         m_i, l_i, acc = _attend_tiles(
             q, m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.int32) + qpos, key_lo, full_hi, key_hi,
-            k_cache_ptr, v_cache_ptr, k_desc, v_desc, tables_ptr + seq * s_bt, kvh,
+            k_cache_ptr, v_cache_ptr, None, None, tables_ptr + seq * s_bt, kvh,
             window, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2,
-            DK, DV, DK_PAD, DV_PAD, BLOCK_SIZE, TILE_N, HAS_WINDOW, KROW, TMA, IEEE, INTERPRET,
+            DK, DV, DK_PAD, DV_PAD, BLOCK_SIZE, TILE_N, HAS_WINDOW, KROW, False, IEEE, INTERPRET,
         )
         part = (seq * Hq + head) * num_splits + split  # [BLOCK_M]
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
@@ -589,11 +583,11 @@ def tiles_2d(decode: bool, G: int, dk_pad: int, dv_pad: int, esize: int, config:
              tma: bool = False):
     """The 2-D kernel's launch for a decode step (one query per sequence, not split) or any other step:
     (query rows per program, key tile, warps, stages, K tiles as rows), the tiles shrunk to fit shared memory
-    (a decode step keeps its rows: G query heads of one token). ``tma``: a launch whose key tiles come through TMA
-    (``tma_fits``): the config's TMA rows (prefill) or key tile (decode), warps and stages."""
+    (a decode step keeps its rows: G query heads of one token). ``tma``: a prefill launch whose key tiles come
+    through TMA (``tma_fits``): the config's TMA rows, warps and stages."""
     if decode:
-        block_m = max(config.decode_block_m, _pow2(G))
-        tile_n, warps, stages, krow = _decode_launch(config, tma, split=False)
+        block_m, tile_n = max(config.decode_block_m, _pow2(G)), config.decode_unsplit_tile_n
+        warps, stages, krow = config.decode_num_warps, config.decode_num_stages, config.decode_k_rows
         min_block_m = block_m
     elif tma:
         block_m, tile_n = max(config.prefill_tma_block_m, _pow2(G)), config.prefill_tile_n
@@ -605,15 +599,6 @@ def tiles_2d(decode: bool, G: int, dk_pad: int, dv_pad: int, esize: int, config:
         min_block_m = max(_pow2(G), 16)
     block_m, tile_n = _fit_shared_memory(block_m, tile_n, min_block_m, dk_pad, dv_pad, esize, stages)
     return block_m, tile_n, warps, stages, krow
-
-
-def _decode_launch(config: KernelConfig, tma: bool, split: bool) -> tuple[int, int, int, bool]:
-    """A decode kernel's (key tile, warps, stages, K tiles as rows): the TMA settings, or the split / unsplit
-    pointer-load ones."""
-    if tma:
-        return config.decode_tma_tile_n, config.decode_tma_num_warps, config.decode_tma_num_stages, True
-    tile_n = config.decode_tile_n if split else config.decode_unsplit_tile_n
-    return tile_n, config.decode_num_warps, config.decode_num_stages, config.decode_k_rows
 
 
 def _tma_capable(device: torch.device, dtype: torch.dtype, head_dims) -> bool:
@@ -642,11 +627,6 @@ def default_block_size(use_kernels: bool, device: torch.device, dtype: torch.dty
     if use_kernels and _tma_capable(device, dtype, head_dims):
         return max(64, DEFAULT_CONFIG.prefill_tile_n)
     return 16
-
-
-def _cache_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, tile_n: int, tma: bool):
-    """(k, v) descriptors for a TMA launch, (None, None) for pointer loads."""
-    return (_cache_descriptor(k_cache, tile_n), _cache_descriptor(v_cache, tile_n)) if tma else (None, None)
 
 
 def _cache_descriptor(cache: torch.Tensor, tile_n: int):
@@ -707,24 +687,17 @@ def paged_attention(
     scale_log2 = float(scale) * _LOG2E
     window = int(sliding_window or 0)
 
-    decode = max_query_len == 1
-    if decode:
-        tma = config.decode_tma and tma_fits(q, k_cache, v_cache, config.decode_tma_tile_n)
-    else:
-        tma = config.prefill_tma and tma_fits(q, k_cache, v_cache, config.prefill_tile_n)
-    if decode and num_splits > 1:
+    if max_query_len == 1 and num_splits > 1:
         block_m = max(config.decode_block_m, _pow2(G))
-        tile_n, warps, stages, krow = _decode_launch(config, tma, split=True)
-        k_desc, v_desc = _cache_descriptors(k_cache, v_cache, tile_n, tma)
         part_m = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(B, Hq, num_splits, common["DV_PAD"], dtype=torch.float32, device=q.device)
         _launch(
             _attn_split_kernel, (B, Hkv, num_splits),
-            part_m, part_l, part_acc, q, k_cache, v_cache, k_desc, v_desc, block_tables, cu_seqlens_q, seq_lens,
+            part_m, part_l, part_acc, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
             scale_log2, window, q.stride(0), q.stride(1), block_tables.stride(0), *cache_strides,
-            Hq=Hq, G=G, BLOCK_M=block_m, TILE_N=tile_n, KROW=krow, TMA=tma, **common,
-            num_warps=warps, num_stages=stages,
+            Hq=Hq, G=G, BLOCK_M=block_m, TILE_N=config.decode_tile_n, KROW=config.decode_k_rows, **common,
+            num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
         )
         _launch(
             _merge_splits_kernel, (B, Hq),
@@ -735,10 +708,12 @@ def paged_attention(
         )
         return out
 
+    decode = max_query_len == 1
+    tma = not decode and config.prefill_tma and tma_fits(q, k_cache, v_cache, config.prefill_tile_n)
     block_m, tile_n, warps, stages, krow = tiles_2d(decode, G, common["DK_PAD"], common["DV_PAD"],
                                                     q.element_size(), config, tma)
     tma = tma and k_cache.shape[1] % tile_n == 0  # (a tile shrunk to fit shared memory still divides the block)
-    k_desc, v_desc = _cache_descriptors(k_cache, v_cache, tile_n, tma)
+    k_desc, v_desc = (_cache_descriptor(k_cache, tile_n), _cache_descriptor(v_cache, tile_n)) if tma else (None, None)
     block_q = 1 if decode else block_m // G
     _launch(
         _attn_2d_kernel, (T // block_q + B, Hkv),

@@ -188,37 +188,6 @@ def test_tma_key_tiles_give_the_pointer_loads_result_to_the_bit(contexts, q_lens
     assert_close(with_tma, dense_float64(step, window, sinks), torch.bfloat16, "TMA kernel vs dense")
 
 
-# Decode through TMA with the pointer launch's tiles, warps and stages.
-SMALL_DECODE_TMA = dataclasses.replace(SMALL, decode_tma=True, decode_tma_tile_n=16, decode_k_rows=True,
-                                       decode_tma_num_warps=SMALL.decode_num_warps,
-                                       decode_tma_num_stages=SMALL.decode_num_stages)
-
-
-@needs_kernels
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("bs,window,with_sinks", [(16, None, False), (64, None, True), (32, 20, False)],
-                         ids=["blocks16", "blocks64_sinks", "window"])
-def test_decode_tma_key_tiles_give_the_pointer_loads_result_to_the_bit(bs, window, with_sinks, splits, monkeypatch):
-    """A bf16 decode step (both kernels: one split and three) whose key tiles lie in one block loads its unmasked
-    tiles through TMA: every output element equals the pointer-load launch's to the bit; slots past each sequence
-    hold NaN and are never read."""
-    step = make_step([70, 5, 33, 128], [1, 1, 1, 1], hq=8, hkv=2, dk=32, block_size=bs, dtype=torch.bfloat16,
-                     seed=bs + splits)
-    sinks = torch.randn(8, generator=torch.Generator().manual_seed(3)).to(DEVICE) if with_sinks else None
-    kw = step.kw(sliding_window=window, sinks=sinks)
-    made = []
-    real = pa._cache_descriptor
-    monkeypatch.setattr(pa, "_cache_descriptor", lambda cache, tile_n: made.append(tile_n) or real(cache, tile_n))
-    with_tma = pa.paged_attention(*step.args(), **kw, num_splits=splits, config=SMALL_DECODE_TMA)
-    monkeypatch.undo()
-    assert made == [16, 16]  # the launch went through TMA (K and V descriptors)
-    pointers = pa.paged_attention(*step.args(), **kw, num_splits=splits,
-                                  config=dataclasses.replace(SMALL_DECODE_TMA, decode_tma=False))
-    assert torch.isfinite(with_tma).all(), "read a NaN outside the sequences' keys"
-    assert torch.equal(with_tma, pointers)
-    assert_close(with_tma, dense_float64(step, window, sinks), torch.bfloat16, "TMA decode vs dense")
-
-
 def test_tma_needs_a_16_bit_cache_whose_blocks_hold_whole_key_tiles():
     """Where TMA does not apply the pointer loads run: float32, key tiles across blocks, head dims that are not
     powers of two (no whole boxes)."""
