@@ -1,7 +1,7 @@
 """Sweep the paged-attention kernel's decode launch (key tile, warps, pipeline stages, split count) on one GPU.
 
 Decode steps as the engine replays them: one ``paged_attention`` call per layer, 48 layers (each its own cache of
-16-token blocks from a shuffled free list) in one CUDA graph, Qwen3-30B-A3B's attention (32 query / 4 kv heads of
+``--block``-token blocks from a shuffled free list; 64, the engine's default on Hopper) in one CUDA graph, Qwen3-30B-A3B's attention (32 query / 4 kv heads of
 128, bf16). Shapes: (b)'s decode (64 x ~1,150 keys), the multi-turn turn-16 decode (32 x 7,900), a middle one
 (16 x 2,048) and (a)'s batch-1 decode (1 x 384). Time per layer = replay / 48 (median of ``--reps``); GB/s = the K/V
 bytes a layer reads / that time. Each config's output is compared with the engine's (max |difference|; splits and
@@ -22,16 +22,16 @@ from moe_engine import paged_attention as pa
 
 import real_shape_model as rsm
 
-HQ, HKV, D, BLOCK, LAYERS = 32, 4, 128, 16, 48
+HQ, HKV, D, LAYERS = 32, 4, 128, 48
 SHAPES = ((64, 1152), (32, 7900), (16, 2048), (1, 384))
 TILES, WARPS, STAGES, SPLITS = (32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8, 16)
 
 
-def layer_caches(B: int, L: int, device, seed: int):
+def layer_caches(B: int, L: int, device, seed: int, block: int):
     g = torch.Generator(device=device).manual_seed(seed)
-    nblk = -(-L // BLOCK)
-    k = torch.randn(B * nblk, BLOCK, HKV, D, device=device, dtype=torch.bfloat16, generator=g)
-    v = torch.randn(B * nblk, BLOCK, HKV, D, device=device, dtype=torch.bfloat16, generator=g)
+    nblk = -(-L // block)
+    k = torch.randn(B * nblk, block, HKV, D, device=device, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B * nblk, block, HKV, D, device=device, dtype=torch.bfloat16, generator=g)
     tables = torch.randperm(B * nblk, device=device, generator=g).view(B, nblk).to(torch.int32)
     return k, v, tables
 
@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(f"{b}x{n}" for b, n in SHAPES), help="BxL,... (sequences x keys)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget", type=float, default=400.0, help="seconds; configs past it are skipped")
+    p.add_argument("--block", type=int, default=64, help="KV block size (tokens)")
     args = p.parse_args()
     device = torch.device("cuda")
     t_start = time.time()
@@ -48,7 +49,7 @@ def main() -> None:
           f"{args.reps} replays; engine decode config {pa.DEFAULT_CONFIG}", flush=True)
     for shape in args.shapes.split(","):
         B, L = (int(x) for x in shape.split("x"))
-        caches = [layer_caches(B, L, device, seed=i) for i in range(LAYERS)]
+        caches = [layer_caches(B, L, device, seed=i, block=args.block) for i in range(LAYERS)]
         g = torch.Generator(device=device).manual_seed(1)
         qs = [torch.randn(B, HQ, D, device=device, dtype=torch.bfloat16, generator=g) for _ in range(LAYERS)]
         cu = torch.arange(B + 1, device=device, dtype=torch.int32)
