@@ -454,16 +454,21 @@ if triton is not None:
         ends = tl.cumsum(total, 0)  # [BLOCK_E] end row of each expert
         tl.store(offs_ptr + e, ends, mask=ve & (c == 0))
         nxt = ends - total + before  # [BLOCK_E] the row of expert e's next pair in this chunk
+        sub = tl.arange(0, SUB)
+        # pairs of the block up to each pair, per expert: a lower-triangular [SUB, SUB] of ones times the block's
+        # one-hot [SUB, BLOCK_E] on the tensor cores (0/1 products, sums <= SUB: exact in float32), not a scan
+        tri = (sub[:, None] >= sub[None, :]).to(tl.float16)
         for s in range(0, chunk, SUB):
-            i = c * chunk + s + tl.arange(0, SUB)
+            i = c * chunk + s + sub
             vi = i < N
             ti = i % T
             id_i = tl.load(ids_ptr + ti * K + i // T, mask=vi, other=-1)
-            hit = (id_i[:, None] == e[None, :]).to(tl.int32)  # [SUB, BLOCK_E]
-            row = tl.sum(hit * (tl.cumsum(hit, 0) - 1 + nxt[None, :]), axis=1)  # [SUB]
+            hit = id_i[:, None] == e[None, :]  # [SUB, BLOCK_E]
+            upto = tl.dot(tri, hit.to(tl.float16)).to(tl.int32)  # [SUB, BLOCK_E] inclusive counts
+            row = tl.sum(tl.where(hit, upto - 1 + nxt[None, :], 0), axis=1)  # [SUB]
             tl.store(pos_ptr + ti * K + i // T, row.to(tl.int64), mask=vi)
             tl.store(tok_ptr + row, ti.to(tl.int64), mask=vi)
-            nxt += tl.sum(hit, axis=0)
+            nxt += tl.sum(hit.to(tl.int32), axis=0)
 
     @triton.jit
     def _combine_kernel(
@@ -811,7 +816,7 @@ ROUTE_CHUNK_ELEMENTS = 16384
 def _route_chunks(ids, num_experts: int, pos, tok, offs, capture: bool, cap_ptr, cap_stride) -> None:
     T, K = ids.shape
     n = T * K
-    block_e = _pow2(num_experts)
+    block_e = max(16, _pow2(num_experts))  # (a dot's dimensions are >= 16)
     sub = max(16, min(128, ROUTE_CHUNK_ELEMENTS // block_e))  # pairs per block of a chunk
     chunk = triton.cdiv(triton.cdiv(n, ROUTE_CHUNKS), sub) * sub
     C = triton.cdiv(n, chunk)  # <= ROUTE_CHUNKS
