@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="CUDA: steps of up to this many tokens replay CUDA graphs: decode batches of up to this many sequences "
-        "(at most --max-num-seqs), prefill and mixed steps of up to this many tokens (at most 16384 / top_k); "
+        "(at most --max-num-seqs), prefill and mixed steps of up to this many tokens; "
         "default max(2048, --max-num-seqs); 0: every step eager",
     )
     add(

@@ -31,8 +31,8 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs (debugging, or to save their memory)
     # CUDA: steps of up to this many tokens replay CUDA graphs (vLLM's compilation-config field of that name):
     # decode steps of up to this many sequences (at most max_num_seqs), prefill and mixed steps of up to this many
-    # tokens (at most 16384 / top_k, the most the experts group without the host; the paged attention kernels
-    # only). None: max(2048, max_num_seqs); 0: every step eager.
+    # tokens (with the paged attention kernels and the fused experts). None: max(2048, max_num_seqs); 0: every step
+    # eager.
     max_cudagraph_capture_size: int | None = None
     # Launch decode step i+1 before handing out step i's results (None: on CUDA, where the GPU then works while
     # the host does; on CPU the forward runs on the host, so there is nothing to overlap).

@@ -1,14 +1,13 @@
 """Expert MLPs of a MoE layer as two Triton GEMMs that read only the hit experts' weights.
 
-Input: the (token, slot) pairs of a step grouped by expert, as ``kernels.route`` (or the torch sort in
-``Experts._forward_fused``) produces them: ``tok [P]`` the token of grouped row r, ``offs [E]`` int32 row ends
-(rows of expert e are offs[e-1]..offs[e]), P = T*K. Output: ``y [P, H]`` in the model dtype and in the same
+Input: the (token, slot) pairs of a step grouped by expert, as ``kernels.route`` produces them: ``tok [P]`` the
+token of grouped row r, ``offs [E]`` int32 row ends (rows of expert e are offs[e-1]..offs[e]), P = T*K. Output: ``y [P, H]`` in the model dtype and in the same
 grouped order, which ``kernels.combine`` weights and sums in HF order, unchanged.
 
     expert_mlp(x, gate_up, down, pos, tok, offs) -> y       (gate_up [E, 2I, H], down [E, H, I]: HF v5 layout)
 
 In ``Experts._forward_fused`` it replaces the two grouped GEMMs (and x[tok], silu, the product):
-    pos, tok, offs = kernels.route(ids, E, capture)   # or the torch sort for large steps
+    pos, tok, offs = kernels.route(ids, E, capture)
     y = fused_moe.expert_mlp(x, self.gate_up_proj, self.down_proj, pos, tok, offs)
     return kernels.combine(y, ids, pos, weights, x.dtype)
 

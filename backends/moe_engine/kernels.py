@@ -67,8 +67,8 @@ except ImportError:  # CPU wheels of torch do not bring Triton
 
 # dtype codes passed to the kernels (a constexpr int is simpler to branch on than a Triton dtype)
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Fused routing bookkeeping compares every (token, slot) pair with every other: for steps of up to this many
-# pairs (decode batches; 4096 = 512 tokens x top-8); larger steps (prefill) sort with torch.
+# Fused routing bookkeeping in one launch that compares every (token, slot) pair with every other: for steps of up
+# to this many pairs (decode batches; 4096 = 512 tokens x top-8); larger steps (prefill) count per chunk of pairs.
 ROUTE_MAX_PAIRS = 4096
 # Launch granularity of latency-bound kernels (more, smaller programs finish sooner when a step has few tokens):
 # columns per program of ``combine``, heads per program of ``qk_norm_rope`` (per-head or no norm). On the H200 at

@@ -454,9 +454,8 @@ class MoEForCausalLM(nn.Module):
 
     def prefill_graph_unsafe_reason(self) -> str | None:
         """Why a step carrying prompt tokens cannot replay a CUDA graph where a decode step can (prefill_graphs.py),
-        or None: every MoE layer must take the fused path, whose grouping of a few thousand pairs waits for
-        nothing; off it (expert parallelism, the op-by-op forward) larger steps sort with torch, which waits for the
-        GPU."""
+        or None: every MoE layer must take the fused path, whose grouping of a step's pairs waits for nothing (off
+        it, expert parallelism and the op-by-op forward count each expert's rows on the host)."""
         for layer in self.model.layers:
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None and not (getattr(experts, "fused", False) and experts.first_expert is None):
