@@ -89,9 +89,10 @@ def main() -> None:
         with torch.cuda.graph(graph):
             run_new()
         t_new, t_old, t_graph = timed(run_new, args.reps), timed(run_old, args.reps), timed(graph.replay, args.reps)
-        lines.append(f"T={T:5d} pairs={T * K:6d}: torch {'sort' if T * K > 16384 else 'counting'} {t_old / L * 1e3:7.1f}"
-                     f" us/layer, route eager {t_new / L * 1e3:6.1f} us/layer ({t_old / t_new:.1f}x), graph "
-                     f"{t_graph / L * 1e3:6.1f} us/layer; outputs equal")
+        old_way = "sort" if T * K > 16384 else "counting"
+        lines.append(f"T={T:5d} pairs={T * K:6d}: torch {old_way} {t_old / L * 1e3:7.1f} us/layer, route eager "
+                     f"{t_new / L * 1e3:6.1f} us/layer ({t_old / t_new:.1f}x), graph {t_graph / L * 1e3:6.1f} us/layer;"
+                     f" outputs equal")
         print(lines[-1], flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,12 @@
 """Sweep the paged-attention kernel's decode launch (key tile, warps, pipeline stages, split count) on one GPU.
 
 Decode steps as the engine replays them: one ``paged_attention`` call per layer, 48 layers (each its own cache of
-``--block``-token blocks from a shuffled free list; 64, the engine's default on Hopper) in one CUDA graph, Qwen3-30B-A3B's attention (32 query / 4 kv heads of
-128, bf16). Shapes: (b)'s decode (64 x ~1,150 keys), the multi-turn turn-16 decode (32 x 7,900), a middle one
-(16 x 2,048) and (a)'s batch-1 decode (1 x 384). Time per layer = replay / 48 (median of ``--reps``); GB/s = the K/V
-bytes a layer reads / that time. Each config's output is compared with the engine's (max |difference|; splits and
-key tiles change the summation order, so within bf16 rounding, not to the bit).
+``--block``-token blocks from a shuffled free list; 64, the engine's default on Hopper) in one CUDA graph,
+Qwen3-30B-A3B's attention (32 query / 4 kv heads of 128, bf16). Shapes: (b)'s decode (64 x ~1,150 keys), the
+multi-turn turn-16 decode (32 x 7,900), a middle one (16 x 2,048) and (a)'s batch-1 decode (1 x 384). Time per
+layer = replay / 48 (median of ``--reps``); GB/s = the K/V bytes a layer reads / that time. Each config's output is
+compared with the engine's (max |difference|; splits and key tiles change the summation order, so within bf16
+rounding, not to the bit).
 
     PYTHONPATH=backends:.:loadtest python3 loadtest/sweep_decode_tiles.py [--shapes 64x1152,32x7900] [--budget 400]
 """

@@ -1,8 +1,9 @@
 """Expert MLPs of a MoE layer as two Triton GEMMs that read only the hit experts' weights.
 
 Input: the (token, slot) pairs of a step grouped by expert, as ``kernels.route`` produces them: ``tok [P]`` the
-token of grouped row r, ``offs [E]`` int32 row ends (rows of expert e are offs[e-1]..offs[e]), P = T*K. Output: ``y [P, H]`` in the model dtype and in the same
-grouped order, which ``kernels.combine`` weights and sums in HF order, unchanged.
+token of grouped row r, ``offs [E]`` int32 row ends (rows of expert e are offs[e-1]..offs[e]), P = T*K. Output:
+``y [P, H]`` in the model dtype and in the same grouped order, which ``kernels.combine`` weights and sums in HF
+order, unchanged.
 
     expert_mlp(x, gate_up, down, pos, tok, offs) -> y       (gate_up [E, 2I, H], down [E, H, I]: HF v5 layout)
 
