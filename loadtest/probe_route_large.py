@@ -12,14 +12,15 @@ from one CUDA graph of the 48 calls. Every call's outputs are checked against th
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_engine import kernels  # noqa: E402
+from sweep_prefill_tiles import median_ms  # noqa: E402  (CUDA-event timing, median of reps)
 
 E, K, L = 128, 8, 48  # Qwen3-30B-A3B: experts, top-k, layers
 
@@ -45,19 +46,6 @@ def torch_grouping(ids: torch.Tensor, num_experts: int):
     counts.scatter_add_(0, flat, torch.ones_like(order))
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=ids.device))
     return pos.view(K_, T).t(), order % T, torch.cumsum(counts, 0).to(torch.int32)
-
-
-def timed(fn, reps: int) -> float:
-    """Median ms of one call of fn (48 layers' calls), CUDA events around it."""
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -88,7 +76,7 @@ def main() -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run_new()
-        t_new, t_old, t_graph = timed(run_new, args.reps), timed(run_old, args.reps), timed(graph.replay, args.reps)
+        t_new, t_old, t_graph = (median_ms(fn, args.reps) for fn in (run_new, run_old, graph.replay))
         old_way = "sort" if T * K > 16384 else "counting"
         lines.append(f"T={T:5d} pairs={T * K:6d}: torch {old_way} {t_old / L * 1e3:7.1f} us/layer, route eager "
                      f"{t_new / L * 1e3:6.1f} us/layer ({t_old / t_new:.1f}x), graph {t_graph / L * 1e3:6.1f} us/layer;"
