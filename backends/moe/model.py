@@ -401,6 +401,8 @@ class TritonPythonModel:
          {"running": {"state": "running"}, "waiting": {"state": "waiting"}}),
         ("moe_engine_kv_blocks", "gauge", "KV-cache blocks: total, free (cached ones included), holding a cached prefix",
          {"num_blocks": {"state": "total"}, "free_blocks": {"state": "free"}, "cached_blocks": {"state": "cached"}}),
+        ("moe_engine_kv_block_size", "gauge", "Tokens per KV-cache block (the prefix cache reuses whole blocks)",
+         {"block_size": {}}),
         ("moe_engine_kv_cache_usage", "gauge", "Share of KV-cache blocks in use by running sequences",
          {"kv_cache_usage": {}}),
         ("moe_engine_preemptions", "counter", "Sequences preempted (KV blocks freed, recomputed later)",

@@ -384,6 +384,7 @@ class Engine:
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting) + len(self._held) + len(self._inbox),
                 "num_blocks": b.num_blocks,
+                "block_size": b.block_size,  # tokens per block (the prefix cache reuses whole blocks)
                 "free_blocks": b.num_free,
                 "cached_blocks": b.num_cached,
                 "kv_cache_usage": b.usage(),

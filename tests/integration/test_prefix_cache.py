@@ -277,6 +277,20 @@ def test_models_endpoint_says_whether_prefix_caching_is_on(moe_server, ref):
         assert card["prefix_caching_enabled"] is on and card["routed_experts_enabled"] is True
 
 
+def test_metrics_say_how_many_tokens_a_kv_block_holds(moe_server):
+    """The block size sets the prefix cache's granularity (a new turn forwards its history's last partial block
+    again): the engine reports it on Triton's metrics port and on the API's /metrics (16, the CPU default)."""
+    def reported(text: str) -> float | None:
+        m = re.search(r"^moe_engine_kv_block_size\{[^}]*\} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else None
+
+    deadline = time.monotonic() + 10  # the backend refreshes its gauges every 0.2 s
+    while reported(urllib.request.urlopen(moe_server.triton_metrics_url, timeout=5).read().decode()) != BLOCK:
+        assert time.monotonic() < deadline, "moe_engine_kv_block_size never reported 16"
+        time.sleep(0.2)
+    assert reported(httpx.get(moe_server.root_url + "/metrics", timeout=10).text) == BLOCK
+
+
 # ----------------------------------------------------------------------------- warm = cold
 
 

@@ -101,6 +101,7 @@ def test_prefix_cache_hit_returns_the_rows_and_tokens_of_a_cold_run(tiny, block_
     cold = submit(engine, base, max_tokens=8, ignore_eos=True, logprobs=2)
     run_all(engine, [cold])
     before = engine.stats()
+    assert before["block_size"] == block_size  # what /metrics reports (moe_engine_kv_block_size)
     warm = submit(engine, base, max_tokens=8, ignore_eos=True, logprobs=2)
     run_all(engine, [warm])
     after = engine.stats()
