@@ -31,7 +31,6 @@ logits are sampled (on the same stream) before the next replay.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import gc
 import logging
 import time
@@ -39,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from . import l2_prefetch, paged_attention
+from . import paged_attention
 from .attention import ForwardBatch
 from .experts import StepRouting
 from .kv_cache import KVCache
@@ -135,7 +134,6 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=device)  # capture and warm-up run off the default stream
-        self.l2 = l2_prefetch.plan(model)  # None unless MOE_L2_PREFETCH asks (l2_prefetch.py)
 
     def supports(self, num_seqs: int, max_seq_len: int) -> bool:
         return num_seqs <= self.max_batch and max_seq_len <= self.kv_lens[-1]
@@ -276,8 +274,7 @@ class DecodeGraphs:
         )
         routing = StepRouting(ids=self.capture_buf if capture else None,
                               weights=self.weights_buf if capture_weights else None)
-        with self.l2.during(B) if self.l2 is not None else contextlib.nullcontext():
-            hidden = self.model(ids, batch, self.kv, routing=routing)  # [B, H]
+        hidden = self.model(ids, batch, self.kv, routing=routing)  # [B, H]
         self.model.compute_logits(hidden, out=self.logits[:B])  # [B, V] float32
 
     def _capture(self, B: int, Lk: int, capture: bool, capture_weights: bool,

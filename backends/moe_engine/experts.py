@@ -200,8 +200,6 @@ class Experts(nn.Module):
     down_proj [E, H, I]."""
 
     supports_fused = True  # MoEForCausalLM.use_fused_kernels switches ``fused`` on where Triton runs
-    l2 = None  # l2_prefetch.py: the next layer's weights asked into L2 after the expert GEMMs (set by its plan)
-    l2_after_experts: tuple = ()
 
     def __init__(self, spec: ExpertsSpec, hidden_size: int):
         super().__init__()
@@ -292,8 +290,6 @@ class Experts(nn.Module):
         pos, tok, offs = routed  # [T, K] grouped row of each pair, [K*T] token of each row, [E] row ends
         if ids.numel() <= self.triton_gemm_max_pairs:  # only the hit experts' weights are read
             y = fused_moe.expert_mlp(x, self.gate_up_proj, self.down_proj, pos, tok, offs)  # [K*T, H]
-            if self.l2 is not None:
-                self.l2.issue("after_experts", self.l2_after_experts)
         else:
             gate, up = _GMM(x[tok], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [K*T, I] each
             y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [K*T, H]

@@ -122,24 +122,15 @@ class Attention(nn.Module):
             return None
         return self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim
 
-    # l2_prefetch.py: weights asked into L2 during a decode graph's latency-bound kernels (set by its plan)
-    l2 = None
-    l2_after_qkv: tuple = ()
-    l2_after_attention: tuple = ()
-
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: LayerKV) -> Tensor:
         T = x.shape[0]
         q, k, v = self._qkv(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
         if self.fused and self.rope_style == "half" and self.clip_qkv is None and cos.shape[-1] == self.head_dim \
                 and self.tp_slices is None:
-            if self.l2 is not None:
-                self.l2.issue("after_qkv", self.l2_after_qkv)
             # [T, Hq, D], [T, Hkv, D]; k and v written into the cache by the same launch
             q, k = self._fused_norm_rope(q, k, cos, sin, (v, cache.k, cache.v, batch.slot_mapping))
             v = v.view(T, self.num_kv_heads, self.head_dim)
             out = attend_stored(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)
-            if self.l2 is not None:
-                self.l2.issue("after_attention", self.l2_after_attention)
             return kernels.decode_linear(out.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight,
                                          self.o_proj.bias, self.within_rounding,
                                          kernels.O_PROJ_SMALL_LINEAR_TOKENS)  # [T, H]
