@@ -62,6 +62,22 @@ NO_ROUTING = LayerRouting()
 
 
 @dataclass(frozen=True)
+class ExpertOutputs:
+    """A MoE layer's output before its combine (fused path): ``y`` [T*K, H] the expert outputs in grouped order,
+    ``ids`` / ``pos`` / ``weights`` [T, K] as ``kernels.combine`` takes them. The decoder hands it on, not summed,
+    to the norm that reads the residual stream next, which sums it in its own launch
+    (``kernels.combine_rms_norm``); anything else asks for ``combine()``, the [T, H] output."""
+
+    y: Tensor
+    ids: Tensor
+    pos: Tensor
+    weights: Tensor
+
+    def combine(self, dtype: torch.dtype) -> Tensor:
+        return kernels.combine(self.y, self.ids, self.pos, self.weights, dtype)
+
+
+@dataclass(frozen=True)
 class StepRouting:
     """A step's routing I/O for every layer: capture buffers [>=T, num_hidden_layers, K] (views of the runner's
     step buffer; ``weights`` holds float32) and forced routing (``forced_mask`` [T] bool, ``forced_ids``
@@ -233,16 +249,19 @@ class Experts(nn.Module):
     def forward(
         self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None,
         weights_capture: Tensor | None = None, grouped: tuple[Tensor, Tensor, Tensor] | None = None,
-    ) -> Tensor:
+        defer_combine: bool = False,
+    ) -> Tensor | ExpertOutputs:
         """x [T, H], ids [T, K], weights [T, K] -> sum_k weights[t, k] * expert_{ids[t, k]}(x[t])  [T, H].
         capture [T, K] int32 (a view of the step's routing buffer): receives exactly ``ids``, before the experts
         run (on the fused path, by the kernel that reads them to group the pairs); weights_capture [T, K] float32
         receives ``weights``. ``grouped``: ``kernels.route``'s outputs for ``ids`` when the router's launch
-        already computed them and wrote ``capture`` (``Router.forward_grouped``; only for the fused path)."""
+        already computed them and wrote ``capture`` (``Router.forward_grouped``; only for the fused path).
+        ``defer_combine``: on the fused path, return the ``ExpertOutputs`` instead of their sum."""
         _capture_weights(weights_capture, weights)
         T, K = ids.shape
         if self.takes_fused_path(x, K):
-            return self._forward_fused(x, ids, weights, capture, grouped)
+            outputs = self._forward_fused(x, ids, weights, capture, grouped)
+            return outputs if defer_combine else outputs.combine(x.dtype)
         assert grouped is None, "grouped pairs are for the fused path"
         _capture(capture, ids)
         if T == 0:
@@ -282,10 +301,10 @@ class Experts(nn.Module):
         return _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
 
     def _forward_fused(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None,
-                       grouped: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+                       grouped: tuple[Tensor, Tensor, Tensor] | None = None) -> ExpertOutputs:
         """``_forward_grouped_mm`` with the bookkeeping in two kernels: ``route`` (the expert-grouped order,
         offsets, the capture copy; or ``grouped``, from the router's launch) before the grouped GEMMs and
-        ``combine`` (weights, HF-order sum) after them."""
+        ``combine`` (weights, HF-order sum; ``ExpertOutputs.combine``, or the next norm's launch) after them."""
         routed = grouped if grouped is not None else kernels.route(ids, self.num_experts, capture)
         pos, tok, offs = routed  # [T, K] grouped row of each pair, [K*T] token of each row, [E] row ends
         if ids.numel() <= self.triton_gemm_max_pairs:  # only the hit experts' weights are read
@@ -293,7 +312,7 @@ class Experts(nn.Module):
         else:
             gate, up = _GMM(x[tok], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [K*T, I] each
             y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [K*T, H]
-        return kernels.combine(y, ids, pos, weights, x.dtype)
+        return ExpertOutputs(y, ids, pos, weights)
 
     def _expert(self, e: int, rows: Tensor) -> Tensor:
         """Expert e on its rows [n, H] -> [n, H] (HF's per-expert loop body, before the routing weight)."""

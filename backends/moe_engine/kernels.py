@@ -471,16 +471,11 @@ if triton is not None:
             nxt += tl.sum(hit.to(tl.int32), axis=0)
 
     @triton.jit
-    def _combine_kernel(
-        y_ptr, ids_ptr, pos_ptr, w_ptr, out_ptr, N,
-        K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
-    ):
-        """out[t] = sum over token t's experts in ascending id order of round(y[row] * weight), rounding after
-        every add (HF's per-expert index_add_ loop). y: [pairs, N] expert outputs in grouped order."""
-        _await_inputs(PDL)
-        t = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = cols < N
+    def _combined(y_ptr, ids_ptr, pos_ptr, w_ptr, t, N, cols, m, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DT: tl.constexpr):
+        """Token t's MoE output at ``cols`` (float32 holding model-dtype values): the sum over its experts in
+        ascending id order of round(y[row] * weight), rounding after every add (HF's per-expert index_add_
+        loop). y: [pairs, N] expert outputs in grouped order."""
         j = tl.arange(0, BLOCK_K)
         jm = j < K
         ids = tl.load(ids_ptr + t * K + j, mask=jm, other=0)
@@ -489,7 +484,6 @@ if triton is not None:
         # rank of each slot's expert within the token's (distinct) experts
         rank = tl.sum(((ids[None, :] < ids[:, None]) & jm[None, :]).to(tl.int32), axis=1)
         rank = tl.where(jm, rank, BLOCK_K)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(K):
             row = tl.sum(tl.where(rank == r, pos, 0))
             wr = tl.sum(tl.where(rank == r, w, 0.0))
@@ -500,7 +494,38 @@ if triton is not None:
                 acc = _round(acc + p, DT)
         if K == 1:  # the op-by-op path adds its one term to zeros: -0.0 comes out as +0.0
             acc = acc + 0.0
+        return acc
+
+    @triton.jit
+    def _combine_kernel(
+        y_ptr, ids_ptr, pos_ptr, w_ptr, out_ptr, N,
+        K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """out[t] = token t's MoE output (``_combined``), ``BLOCK`` columns per program."""
+        _await_inputs(PDL)
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < N
+        acc = _combined(y_ptr, ids_ptr, pos_ptr, w_ptr, t, N, cols, m, K, BLOCK_K, DT)
         tl.store(out_ptr + t * N + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _combine_rms_norm_kernel(
+        y_ptr, ids_ptr, pos_ptr, cw_ptr, x_ptr, s_ptr, w_ptr, out_ptr, N, sx, ss, eps,
+        K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
+        FP32_WEIGHT: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """Row t: the MoE output d (``_combined``, as ``_combine_kernel`` stores it), s = round(x + d), then
+        ``_rms_norm_kernel``'s one-pass norm of s: the two launches' arithmetic in one, d never stored."""
+        _await_inputs(PDL)
+        t = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        m = cols < N
+        d = _combined(y_ptr, ids_ptr, pos_ptr, cw_ptr, t, N, cols, m, K, BLOCK_K, DT)
+        x = _round(tl.load(x_ptr + t * sx + cols, mask=m, other=0.0).to(tl.float32) + d, DT)
+        tl.store(s_ptr + t * ss + cols, x.to(s_ptr.dtype.element_ty), mask=m)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+        _store_normed(out_ptr + t * N, x, rstd, w_ptr, cols, m, DT, FP32_WEIGHT)
 
     @triton.jit
     def _store_kv_kernel(
@@ -846,6 +871,28 @@ def combine(y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torc
             K=K, BLOCK_K=_pow2(K), BLOCK=block, DT=_DT[dtype], PDL=pdl(y.device),
         )
     return out
+
+
+def combine_rms_norm(
+    y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, RMSNorm(s)) with s = x + combine(y, ids, pos, weights, x.dtype), in one launch: ``combine`` then
+    ``rms_norm(x, ..., delta=)`` (the same arithmetic and the same sum of squares: the bits of the two launches),
+    without writing the MoE output to memory. x [T, H] residual stream; y, ids, pos, weights as ``combine``."""
+    T, K = ids.shape
+    xr = _rows(x)
+    N = xr.shape[1]
+    s = torch.empty_like(xr)
+    out = torch.empty_like(xr)
+    if T:
+        _launch(
+            _combine_rms_norm_kernel, (T,),
+            y.contiguous(), ids.contiguous(), pos.contiguous(), weights.contiguous(), xr, s, weight, out, N,
+            xr.stride(0), s.stride(0), eps,
+            K=K, BLOCK_K=_pow2(K), BLOCK=_pow2(N), DT=_DT[x.dtype], FP32_WEIGHT=fp32_weight, PDL=pdl(x.device),
+        )
+    return s.view(x.shape), out.view(x.shape)
 
 
 def store_kv(

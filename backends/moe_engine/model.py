@@ -38,7 +38,8 @@ from torch import Tensor, nn
 from . import kernels
 from .attention import ForwardBatch, LayerKV, attend, attend_cached, attend_stored, cached_kv, store_kv
 from .config import AttentionSpec, ExpertsSpec, MoEConfig, RopeSpec, RouterSpec
-from .experts import NO_ROUTING, TRITON_GEMM_MAX_PAIRS, Experts, GptOssExperts, LayerRouting, StepRouting
+from .experts import (NO_ROUTING, TRITON_GEMM_MAX_PAIRS, ExpertOutputs, Experts, GptOssExperts, LayerRouting,
+                      StepRouting)
 from .kv_cache import KVCache, KVSpec
 from .rope import RotaryEmbedding, apply_rotary, deepseek_softmax_scale
 from .routing import Router, make_router
@@ -65,10 +66,16 @@ class RMSNorm(nn.Module):
             return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)  # HF: weight * normed.to(input dtype)
 
-    def add_forward(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
-        """(x + delta, norm(x + delta)): the residual add before a norm (one kernel with it when fused)."""
+    def add_forward(self, x: Tensor, delta: Tensor | ExpertOutputs | None) -> tuple[Tensor, Tensor]:
+        """(x + delta, norm(x + delta)): the residual add before a norm (one kernel with it when fused; with the
+        MoE combine too when delta is a MoE layer's ``ExpertOutputs``)."""
         if delta is None:
             return x, self(x)
+        if isinstance(delta, ExpertOutputs):
+            if self.fused and self.within_rounding:
+                return kernels.combine_rms_norm(delta.y, delta.ids, delta.pos, delta.weights, x, self.weight,
+                                                self.eps, self.fp32_weight)
+            delta = delta.combine(x.dtype)
         if self.fused and self.within_rounding:
             return kernels.rms_norm(x, self.weight, self.eps, self.fp32_weight, delta)
         if self.fused and x.is_contiguous() and delta.is_contiguous():
@@ -294,7 +301,10 @@ class MoEBlock(nn.Module):
         self.shared_expert = MLP(hidden_size, width) if width else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if experts.shared_gate else None
 
-    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING) -> Tensor:
+    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING,
+                defer_combine: bool = False) -> Tensor | ExpertOutputs:
+        """x [T, H] -> the layer's output [T, H]; ``defer_combine`` (a block without shared experts, on the
+        fused path): the routed experts' ``ExpertOutputs``, for the next norm's launch to sum."""
         # [T, K] int64, [T, K]; for the fused experts, a one-token step's expert-grouped order from the router's
         # launch (which then also copies the ids into the capture buffer)
         grouped = None
@@ -303,7 +313,8 @@ class MoEBlock(nn.Module):
         else:
             ids, weights = self.gate(x, routing.forced)
         # the experts write exactly the ids (and weights) they use into the step's capture buffers
-        out = self.experts(x, ids, weights, routing.ids, routing.weights, grouped=grouped)
+        out = self.experts(x, ids, weights, routing.ids, routing.weights, grouped=grouped,
+                           defer_combine=defer_combine and self.shared_expert is None)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -374,13 +385,20 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         cache: LayerKV,
         routing: LayerRouting,
-    ) -> tuple[Tensor, Tensor]:  # (residual stream, this layer's MLP output to add to it)
+    ) -> tuple[Tensor, Tensor | ExpertOutputs]:  # (residual stream, this layer's MLP output to add to it)
         # x + delta and x + attention are each added right before the norm that reads them (same values as
-        # HF's adds at the end of a layer; the fused norm does the add in its first kernel).
+        # HF's adds at the end of a layer; the fused norm does the add in its first kernel). A MoE layer's
+        # output reaches the next norm (the next layer's, or the final one: RMSNorms share their kernel
+        # settings) as ExpertOutputs when that norm's one-pass kernel can also do the combine.
         x, normed = self.input_layernorm.add_forward(x, delta)
         attn = self._reduce(self.self_attn(normed, cos, sin, batch, cache))
         h, normed = self.post_attention_layernorm.add_forward(x, attn)
-        return h, self._reduce(self.mlp(normed, routing) if self.is_moe else self.mlp(normed))
+        if not self.is_moe:
+            return h, self._reduce(self.mlp(normed))
+        if isinstance(self.mlp, MoEBlock) and self.tp is None:
+            norm = self.post_attention_layernorm
+            return h, self.mlp(normed, routing, defer_combine=norm.fused and norm.within_rounding)
+        return h, self._reduce(self.mlp(normed, routing))
 
 
 class MoEModel(nn.Module):

@@ -349,13 +349,39 @@ def test_route_and_combine_give_the_same_bits_however_the_work_is_split(monkeypa
     assert torch.equal(kernels.combine(y, ids[:3], pos[:3], weights[:3], dtype), expected[:3])  # rows of 3 tokens
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_combine_and_the_next_norm_in_one_launch_give_the_two_launches_bits(dtype):
+    """combine_rms_norm (a MoE layer's combine, the residual add and the next one-pass norm in one launch) returns
+    exactly what combine and then rms_norm with that output as delta return: the residual stream and the normed
+    rows, for one expert per token and several, with the norm's weights in either precision."""
+    from moe_engine.model import RMSNorm
+
+    g = torch.Generator().manual_seed(11)
+    E, N = 12, 96
+    for T, K in ((1, 4), (5, 4), (3, 1)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEVICE)
+        weights = torch.softmax(torch.randn(T, K, generator=g), -1).to(dtype).to(DEVICE)
+        y = torch.randn(T * K, N, generator=g).to(dtype).to(DEVICE)  # grouped rows
+        x = torch.randn(T, N, generator=g).to(dtype).to(DEVICE)  # the residual stream
+        pos, _, _ = kernels.route(ids, E)
+        for fp32_weight in (False, True):
+            norm = RMSNorm(N, 1e-6, fp32_weight).to(DEVICE, torch.float32 if fp32_weight else dtype)
+            with torch.no_grad():
+                norm.weight.copy_(1 + 0.1 * torch.randn(N, generator=g))
+            delta = kernels.combine(y, ids, pos, weights, dtype)
+            s_ref, out_ref = kernels.rms_norm(x, norm.weight, 1e-6, fp32_weight, delta)
+            s, out = kernels.combine_rms_norm(y, ids, pos, weights, x, norm.weight, 1e-6, fp32_weight)
+            assert torch.equal(s, s_ref) and torch.equal(out, out_ref), (T, K, fp32_weight)
+            assert not torch.equal(s, x)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_checkpoints, monkeypatch):
     """The whole forward with the one-pass norms, the fused router, one q/k/v GEMM and, for decode-sized steps,
     small_linear's router logits and o_proj (what a GPU runs by default): float32, the routed ids equal the op-by-op forward's in slot order and the logits agree within
     rounding; bf16 (the serving dtype), the logits agree within bf16 rounding of the hidden states."""
     counter = LaunchCounter(monkeypatch)
-    for name in ("rms_norm", "softmax_topk", "small_linear", "softmax_topk_route"):
+    for name in ("rms_norm", "softmax_topk", "small_linear", "softmax_topk_route", "combine_rms_norm"):
         fn = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _name=name, **kw: (
             counter.calls.__setitem__(_name, counter.calls.get(_name, 0) + 1), _fn(*a, **kw))[1])
@@ -370,7 +396,14 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
             assert (routed == ref_routed).float().mean() > 0.95, arch  # bf16 near-ties may flip an id
             torch.testing.assert_close(logits, ref_logits, rtol=0.05, atol=0.05)
         L = model.config.num_hidden_layers
-        assert counter.calls["rms_norm"] >= 2 * L + 1  # every layer norm (and the final one) in one pass
+        # every layer norm (and the final one) in one pass; after a MoE layer without shared experts, with its
+        # combine in the same launch
+        deferred = counter.calls.get("combine_rms_norm", 0)
+        assert counter.calls["rms_norm"] + deferred >= 2 * L + 1
+        if arch != "gpt_oss":  # GPT-OSS's biased clamped experts keep their own path
+            assert counter.calls.get("combine", 0) + deferred == len(model.config.moe_layers), arch
+            shared = model.config.experts.shared_intermediate_size
+            assert deferred == (0 if shared else len(model.config.moe_layers)), arch
         if model.config.router.kind == "softmax_topk":
             assert counter.calls["softmax_topk"] == len(model.config.moe_layers)
         # decode-sized steps (one token; three): the routers' logits (and at one token o_proj) in small_linear
