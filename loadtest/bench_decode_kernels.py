@@ -9,6 +9,8 @@ call. Each variant's output is compared with the default's (the knobs change the
 bit-identical but for the expert GEMMs, whose K tiles change the float32 summation order; >= 99% equal counts).
 
   combine      columns per program (kernels.COMBINE_BLOCK)
+  combine_norm a MoE layer's combine and the next residual add + norm as two launches (combine, rms_norm) or one
+               (combine_rms_norm, what the decoder runs from kernels.COMBINE_NORM_MIN_TOKENS tokens)
   qk_norm_rope heads per program (kernels.QK_HEADS_BLOCKS by step size), per-head norms summed in-kernel, k/v stored
   route        pairs per program
   rms_norm     warps (residual add + norm of a [T, 2048] row)
@@ -129,6 +131,20 @@ def main() -> None:
                 return layer_calls(lambda i: kernels.combine(ys[i], rts[i][0], rows_of[i], rts[i][1], dt,
                                                              block=block))
             sweep("combine", T, (1024, 2048, 512, 256, 128), combine_calls, args.reps, rows, t0)
+        if "combine_norm" in which:
+            ys, xs, w = [rnd(P, H) for _ in range(L)], [rnd(T, H) for _ in range(L)], rnd(H)
+            rts = [routing(T) for _ in range(L)]
+            rows_of = [kernels.route(ids, E)[0] for ids, _ in rts]
+
+            def combine_norm_calls(launches):
+                def one(i):
+                    ids, wts = rts[i]
+                    if launches == "one":
+                        return kernels.combine_rms_norm(ys[i], ids, rows_of[i], wts, xs[i], w, 1e-6, False)
+                    return kernels.rms_norm(xs[i], w, 1e-6, False, kernels.combine(ys[i], ids, rows_of[i], wts, dt))
+                return layer_calls(one)
+            sweep("combine_norm", T, ("two", "one"), combine_norm_calls, args.reps, rows, t0)
+            del ys, xs
         if "qk" in which:
             qs, ks, vs = [rnd(T, HQ * D) for _ in range(L)], [rnd(T, HK * D) for _ in range(L)], \
                 [rnd(T, HK * D) for _ in range(L)]

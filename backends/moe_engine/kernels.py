@@ -86,6 +86,9 @@ QK_HEADS_PER_PROGRAM = 8
 # 162 -> 100 at 8,192; with the hardware rounding, 1024 -> 2048 columns 82.2 -> 78.3 us at 8,192
 # (run79_round_kernels_new.txt).
 COMBINE_BLOCKS = ((8192, 2048), (1024, 1024), (128, 512), (0, COMBINE_BLOCK))
+# Steps of at least this many tokens run a MoE layer's combine in the next norm's launch (combine_rms_norm: one
+# program per token's whole row); smaller ones keep combine's narrower programs and the norm's own launch.
+COMBINE_NORM_MIN_TOKENS = 1
 # qk_norm_rope's heads per program by step size (same benchmark): 8 heads at every size (run71_qk_heads.txt, before
 # the hardware rounding: 8 from 1,024 tokens; run79: 56.5 us at 8,192 tokens, 16 heads 60.7, 4 heads 92.6).
 QK_HEADS_BLOCKS = ((0, QK_HEADS_PER_PROGRAM),)

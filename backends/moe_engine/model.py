@@ -397,7 +397,8 @@ class DecoderLayer(nn.Module):
             return h, self._reduce(self.mlp(normed))
         if isinstance(self.mlp, MoEBlock) and self.tp is None:
             norm = self.post_attention_layernorm
-            return h, self.mlp(normed, routing, defer_combine=norm.fused and norm.within_rounding)
+            defer = norm.fused and norm.within_rounding and normed.shape[0] >= kernels.COMBINE_NORM_MIN_TOKENS
+            return h, self.mlp(normed, routing, defer_combine=defer)
         return h, self._reduce(self.mlp(normed, routing))
 
 
