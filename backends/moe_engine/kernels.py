@@ -87,8 +87,11 @@ QK_HEADS_PER_PROGRAM = 8
 # (run79_round_kernels_new.txt).
 COMBINE_BLOCKS = ((8192, 2048), (1024, 1024), (128, 512), (0, COMBINE_BLOCK))
 # Steps of at least this many tokens run a MoE layer's combine in the next norm's launch (combine_rms_norm: one
-# program per token's whole row); smaller ones keep combine's narrower programs and the norm's own launch.
-COMBINE_NORM_MIN_TOKENS = 1
+# program per token's whole row, the [T, H] combine output never stored); smaller ones keep combine's narrower
+# programs and the norm's own launch. H200, 48 layers per CUDA graph, us per layer two launches -> one
+# (reports/real_shape/run97_combine_norm.txt): 1 token 2.33 -> 2.65, 64: 7.07 -> 8.58, 256: 9.32 -> 9.77,
+# 1,024: 20.6 -> 16.5, 8,192: 111.6 -> 94.6.
+COMBINE_NORM_MIN_TOKENS = 512
 # qk_norm_rope's heads per program by step size (same benchmark): 8 heads at every size (run71_qk_heads.txt, before
 # the hardware rounding: 8 from 1,024 tokens; run79: 56.5 us at 8,192 tokens, 16 heads 60.7, 4 heads 92.6).
 QK_HEADS_BLOCKS = ((0, QK_HEADS_PER_PROGRAM),)

@@ -377,10 +377,13 @@ def test_combine_and_the_next_norm_in_one_launch_give_the_two_launches_bits(dtyp
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_checkpoints, monkeypatch):
-    """The whole forward with the one-pass norms, the fused router, one q/k/v GEMM and, for decode-sized steps,
-    small_linear's router logits and o_proj (what a GPU runs by default): float32, the routed ids equal the op-by-op forward's in slot order and the logits agree within
+    """The whole forward with the one-pass norms (after a MoE layer of a large enough step, with its combine in the
+    same launch), the fused router, one q/k/v GEMM and, for decode-sized steps, small_linear's router logits and
+    o_proj (what a GPU runs by default): float32, the routed ids equal the op-by-op forward's in slot order and the logits agree within
     rounding; bf16 (the serving dtype), the logits agree within bf16 rounding of the hidden states."""
     counter = LaunchCounter(monkeypatch)
+    # the combine in the next norm's launch from 4 tokens here (the 10-token prompt; not the 1- and 3-token steps)
+    monkeypatch.setattr(kernels, "COMBINE_NORM_MIN_TOKENS", 4)
     for name in ("rms_norm", "softmax_topk", "small_linear", "softmax_topk_route", "combine_rms_norm"):
         fn = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _name=name, **kw: (
@@ -421,6 +424,7 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
                 moe = len(model.config.moe_layers)
                 assert counter.calls.get("softmax_topk_route", 0) == (moe if n == 1 else 0), (arch, n)
                 assert counter.calls.get("route", 0) == (0 if n == 1 else moe), (arch, n)
+            assert "combine_rms_norm" not in counter.calls, (arch, n)  # fewer tokens than the threshold
         if model.config.attention.mla is None:  # q/k/v weights laid out as one tensor: one GEMM
             attn = model.model.layers[0].self_attn
             assert attn._qkv_weight() is not None
