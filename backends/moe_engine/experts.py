@@ -18,7 +18,9 @@ Where routed experts flow (data-path order):
 Execution paths, one per situation, numerically the same as Hugging Face transformers' per-expert loop (rows of
 each expert in HF's order, the routing weight applied before the cast, outputs summed one by one in ascending
 expert order):
-- ``fused`` (CUDA, Triton): ``kernels.route`` -> expert GEMMs -> ``kernels.combine``; graph-capturable. The GEMMs
+- ``fused`` (CUDA, Triton): ``kernels.route`` -> expert GEMMs -> ``kernels.combine`` (for a step of at least
+  ``kernels.COMBINE_NORM_MIN_TOKENS`` tokens under the within-rounding fusions: inside the next norm's launch, to
+  which the decoder hands the ``ExpertOutputs``); graph-capturable. The GEMMs
   are fused_moe.py's Triton kernels (reading only the hit experts' weights; equal to torch's within bf16 GEMM
   rounding, a different summation order) up to ``triton_gemm_max_pairs`` pairs, torch's grouped GEMM beyond;
 - ``grouped_mm``: torch's grouped GEMM over all experts with offsets computed on the device (no host sync);

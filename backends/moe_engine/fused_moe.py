@@ -10,7 +10,7 @@ order, unchanged.
 In ``Experts._forward_fused`` it replaces the two grouped GEMMs (and x[tok], silu, the product):
     pos, tok, offs = kernels.route(ids, E, capture)
     y = fused_moe.expert_mlp(x, self.gate_up_proj, self.down_proj, pos, tok, offs)
-    return kernels.combine(y, ids, pos, weights, x.dtype)
+    return ExpertOutputs(y, ids, pos, weights)  # summed by kernels.combine, or by the next norm's launch
 
 Two launches, no host sync, CUDA-graph capturable (grid sizes from host ints only):
 
