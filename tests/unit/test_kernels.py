@@ -379,8 +379,9 @@ def test_combine_and_the_next_norm_in_one_launch_give_the_two_launches_bits(dtyp
 def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_checkpoints, monkeypatch):
     """The whole forward with the one-pass norms (after a MoE layer of a large enough step, with its combine in the
     same launch), the fused router, one q/k/v GEMM and, for decode-sized steps, small_linear's router logits and
-    o_proj (what a GPU runs by default): float32, the routed ids equal the op-by-op forward's in slot order and the logits agree within
-    rounding; bf16 (the serving dtype), the logits agree within bf16 rounding of the hidden states."""
+    o_proj (what a GPU runs by default): float32, the routed ids equal the op-by-op forward's in slot order and the
+    logits agree within rounding; bf16 (the serving dtype), the logits agree within bf16 rounding of the hidden
+    states."""
     counter = LaunchCounter(monkeypatch)
     # the combine in the next norm's launch from 4 tokens here (the 10-token prompt; not the 1- and 3-token steps)
     monkeypatch.setattr(kernels, "COMBINE_NORM_MIN_TOKENS", 4)
