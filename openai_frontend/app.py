@@ -50,7 +50,7 @@ from .serving import ServingContext
 from .serving_chat import create_chat_completion
 from .serving_completions import create_completion
 from .serving_generate import create_generate
-from .serving_weights import current_weight_version, rl_router
+from .serving_weights import engine_state, rl_router
 from .tokenizer import Tokenizer
 from .triton_client import ModelInfo, TritonClient
 
@@ -103,7 +103,10 @@ class _FrontMiddleware:
 
 
 def model_card(cfg: FrontendConfig, model: ModelInfo, created: int,
-               weight_version: str | None = None) -> dict[str, Any]:
+               engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The /v1/models entry: the model's metadata and ``engine`` (``engine_state``: weight version, KV block size;
+    None where the backend cannot tell)."""
+    engine = engine or {}
     return {
         "id": cfg.served_model_name,
         "object": "model",
@@ -123,7 +126,9 @@ def model_card(cfg: FrontendConfig, model: ModelInfo, created: int,
         "routed_experts_enabled": cfg.enable_routed_experts,
         # Cached prompt tokens still get their exact routed-experts rows (stored with the KV blocks).
         "prefix_caching_enabled": model.enable_prefix_caching,
-        "weight_version": weight_version,  # the engine's current weights (serving_weights.py updates them)
+        # tokens per KV block, the prefix cache's granularity (the engine chooses it: 64 on Hopper, 16 elsewhere)
+        "kv_block_size": engine.get("kv_block_size"),
+        "weight_version": engine.get("weight_version"),  # the engine's current weights (serving_weights.py)
     }
 
 
@@ -216,14 +221,14 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        card = model_card(cfg, ctx.model_info(), ctx.created, await current_weight_version(ctx))
+        card = model_card(cfg, ctx.model_info(), ctx.created, await engine_state(ctx))
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> JSONResponse:
         if model_id != cfg.served_model_name:
             raise model_not_found(model_id)
-        return JSONResponse(model_card(cfg, ctx.model_info(), ctx.created, await current_weight_version(ctx)))
+        return JSONResponse(model_card(cfg, ctx.model_info(), ctx.created, await engine_state(ctx)))
 
     app.include_router(rl_router(ctx))  # RL rollout lifecycle (SGLang's endpoints), behind the API key
 

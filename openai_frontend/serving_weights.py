@@ -63,15 +63,17 @@ async def _control(ctx: ServingContext, op: str, args: dict[str, Any]) -> dict[s
         raise backend_error_to_openai(e, ctx.cfg.retry_after_s) from e
 
 
-async def current_weight_version(ctx: ServingContext) -> str | None:
-    """The engine's weight version (for /v1/models); None when the backend cannot tell."""
+async def engine_state(ctx: ServingContext) -> dict[str, Any]:
+    """For /v1/models: the engine's weight version and its KV block size (``get_engine_info``; every control
+    result carries the weight version); {} when the backend cannot tell."""
     if getattr(ctx.client, "control", None) is None:  # a backend client without control requests (tests' fakes)
-        return None
+        return {}
     try:
-        return (await _control(ctx, "get_weight_version", {})).get("weight_version")
+        info = await _control(ctx, "get_engine_info", {})
     except Exception as e:  # noqa: BLE001 - the model card must not fail on it
-        logger.warning("weight version unavailable: %s", e)
-        return None
+        logger.warning("engine state unavailable: %s", e)
+        return {}
+    return {"weight_version": info.get("weight_version"), "kv_block_size": info.get("kv_block_size")}
 
 
 def _answer(result: dict[str, Any], **extra: Any) -> JSONResponse:

@@ -92,6 +92,15 @@ class RolloutLifecycle:
         future.set_result({"message": f"weight version {self.engine.weight_version!r}"})
         return future
 
+    def get_engine_info(self) -> Future:
+        """What a client cannot see in the model's metadata because the engine decides it when it starts: the KV
+        cache's block size (the prefix cache's granularity; device-dependent by default) and block count."""
+        future: Future = Future()
+        blocks = self.engine.blocks
+        future.set_result({"message": f"KV cache: {blocks.num_blocks} blocks x {blocks.block_size} tokens",
+                           "kv_block_size": blocks.block_size, "num_kv_blocks": blocks.num_blocks})
+        return future
+
     def is_sleeping(self) -> Future:
         """Whether any memory is released (vLLM's /is_sleeping): no steps run until it is resumed."""
         future: Future = Future()

@@ -270,16 +270,19 @@ def prompt_for(endpoint: str, seed: int):
 # ----------------------------------------------------------------------------- the model card
 
 
-def test_models_endpoint_says_whether_prefix_caching_is_on(moe_server, ref):
+def test_models_endpoint_says_whether_prefix_caching_is_on_and_its_block_size(moe_server, ref):
+    """Whether the cache is on, and the KV block size the engine chose at start (its granularity: 16 on CPU)."""
     for server, on in ((moe_server, True), (ref, False)):
         r = httpx.get(server.base_url + "/models", headers={"Authorization": f"Bearer {server.api_key}"}, timeout=10)
         card = r.json()["data"][0]
         assert card["prefix_caching_enabled"] is on and card["routed_experts_enabled"] is True
+        assert card["kv_block_size"] == BLOCK
 
 
 def test_metrics_say_how_many_tokens_a_kv_block_holds(moe_server):
     """The block size sets the prefix cache's granularity (a new turn forwards its history's last partial block
-    again): the engine reports it on Triton's metrics port and on the API's /metrics (16, the CPU default)."""
+    again): the engine reports it on Triton's metrics port and on the API's /metrics (16, the CPU default), as
+    /v1/models does (the test above)."""
     def reported(text: str) -> float | None:
         m = re.search(r"^moe_engine_kv_block_size\{[^}]*\} (\S+)$", text, re.M)
         return float(m.group(1)) if m else None

@@ -81,6 +81,21 @@ def test_sglang_bodies_become_control_requests_with_their_defaults(srv):
     assert srv.http.get("/v1/models").json()["data"][0]["weight_version"] == "A"
 
 
+def test_the_model_card_states_the_engines_kv_block_size_and_survives_a_backend_that_cannot_tell(srv):
+    """/v1/models asks the engine (get_engine_info) for what it decided at start: the KV block size (64 on Hopper,
+    16 elsewhere), beside the weight version; a backend error leaves those fields null, never fails the card."""
+    srv.engine.answers["get_engine_info"] = {"success": True, "message": "KV cache: 10 blocks x 64 tokens",
+                                             "kv_block_size": 64, "num_kv_blocks": 10}
+    card = srv.http.get("/v1/models/m").json()
+    assert card["kv_block_size"] == 64 and card["weight_version"] == "A"
+    assert srv.engine.controls[-1] == ("get_engine_info", {})
+    srv.engine.answers["get_engine_info"] = BackendError(BackendError.UNAVAILABLE, "the engine is not running")
+    r = srv.http.get("/v1/models")
+    assert r.status_code == 200
+    card = r.json()["data"][0]
+    assert card["kv_block_size"] is None and card["weight_version"] is None and card["id"] == "m"
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/update_weights_from_disk", {}, "model_path"),
     ("/update_weights_from_disk", {"model_path": "/x", "is_async": True}, "is_async"),
