@@ -24,8 +24,8 @@ init_weights_update_group {master_address, master_port, rank_offset, world_size,
 update_weights_from_distributed {names, dtypes, shapes, group_name?, weight_version?, flush_cache?,
 abort_all_requests?}, flush_cache {}, pause_generation {mode?: abort|retract|in_place},
 continue_generation {}, release_memory_occupation {tags?}, resume_memory_occupation {tags?},
-get_weight_version {}, get_engine_info {} (the KV block size and count), is_sleeping {}. ``execute`` never waits for one: the engine runs it between steps
-(moe_engine/lifecycle.py) and the response thread sends the answer.
+get_weight_version {}, get_engine_info {} (the KV block size and count), is_sleeping {}. ``execute`` never waits
+for one: the engine runs it between steps (moe_engine/lifecycle.py) and the response thread sends the answer.
 """
 from __future__ import annotations
 
