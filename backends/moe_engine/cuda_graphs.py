@@ -19,18 +19,24 @@ length, and every other op is row-wise.
 The captured routing ids are written into the engine's step buffer, as in an eager step; graphs that capture
 routing and graphs that do not are kept apart, so a step with no request asking for routing does no capture work.
 
-Every batch bucket's graph at the shortest key bucket is captured when the engine starts (``capture_all``,
-largest first), with the routing capture and, where steps may run without it (routed experts on, prefix cache
-off), also without: the first capture of a batch size compiles its kernels' specialisations (1-3 s on an H200 at
-the Qwen3-30B-A3B shape), which a request would otherwise wait for the first time that many sequences decode
-together. Other key buckets are captured the first time a step needs them, a warm capture
-(70-150 ms there): ``warm_split_kernels`` has compiled, at start, the split-decode kernel variants only they use.
+With the paged attention kernels a graph depends on its key bucket only through the split count of its decode
+attention (each sequence's key ranges come from its own length at run time): the key buckets of one batch bucket
+that split alike share one graph, the longest one's (``graph_len``), so a batch of 40+ sequences (4 kv heads)
+replays one graph at any context, and one sequence at most six. Every one of them is captured when the engine
+starts (``capture_all``, largest batch first), with the routing capture and, where steps may run without it
+(routed experts on, prefix cache off), also without: the first capture of a batch size compiles its kernels'
+specialisations (1-3 s on an H200 at the Qwen3-30B-A3B shape), and any later one costs a step 70-150 ms there
+(runs 95-98 of the real-shape benchmark: one such capture in half of the 64 x (1024 + 256) repetitions, -1.5% of
+their throughput, when the batch shrank at contexts no earlier step had reached). Without the kernels the
+reference attention gathers a bucket's keys: one graph per key bucket, the shortest captured at start, the others
+when first reached. Graphs that also hand out the routing weights are captured when a request first asks for them.
 Graphs share one memory pool and write their logits into one buffer: they never run concurrently, and a step's
 logits are sampled (on the same stream) before the next replay.
 """
 from __future__ import annotations
 
 import bisect
+import collections
 import gc
 import logging
 import time
@@ -91,7 +97,8 @@ def capture_graph(forward, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGr
 
 
 class DecodeGraphs:
-    """Captured decode forwards, keyed by (batch bucket, kv-length bucket, capture on/off, weights on/off)."""
+    """Captured decode forwards, keyed by (batch bucket, the key bucket ``graph_len`` gives, capture on/off, weights
+    on/off)."""
 
     # Staging rows: token id, position, slot, sequence length.
     _IDS, _POS, _SLOT, _LEN = range(4)
@@ -132,6 +139,9 @@ class DecodeGraphs:
         # for each of up to hundreds of graphs: 150 MB each at B=256 and a 150k vocabulary).
         self.logits = torch.empty(max_batch, model.config.vocab_size, dtype=torch.float32, device=device)
         self._graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.replays: collections.Counter = collections.Counter()  # per graph key: steps that replayed it
+        self._kv_heads = sorted({layer.k.shape[2] for layer in kv})  # distinct kv-head counts of the layers
+        self._graph_len = {(B, Lk): self._longest_alike(B, Lk) for B in self.batch_sizes for Lk in self.kv_lens}
         self.pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=device)  # capture and warm-up run off the default stream
 
@@ -149,7 +159,7 @@ class DecodeGraphs:
         previous step's samples, never seen by the host)."""
         n = len(positions)
         B = _round_up(self.batch_sizes, n)
-        Lk = _round_up(self.kv_lens, max(positions) + 1)
+        Lk = self.graph_len(B, _round_up(self.kv_lens, max(positions) + 1))
         nb = -(-Lk // self.block_size)
         bs, M = self.block_size, self.max_batch
         self._parity ^= 1
@@ -175,60 +185,53 @@ class DecodeGraphs:
         if g is None:
             g = self._graphs[key] = self._capture(*key)
         g.replay()
+        self.replays[key] += 1
         return self.logits[:n]
 
     @torch.inference_mode()
     def capture_all(self, capture: bool) -> None:
-        """Capture every batch bucket's graph at the shortest key bucket now, largest first (the smaller graphs'
+        """Capture every graph a decode step can replay (``graph_len``'s key buckets of every batch bucket; the
+        shortest key bucket only without the attention kernels) now, largest batch first (the smaller graphs'
         memory comes out of the pool the largest one made), on rows that are all padding."""
         t0 = time.monotonic()
-        Lk = self.kv_lens[0]
         log.info("capturing CUDA graphs for decode batches of up to %d sequences (%d sizes) ...", self.max_batch,
                  len(self.batch_sizes))
+        lens = self.kv_lens if self.use_kernels else self.kv_lens[:1]
+        n = 0
         for B in reversed(self.batch_sizes):
-            key = (B, Lk, capture, False)
-            if key in self._graphs:
-                continue
-            self._stage_padding(B, Lk)
-            self._graphs[key] = self._capture(*key, level=logging.DEBUG)
-        log.info("captured CUDA graphs for decode batches of %s sequences, routing %s, in %.1f s",
-                 ", ".join(map(str, self.batch_sizes)), "on" if capture else "off", time.monotonic() - t0)
+            for Lk in sorted({self.graph_len(B, L) for L in lens}, reverse=True):
+                key = (B, Lk, capture, False)
+                if key in self._graphs:
+                    continue
+                self._stage_padding(B, Lk)
+                self._graphs[key] = self._capture(*key, level=logging.DEBUG)
+                n += 1
+        log.info("captured %d CUDA graphs for decode batches of %s sequences%s, routing %s, in %.1f s", n,
+                 ", ".join(map(str, self.batch_sizes)),
+                 " (each attention split count)" if self.use_kernels else f" up to {lens[-1]} keys",
+                 "on" if capture else "off", time.monotonic() - t0)
+
+    def graph_len(self, B: int, Lk: int) -> int:
+        """The key bucket of the graph that replays decode steps of B sequences (a batch bucket) whose longest
+        context rounds up to key bucket Lk."""
+        return self._graph_len[B, Lk]
+
+    def _longest_alike(self, B: int, Lk: int) -> int:
+        """With the paged kernels: the longest key bucket whose steps of B sequences split their attention as Lk's
+        do (the split count grows with the keys, so these buckets are consecutive; the longest one's block-table
+        width covers them all). Without: Lk (the reference attention gathers exactly the bucket's keys)."""
+        if not self.use_kernels:
+            return Lk
+        counts = self.split_counts(B, Lk)
+        i = self.kv_lens.index(Lk)
+        while i + 1 < len(self.kv_lens) and self.split_counts(B, self.kv_lens[i + 1]) == counts:
+            i += 1
+        return self.kv_lens[i]
 
     def split_counts(self, B: int, Lk: int) -> tuple[int, ...]:
         """The split-decode counts a graph of B sequences at Lk keys runs its layers' attention with (the paged
         kernels' rule, per distinct kv-head count of the layers)."""
-        heads = sorted({layer.k.shape[2] for layer in self.kv})
-        return tuple(paged_attention.choose_num_splits(B, h, Lk) for h in heads)
-
-    @torch.inference_mode()
-    def warm_split_kernels(self, capture: bool) -> int:
-        """Run, eagerly and on padding rows, one decode forward for each split count that only the graphs of longer
-        key buckets use (captured when first reached): the split-decode merge kernel compiles once per power of two
-        of its count, which would otherwise happen inside such a capture, in the middle of serving (0.3-1 s at the
-        Qwen3-30B-A3B shape: turns 2 and 3 of the multi-turn benchmark). Returns the number of forwards run."""
-        if not self.use_kernels:
-            return 0
-        t0 = time.monotonic()
-        seen = {self.split_counts(B, self.kv_lens[0]) for B in self.batch_sizes}
-        todo = []
-        for Lk in self.kv_lens[1:]:
-            for B in self.batch_sizes:
-                counts = self.split_counts(B, Lk)
-                if counts not in seen:
-                    seen.add(counts)
-                    todo.append((B, Lk))
-        current = torch.cuda.current_stream()
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            for B, Lk in todo:
-                self._stage_padding(B, Lk)
-                self._forward(B, Lk, capture, False)
-        current.wait_stream(self._stream)
-        current.synchronize()
-        if todo:
-            log.info("ran decode steps of %s (sequences, keys) for their attention split counts in %.1f s",
-                     ", ".join(f"({B}, {Lk})" for B, Lk in todo), time.monotonic() - t0)
-        return len(todo)
+        return tuple(paged_attention.choose_num_splits(B, h, Lk) for h in self._kv_heads)
 
     def _stage_padding(self, B: int, Lk: int) -> None:
         """Static inputs of B rows that are all padding, for a capture or a warm-up at Lk keys."""

@@ -215,8 +215,6 @@ class Engine:
                         self.runner.graphs.capture_all(capture=capture)
                         if self.runner.prefill_graphs is not None:
                             self.runner.prefill_graphs.capture_all(capture=capture)
-                    if triton_kernels:
-                        self.runner.graphs.warm_split_kernels(capture=routing)
             if triton_kernels:
                 log_late_compiles()
 

@@ -426,8 +426,8 @@ if triton is not None:
         dv = tl.arange(0, DV_PAD)
         tl.store(part_acc_ptr + part[:, None] * DV_PAD + dv[None, :], acc, mask=row_ok[:, None])
 
-    # SPLITS_PAD follows the split count (a variant per power of two, compiled at start by
-    # DecodeGraphs.warm_split_kernels): padding every merge to 64 splits measured 0.4 us more per call at 1
+    # SPLITS_PAD follows the split count (a variant per power of two, compiled at start by the captures of
+    # DecodeGraphs.capture_all): padding every merge to 64 splits measured 0.4 us more per call at 1
     # sequence, 2-7 us at 32-64 (H200).
     @triton.jit(do_not_specialize=["num_splits"])
     def _merge_splits_kernel(

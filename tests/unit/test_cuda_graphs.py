@@ -202,19 +202,55 @@ def test_graphs_made_again_after_a_release_keep_writing_routed_weights(tiny_cuda
     np.testing.assert_array_equal(after.routed_weights, before.routed_weights)
 
 
+def every_graph(graphs, captures=(True,)) -> set[tuple[int, int, bool, bool]]:
+    """The keys of every graph a decode step can replay: each batch bucket at each key bucket's graph."""
+    return {(B, graphs.graph_len(B, Lk), c, False) for B in graphs.batch_sizes for Lk in graphs.kv_lens
+            for c in captures}
+
+
 @cuda
-def test_engine_captures_every_batch_bucket_at_start(tiny_cuda):
-    """A batch size's first graph compiles its kernels (seconds at real shapes): done when the engine starts, so
-    decode batches of any size up to max_num_seqs replay without a capture while the contexts stay short."""
+def test_engine_captures_every_decode_graph_at_start(tiny_cuda):
+    """A batch size's first graph compiles its kernels (seconds at real shapes), any later one costs a step a
+    capture (70-150 ms there): all of them are captured when the engine starts, so decode batches of any size up
+    to max_num_seqs, at any context up to max_model_len, replay without a capture."""
     cfg, model = tiny_cuda
     engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_seqs=12, kv_cache_memory_bytes=256 << 20))
     at_start = set(engine.graphs._graphs)
-    assert at_start == {(B, engine.graphs.kv_lens[0], True, False) for B in batch_buckets(12)}
-    for n in (5, 12):
-        out = [submit(engine, prompt_of(9, 70 + i), max_tokens=6, ignore_eos=True) for i in range(n)]
+    assert at_start == every_graph(engine.graphs)
+    assert {Lk for _, Lk, _, _ in at_start} == {128, 256}  # both key buckets of 256 tokens
+    for n, prompt in ((5, 9), (12, 9), (3, 200), (12, 130)):
+        out = [submit(engine, prompt_of(prompt, 70 + i), max_tokens=6, ignore_eos=True) for i in range(n)]
         run_all(engine, out)
         assert all(len(c.tokens) == 6 for c in out)
-    assert set(engine.graphs._graphs) == at_start  # 9 + 6 tokens: the shortest key bucket, already captured
+    assert set(engine.graphs._graphs) == at_start
+    assert {Lk for _, Lk, _, _ in engine.graphs.replays} == {128, 256}  # steps at both key buckets replayed
+
+
+@cuda
+def test_key_buckets_that_split_alike_replay_one_graph_as_eager_steps_decode(tiny_cuda):
+    """With the paged kernels a decode graph depends on its key bucket only through the attention's split count
+    (each sequence's key ranges come from its own length): 12 sequences of 2 kv heads split their keys 16 ways at
+    1,024 keys and at 2,048, so their steps at ~600 keys replay the 2,048-key graph. They decode what eager
+    steps decode, tokens and routing."""
+    cfg, model = tiny_cuda
+
+    def run(enforce_eager: bool):
+        engine = Engine(model, cfg, EngineConfig(max_model_len=2048, max_num_seqs=12, max_num_batched_tokens=8192,
+                                                 enforce_eager=enforce_eager, kv_cache_memory_bytes=256 << 20))
+        out = [submit(engine, prompt_of(600 + 3 * i, 500 + i), max_tokens=5, ignore_eos=True) for i in range(12)]
+        run_all(engine, out)
+        return engine, out
+
+    eager, want = run(True)
+    graphed, got = run(False)
+    graphs = graphed.graphs
+    assert graphs.split_counts(12, 1024) == graphs.split_counts(12, 2048) == (16,)
+    assert graphs.graph_len(12, 1024) == 2048 and graphs.graph_len(12, 512) == 512
+    assert graphs.replays[(12, 2048, True, False)] == 4 and not any(Lk == 1024 for _, Lk, _, _ in graphs.replays)
+    assert set(graphs._graphs) == every_graph(graphs)  # nothing captured after start
+    for w, g in zip(want, got):
+        assert g.tokens == w.tokens and len(g.tokens) == 5
+        np.testing.assert_array_equal(g.routing, w.routing)
 
 
 def _compiled_variants() -> int:
@@ -250,21 +286,21 @@ def test_engine_start_compiles_the_prefill_kernels(tiny_cuda):
 
 @cuda
 def test_decode_at_longer_contexts_compiles_nothing_after_start(tiny_cuda):
-    """The graphs of longer key buckets are captured when first reached, and their attention splits its keys
-    (split-decode kernels, a merge variant per power-of-two split count): those variants compile at start, so
-    decoding after long prompts, alone and together, waits for no compile."""
+    """The graphs of longer key buckets split their attention's keys (split-decode kernels, a merge variant per
+    power-of-two split count): they are captured, those variants compiled, at start, so decoding after long
+    prompts, alone and together, waits for no compile and no capture."""
     cfg, model = tiny_cuda
     engine = Engine(model, cfg, EngineConfig(max_model_len=2048, max_num_seqs=4, kv_cache_memory_bytes=256 << 20))
     graphs = engine.graphs
     splits = {c for B in graphs.batch_sizes for Lk in graphs.kv_lens for c in graphs.split_counts(B, Lk)}
     assert len(splits - {1}) >= 2  # the case this test is about: several split counts past the first key bucket
-    before = _compiled_variants()
+    before, at_start = _compiled_variants(), set(graphs._graphs)
     for lens in ([1500], [700], [1500, 700, 300]):
         out = [submit(engine, prompt_of(n, 900 + n + i), max_tokens=3, ignore_eos=True) for i, n in enumerate(lens)]
         run_all(engine, out)
         assert all(len(c.tokens) == 3 for c in out)
-    assert len({k[1] for k in graphs._graphs}) >= 3  # graphs of longer key buckets were captured on the way
-    assert _compiled_variants() == before
+    assert len({k[1] for k in graphs.replays}) >= 2  # graphs of longer key buckets replayed
+    assert _compiled_variants() == before and set(graphs._graphs) == at_start
 
 
 def test_kernels_compiled_while_an_engine_starts_up_are_not_logged_as_late(caplog, monkeypatch):
@@ -333,8 +369,7 @@ def test_without_prefix_caching_steps_without_routing_requests_compile_nothing_a
     engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=256 << 20,
                                              enable_prefix_caching=False))
     at_start = set(engine.graphs._graphs)
-    Lk = engine.graphs.kv_lens[0]
-    assert at_start == {(B, Lk, capture, False) for B in batch_buckets(4) for capture in (True, False)}
+    assert at_start == every_graph(engine.graphs, captures=(True, False))
     before = _compiled_variants()
     for n, routing in ((1, False), (3, False), (1, True), (3, True)):
         out = [submit(engine, prompt_of(9, 40 + i), routing=routing, max_tokens=6, ignore_eos=True) for i in range(n)]
