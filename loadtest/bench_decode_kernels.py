@@ -11,9 +11,6 @@ bit-identical but for the expert GEMMs, whose K tiles change the float32 summati
   combine      columns per program (kernels.COMBINE_BLOCK)
   combine_norm a MoE layer's combine and the next residual add + norm as two launches (combine, rms_norm) or one
                (combine_rms_norm, what the decoder runs from kernels.COMBINE_NORM_MIN_TOKENS tokens)
-  norm_router  the residual add + norm before a MoE layer and its router's logits as two launches (rms_norm, then
-               cuBLAS or small_linear as the model picks) or one (rms_norm_router), per (tokens, experts, columns)
-               tile and warps
   qk_norm_rope heads per program (kernels.QK_HEADS_BLOCKS by step size), per-head norms summed in-kernel, k/v stored
   route        pairs per program
   rms_norm     warps (residual add + norm of a [T, 2048] row)
@@ -148,24 +145,6 @@ def main() -> None:
                 return layer_calls(one)
             sweep("combine_norm", T, ("two", "one"), combine_norm_calls, args.reps, rows, t0)
             del ys, xs
-        if "norm_router" in which:
-            xs, ds, w = [rnd(T, H) for _ in range(L)], [rnd(T, H) for _ in range(L)], rnd(H)
-            rws = [rnd(E, H, scale=H**-0.5) for _ in range(L)]
-
-            def norm_router_calls(v):
-                def one(i):
-                    if v == "two":
-                        s, normed = kernels.rms_norm(xs[i], w, 1e-6, False, ds[i])
-                        return s, normed, kernels.decode_linear(normed, rws[i], None, True,
-                                                                kernels.ROUTER_SMALL_LINEAR_TOKENS)
-                    tiles, warps = v
-                    return kernels.rms_norm_router(xs[i], w, 1e-6, False, rws[i], delta=ds[i], tiles=tiles,
-                                                   num_warps=warps)
-                return layer_calls(one)
-            variants = ("two", ((16, 16, 256), 4), ((16, 16, 512), 4), ((16, 16, 128), 4), ((16, 32, 256), 4),
-                        ((16, 16, 256), 8), ((16, 16, 256), 2), ((32, 16, 256), 4), ((16, 16, 1024), 8))
-            sweep("norm_router", T, variants, norm_router_calls, args.reps, rows, t0)
-            del xs, ds, rws
         if "qk" in which:
             qs, ks, vs = [rnd(T, HQ * D) for _ in range(L)], [rnd(T, HK * D) for _ in range(L)], \
                 [rnd(T, HK * D) for _ in range(L)]

@@ -242,63 +242,6 @@ if triton is not None:
         _store_normed(out_ptr + row * N, x, rstd, w_ptr, cols, m, DT, FP32_WEIGHT)
 
     @triton.jit
-    def _rms_norm_router_kernel(
-        x_ptr, d_ptr, s_ptr, w_ptr, out_ptr, rw_ptr, logits_ptr, T, N, E, sx, sd, ss, srw, eps,
-        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-        HAS_ADD: tl.constexpr, DT: tl.constexpr, FP32_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr,
-        PDL: tl.constexpr,
-    ):
-        """Rows pid_t * BLOCK_T.., experts pid_e * BLOCK_E..: ``_rms_norm_kernel``'s arithmetic on the rows (s = x +
-        d rounded, var = mean(float32(s)^2), weight * (s * rstd).to(dtype); s and the normed rows stored by the
-        pid_e == 0 programs), and the router's logits of these experts from the normed rows as stored: float32
-        sums on the tensor cores, rounded to the model dtype as F.linear's output is. The squares are summed over
-        BLOCK_K-column chunks, then the rows are read again (from L2) for the norm and the dot."""
-        _await_inputs(PDL)
-        pid_t = tl.program_id(0)
-        pid_e = tl.program_id(1)
-        rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        rm = rows < T
-        kk = tl.arange(0, BLOCK_K)
-        ssq = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for k0 in range(0, N, BLOCK_K):
-            cols = k0 + kk
-            m = rm[:, None] & (cols < N)[None, :]
-            x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            if HAS_ADD:
-                x = _round(x + tl.load(d_ptr + rows[:, None] * sd + cols[None, :], mask=m, other=0.0).to(tl.float32),
-                           DT)
-            ssq += tl.sum(x * x, axis=1)
-        rstd = tl.math.rsqrt(ssq / N + eps)[:, None]  # [BLOCK_T, 1]
-        e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-        em = e < E
-        stores = pid_e == 0
-        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for k0 in range(0, N, BLOCK_K):
-            cols = k0 + kk
-            cm = cols < N
-            m = rm[:, None] & cm[None, :]
-            x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            if HAS_ADD:
-                x = _round(x + tl.load(d_ptr + rows[:, None] * sd + cols[None, :], mask=m, other=0.0).to(tl.float32),
-                           DT)
-                tl.store(s_ptr + rows[:, None] * ss + cols[None, :], x.to(s_ptr.dtype.element_ty), mask=m & stores)
-            w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
-            if FP32_WEIGHT:
-                y = _round(w * (x * rstd), DT)
-            else:
-                y = _round(w * _round(x * rstd, DT), DT)
-            y = y.to(out_ptr.dtype.element_ty)  # exact: y is already rounded to the model dtype
-            tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=m & stores)
-            rw = tl.trans(tl.load(rw_ptr + e[:, None] * srw + cols[None, :], mask=em[:, None] & cm[None, :],
-                                  other=0.0).to(y.dtype))  # [BLOCK_K, BLOCK_E]
-            if INTERPRET:  # the interpreter's dot reads bf16 as integers: the same products in float32
-                acc = tl.dot(y.to(tl.float32), rw.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(y, rw, acc)  # [BLOCK_T, BLOCK_E]
-        tl.store(logits_ptr + rows[:, None] * E + e[None, :], _round(acc, DT).to(logits_ptr.dtype.element_ty),
-                 mask=rm[:, None] & em[None, :])
-
-    @triton.jit
     def _softmax_topk_kernel(
         logits_ptr, ids_ptr, w_ptr, E, sl, fmask_ptr, fids_ptr,
         pos_ptr, tok_ptr, offs_ptr, cap_ptr,  # GROUP: what ``_route_kernel`` writes, for a one-token step
@@ -757,46 +700,6 @@ def decode_linear(
     if within_rounding and small_linear_fits(x.shape[0], x.shape[-1], max_tokens):
         return small_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
-
-
-# rms_norm_router: for steps of NORM_ROUTER_TOKENS[0]..[1] tokens the norm before a softmax router also computes
-# its logits (decode batches above small_linear's few tokens, where cuBLAS runs the router's tall-skinny GEMM on a
-# few programs: ~5 us per layer for 0.5 MB at 64 tokens, run 72). Tiles: tokens per program (a dot's 16 rows at
-# least), experts per program, columns per chunk.
-NORM_ROUTER_TOKENS = (ROUTER_SMALL_LINEAR_TOKENS + 1, 128)
-NORM_ROUTER_TILES = (16, 16, 256)
-
-
-def norm_router_fits(T: int, dtype: torch.dtype) -> bool:
-    return NORM_ROUTER_TOKENS[0] <= T <= NORM_ROUTER_TOKENS[1] and dtype in (torch.bfloat16, torch.float16)
-
-
-def rms_norm_router(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool, router_weight: torch.Tensor,
-    delta: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(s, RMSNorm(s), logits) with s = x + delta (or x) and logits = RMSNorm(s) @ router_weight.T ([T, E] in x's
-    dtype), in one launch: ``rms_norm`` (its arithmetic; the sum of squares in another order: equal within float32
-    summation order) and the router's ``F.linear`` (equal within float32 summation order). x [T, H] bf16 / fp16,
-    router_weight [E, H]. ``tiles``: (tokens, experts, columns) per program and chunk, default NORM_ROUTER_TILES."""
-    assert x.dtype in (torch.bfloat16, torch.float16) and router_weight.shape[1] == x.shape[-1], (x.dtype,
-                                                                                                 router_weight.shape)
-    block_t, block_e, block_k = tiles or NORM_ROUTER_TILES
-    xr, dr, s = _with_residual(x, delta)
-    R, N = xr.shape
-    E = router_weight.shape[0]
-    rw = router_weight if router_weight.stride(-1) == 1 else router_weight.contiguous()
-    out = torch.empty(R, N, dtype=x.dtype, device=x.device)
-    logits = torch.empty(R, E, dtype=x.dtype, device=x.device)
-    if R:
-        _launch(
-            _rms_norm_router_kernel, (triton.cdiv(R, block_t), triton.cdiv(E, block_e)),
-            xr, dr, s, weight, out, rw, logits, R, N, E, xr.stride(0), dr.stride(0), s.stride(0), rw.stride(0), eps,
-            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=min(block_k, _pow2(N)), HAS_ADD=delta is not None,
-            DT=_DT[x.dtype], FP32_WEIGHT=fp32_weight, INTERPRET=interpreting(), PDL=pdl(x.device),
-            **({} if interpreting() else {"num_warps": num_warps}),
-        )
-    return s.view(x.shape), out.view(x.shape), logits.view(*x.shape[:-1], E)
 
 
 def softmax_topk(

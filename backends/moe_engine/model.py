@@ -302,18 +302,16 @@ class MoEBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if experts.shared_gate else None
 
     def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING,
-                defer_combine: bool = False, logits: Tensor | None = None) -> Tensor | ExpertOutputs:
+                defer_combine: bool = False) -> Tensor | ExpertOutputs:
         """x [T, H] -> the layer's output [T, H]; ``defer_combine`` (a block without shared experts, on the
-        fused path): the routed experts' ``ExpertOutputs``, for the next norm's launch to sum. ``logits``: the
-        router's x @ weight.T, computed by the norm's launch (a router that ``takes_logits``)."""
+        fused path): the routed experts' ``ExpertOutputs``, for the next norm's launch to sum."""
         # [T, K] int64, [T, K]; for the fused experts, a one-token step's expert-grouped order from the router's
         # launch (which then also copies the ids into the capture buffer)
         grouped = None
-        given = {} if logits is None else {"logits": logits}
         if self.experts.takes_fused_path(x, self.gate.top_k):
-            ids, weights, grouped = self.gate.forward_grouped(x, routing.forced, routing.ids, **given)
+            ids, weights, grouped = self.gate.forward_grouped(x, routing.forced, routing.ids)
         else:
-            ids, weights = self.gate(x, routing.forced, **given)
+            ids, weights = self.gate(x, routing.forced)
         # the experts write exactly the ids (and weights) they use into the step's capture buffers
         out = self.experts(x, ids, weights, routing.ids, routing.weights, grouped=grouped,
                            defer_combine=defer_combine and self.shared_expert is None)
@@ -394,23 +392,13 @@ class DecoderLayer(nn.Module):
         # settings) as ExpertOutputs when that norm's one-pass kernel can also do the combine.
         x, normed = self.input_layernorm.add_forward(x, delta)
         attn = self._reduce(self.self_attn(normed, cos, sin, batch, cache))
-        norm = self.post_attention_layernorm
+        h, normed = self.post_attention_layernorm.add_forward(x, attn)
         if not self.is_moe:
-            h, normed = norm.add_forward(x, attn)
             return h, self._reduce(self.mlp(normed))
         if isinstance(self.mlp, MoEBlock) and self.tp is None:
-            fused = norm.fused and norm.within_rounding
-            T = x.shape[0]
-            logits = None
-            if fused and self.mlp.gate.takes_logits and kernels.norm_router_fits(T, x.dtype):
-                # decode batches: the router's logits in the norm's launch (kernels.rms_norm_router)
-                h, normed, logits = kernels.rms_norm_router(x, norm.weight, norm.eps, norm.fp32_weight,
-                                                            self.mlp.gate.weight, delta=attn)
-            else:
-                h, normed = norm.add_forward(x, attn)
-            defer = fused and T >= kernels.COMBINE_NORM_MIN_TOKENS
-            return h, self.mlp(normed, routing, defer_combine=defer, logits=logits)
-        h, normed = norm.add_forward(x, attn)
+            norm = self.post_attention_layernorm
+            defer = norm.fused and norm.within_rounding and normed.shape[0] >= kernels.COMBINE_NORM_MIN_TOKENS
+            return h, self.mlp(normed, routing, defer_combine=defer)
         return h, self._reduce(self.mlp(normed, routing))
 
 

@@ -57,10 +57,6 @@ class Router(nn.Module):
     every token are gathered from the router's scores at its ids: for unforced tokens that is exactly the top-k's
     own values, so a step mixing forced and unforced tokens computes the unforced ones bit for bit as without."""
 
-    # whether forward / forward_grouped take ``logits``: x @ weight.T computed elsewhere (the norm before the
-    # router, kernels.rms_norm_router); only plain linear routers without a bias do
-    takes_logits = False
-
     def __init__(self, spec: RouterSpec, hidden_size: int):
         super().__init__()
         self.num_experts = spec.num_experts
@@ -95,12 +91,8 @@ class SoftmaxTopKRouter(Router):
         self.weights_fp32 = spec.weights_fp32
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size), requires_grad=False)  # [E, H]
 
-    takes_logits = True  # equal to _logits(x) within float32 summation order (kernels.rms_norm_router)
-
-    def _logits(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         # [T, E] in the model dtype (bf16 logits for a bf16 model); decode steps: kernels.small_linear
-        if logits is not None:
-            return logits
         return kernels.decode_linear(x, self.weight, None, self.within_rounding, kernels.ROUTER_SMALL_LINEAR_TOKENS)
 
     def _kernel_args(self, logits: torch.Tensor, forced: Forced | None) -> tuple:
@@ -109,19 +101,16 @@ class SoftmaxTopKRouter(Router):
 
     def forward_grouped(
         self, x: torch.Tensor, forced: Forced | None = None, capture: torch.Tensor | None = None,
-        logits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
         if not (self.within_rounding and x.shape[0] == 1):
-            ids, weights = self(x, forced, logits)
-            return ids, weights, None
+            return super().forward_grouped(x, forced, capture)
         # one token (a batch-1 decode step): kernels.softmax_topk_route, the grouping in the router's launch
-        logits = self._logits(x, logits)
+        logits = self._logits(x)
         top_k, renorm, wdtype, forced_mask, forced_ids = self._kernel_args(logits, forced)
         return kernels.softmax_topk_route(logits, top_k, renorm, wdtype, capture, forced_mask, forced_ids)
 
-    def forward(self, x: torch.Tensor, forced: Forced | None = None,
-                logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self._logits(x, logits)
+    def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self._logits(x)
         if self.within_rounding:  # kernels.softmax_topk: the lines below in one launch
             return kernels.softmax_topk(logits, *self._kernel_args(logits, forced))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E] float32

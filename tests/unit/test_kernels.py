@@ -265,31 +265,6 @@ def test_small_linear_equals_f_linear_within_rounding(dtype):
     assert not kernels.small_linear_fits(1, 8193, 4) and not kernels.small_linear_fits(0, 64, 4)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_rms_norm_router_is_the_norm_then_the_router_within_rounding(dtype):
-    """kernels.rms_norm_router (decode batches: the router's logits in the norm's launch): the residual add bit for
-    bit, the normed rows kernels.rms_norm's within float32 summation order, the logits F.linear's of those rows
-    within float32 summation order (rounded as F.linear rounds); token counts not a multiple of the tile, experts
-    not a multiple of 16, widths not a power of two, with and without the add; only for the steps it is meant for."""
-    g = torch.Generator().manual_seed(12)
-    for T, H, E, fp32_weight in ((5, 96, 20, False), (37, 200, 64, True), (64, 512, 128, False)):
-        x, delta = (torch.randn(T, H, generator=g).to(dtype).to(DEVICE) for _ in range(2))
-        weight = (1 + 0.1 * torch.randn(H, generator=g)).to(torch.float32 if fp32_weight else dtype).to(DEVICE)
-        router = (torch.randn(E, H, generator=g) / H**0.5).to(dtype).to(DEVICE)
-        for d in (delta, None):
-            s_ref, normed_ref = kernels.rms_norm(x, weight, 1e-6, fp32_weight, d)
-            s, normed, logits = kernels.rms_norm_router(x, weight, 1e-6, fp32_weight, router, delta=d)
-            assert torch.equal(s, s_ref) and logits.shape == (T, E) and logits.dtype == dtype
-            torch.testing.assert_close(normed, normed_ref)
-            torch.testing.assert_close(logits, torch.nn.functional.linear(normed, router))
-            exact = torch.nn.functional.linear(normed.double(), router.double())
-            torch.testing.assert_close(logits.double(), exact, rtol=8e-3, atol=8e-3)
-    lo, hi = kernels.NORM_ROUTER_TOKENS
-    assert lo > kernels.ROUTER_SMALL_LINEAR_TOKENS  # below it small_linear computes the logits
-    assert kernels.norm_router_fits(lo, dtype) and kernels.norm_router_fits(hi, dtype)
-    assert not kernels.norm_router_fits(hi + 1, dtype) and not kernels.norm_router_fits(lo, torch.float32)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_one_pass_norms_equal_the_op_by_op_norms_within_rounding(dtype):
     """kernels.rms_norm (the residual add, the mean of squares summed in the kernel, the tail) and qk_norm_rope
@@ -404,14 +379,13 @@ def test_combine_and_the_next_norm_in_one_launch_give_the_two_launches_bits(dtyp
 def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_checkpoints, monkeypatch):
     """The whole forward with the one-pass norms (after a MoE layer of a large enough step, with its combine in the
     same launch), the fused router, one q/k/v GEMM and, for decode-sized steps, small_linear's router logits and
-    o_proj, and for decode batches above that in bf16 the router logits in the norm's launch (what a GPU runs by
-    default): float32, the routed ids equal the op-by-op forward's in slot order and the logits agree within
-    rounding; bf16 (the serving dtype), the logits agree within bf16 rounding of the hidden states."""
+    o_proj (what a GPU runs by default): float32, the routed ids equal the op-by-op forward's in slot order and the
+    logits agree within rounding; bf16 (the serving dtype), the logits agree within bf16 rounding of the hidden
+    states."""
     counter = LaunchCounter(monkeypatch)
     # the combine in the next norm's launch from 4 tokens here (the 10-token prompt; not the 1- and 3-token steps)
     monkeypatch.setattr(kernels, "COMBINE_NORM_MIN_TOKENS", 4)
-    for name in ("rms_norm", "softmax_topk", "small_linear", "softmax_topk_route", "combine_rms_norm",
-                 "rms_norm_router"):
+    for name in ("rms_norm", "softmax_topk", "small_linear", "softmax_topk_route", "combine_rms_norm"):
         fn = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _name=name, **kw: (
             counter.calls.__setitem__(_name, counter.calls.get(_name, 0) + 1), _fn(*a, **kw))[1])
@@ -429,10 +403,7 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
         # every layer norm (and the final one) in one pass; after a MoE layer without shared experts, with its
         # combine in the same launch
         deferred = counter.calls.get("combine_rms_norm", 0)
-        with_router = counter.calls.get("rms_norm_router", 0)  # 10 tokens: a decode batch's size
-        assert counter.calls["rms_norm"] + deferred + with_router >= 2 * L + 1
-        plain_router = model.config.router.kind == "softmax_topk" and dtype == torch.bfloat16
-        assert with_router == (len(model.config.moe_layers) if plain_router else 0), arch
+        assert counter.calls["rms_norm"] + deferred >= 2 * L + 1
         if arch != "gpt_oss":  # GPT-OSS's biased clamped experts keep their own path
             assert counter.calls.get("combine", 0) + deferred == len(model.config.moe_layers), arch
             shared = model.config.experts.shared_intermediate_size
@@ -455,7 +426,6 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
                 assert counter.calls.get("softmax_topk_route", 0) == (moe if n == 1 else 0), (arch, n)
                 assert counter.calls.get("route", 0) == (0 if n == 1 else moe), (arch, n)
             assert "combine_rms_norm" not in counter.calls, (arch, n)  # fewer tokens than the threshold
-            assert "rms_norm_router" not in counter.calls, (arch, n)  # small_linear's sizes
         if model.config.attention.mla is None:  # q/k/v weights laid out as one tensor: one GEMM
             attn = model.model.layers[0].self_attn
             assert attn._qkv_weight() is not None
