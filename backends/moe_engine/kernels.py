@@ -42,8 +42,6 @@ kernel                      replaces                                            
 ``softmax_topk_route``      one token: ``softmax_topk`` and ``route`` (with the capture copy)    2 -> 1
 ``small_linear``            cuBLAS for the router logits (up to 4 tokens), o_proj and q/k/v    2 -> 1 (o)
                             (1 token)
-``rms_norm_router``         ``rms_norm`` before a softmax router, and the router's logits      2 -> 1
-                            (cuBLAS) for decode batches of 5-128 tokens
 ==========================  =================================================================  ==========
 
 Triton ships with CUDA builds of torch. Without it (CPU wheels) ``available()`` is False and the model
