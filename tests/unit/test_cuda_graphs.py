@@ -211,7 +211,7 @@ def every_graph(graphs, captures=(True,)) -> set[tuple[int, int, bool, bool]]:
 @cuda
 def test_engine_captures_every_decode_graph_at_start(tiny_cuda):
     """A batch size's first graph compiles its kernels (seconds at real shapes), any later one costs a step a
-    capture (70-150 ms there): all of them are captured when the engine starts, so decode batches of any size up
+    capture (70-175 ms there): all of them are captured when the engine starts, so decode batches of any size up
     to max_num_seqs, at any context up to max_model_len, replay without a capture."""
     cfg, model = tiny_cuda
     engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_seqs=12, kv_cache_memory_bytes=256 << 20))
