@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from . import kernels
 
 from . import paged_attention
+from .uploads import upload
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +127,9 @@ class ForwardBatch:
         positions = ctx_arr[token_seq] + token_qidx  # [T]
         slots = tables[token_seq, positions // block_size] * block_size + positions % block_size  # [T]
         last = cu[1:] - 1  # [B]
-        # One host->device copy for all fields (each blocking copy waits for the GPU to drain), split as views.
-        packed = torch.from_numpy(
-            np.concatenate([positions, slots, tables.reshape(-1), seq_lens, cu, token_seq, token_qidx, last])
-        ).to(device)
+        # One host->device copy for all fields, split as views; it does not wait for the step in flight.
+        packed = upload(np.concatenate([positions, slots, tables.reshape(-1), seq_lens, cu, token_seq, token_qidx,
+                                        last]), device)
         names = ("positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "token_seq", "token_qidx",
                  "last_token_index")
         fields = dict(zip(names, torch.split(packed, [T, T, B * nb, B, B + 1, T, T, B])))

@@ -9,9 +9,11 @@ Outputs: each request has a callback that receives a ``RequestOutput`` per step 
 routing rows), the last one with ``finished=True`` and a finish reason. Callbacks run on the engine thread and must
 not block.
 
-Overlapped decode (CUDA by default): a decode step is left in flight, and the next ``step`` launches the following
-decode step from its sampled tokens on the device *before* reading its results, so the GPU runs the next forward
-while the host hands out this one's tokens and routing rows.
+Overlapped steps (CUDA by default): a step is left in flight, and the next ``step`` plans and launches the
+following one *before* reading its results (``Scheduler.follow``): rows that decode a token the step in flight
+samples take it on the device, prompt chunks and new admissions go on as planned, so the GPU runs the next forward
+while the host hands out this one's tokens and routing rows (and a prefill step's successor is queued before the
+GPU gets to it).
 
 Control operations (RL rollout lifecycle: weight updates, cache flush, pause / continue, release / resume of GPU
 memory) go through the same inbox as requests (``call``) and run on the engine thread *between* steps, after the
@@ -190,10 +192,11 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        self._inflight: LaunchedStep | None = None  # a decode step launched, results not yet handed out
+        self._inflight: LaunchedStep | None = None  # a step launched, results not yet handed out
         self.dead: BaseException | None = None
         self._failure: BaseException | None = None  # set by ``fail`` from another thread
         self.num_steps = 0
+        self.num_followed = 0  # steps launched before the previous step's results were read
         self.parallel = parallel
         if parallel is not None:
             parallel.attach(self.runner, on_death=self.fail)
@@ -390,6 +393,7 @@ class Engine:
                 "prefix_cache_queries": b.query_tokens,
                 "prefix_cache_hits": b.hit_tokens,
                 "steps": self.num_steps,
+                "overlapped_steps": self.num_followed,
             }
 
     # ---------------------------------------------------------------- engine thread
@@ -457,18 +461,21 @@ class Engine:
                                      for s, _ in plan.items)
 
     def _launch_following(self, prev: LaunchedStep) -> LaunchedStep | None:
-        """The decode step after ``prev``, fed by its samples on the device (overlapped decode), or None."""
+        """The step after ``prev``, launched before prev's results are read (its rows that decode prev's samples
+        take them on the device), or None."""
         nxt = self.scheduler.follow(prev.plan)
         if nxt is None:
             return None
-        return self.runner.launch(nxt, self._wants_routing(nxt), input_ids=prev.tokens)
+        launched = self.runner.launch(nxt, self._wants_routing(nxt), fed_from=prev.tokens)
+        self.scheduler.prepare_outputs(nxt)  # (its new sequences': the others' are handed out with prev's)
+        self.num_followed += 1
+        return launched
 
     def _keep_or_complete(self, launched: LaunchedStep) -> None:
-        """Leave a launched step in flight when the next one can follow it on the device, else finish it now."""
+        """Leave a launched step in flight for the next one to follow on the device, else finish it now (its
+        sampled tokens' logprobs were read already: nothing left to overlap)."""
         self.num_steps += 1
-        if self.runner.overlap and self.scheduler.can_follow(launched.plan, launched.logprobs is not None) and (
-            len(launched.plan.samplers) == len(launched.plan.items)
-        ):
+        if self.runner.overlap and launched.logprobs is None:
             self._inflight = launched
         else:
             self._complete(launched)

@@ -31,6 +31,7 @@ from .prefill_graphs import PrefillGraphs
 from .sampling import Sampler
 from .experts import StepRouting
 from .scheduler import StepPlan, StepResult
+from .uploads import upload
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class StepInputs:
     run the same forward (rank 0 builds it from the plan and broadcasts it, ranks.py). Batch layout from
     ``ForwardBatch.build``'s inputs (each rank builds the same batch)."""
 
-    ids: list[int] | None  # [T] token ids; None: on rank 0's device (an overlapped decode step)
+    ids: list[int] | None  # [T] token ids; None: on rank 0's device (a step with rows fed by the step before)
     context: list[int]  # [B] tokens in cache before the step
     query_lens: list[int]  # [B] tokens forwarded
     tables: list[list[int]]  # [B] block tables (the same block ids on every rank)
@@ -404,19 +405,32 @@ class ModelRunner(ReleasableMemory):
 
     @torch.inference_mode()
     def launch(
-        self, plan: StepPlan, want_routing: bool, input_ids: torch.Tensor | None = None
+        self, plan: StepPlan, want_routing: bool, fed_from: torch.Tensor | None = None
     ) -> LaunchedStep:
         """Queue a step's forward, sampling and device->host transfer; returns before the GPU finishes.
 
-        ``input_ids``: the step's token ids on the device (an overlapped decode step, whose inputs the previous
-        step sampled), else the ids are read from the sequences."""
+        ``fed_from``: the samples [N] of the step before, on the device, when ``plan`` was planned before its
+        results were read (``plan.fed`` says which rows take which sample as their input token)."""
         items, context = plan.items, plan.context
         T = plan.num_tokens
-        ids: list[int] | None = None
-        if input_ids is None:
-            ids = []
-            for (seq, n), c in zip(items, context):
+        ids: list[int] | None = []
+        input_ids: torch.Tensor | None = None
+        rows_fed: list[int] = []
+        for i, ((seq, n), c) in enumerate(zip(items, context)):
+            if i in plan.fed:  # its token is not on the host yet
+                rows_fed.append(len(ids))
+                ids.append(0)
+            else:
                 ids.extend(seq.tokens[c : c + n])
+        if rows_fed:
+            src = [plan.fed[i] for i in sorted(plan.fed)]
+            if len(rows_fed) == T == len(fed_from) and src == list(range(T)):
+                input_ids = fed_from  # a decode step of the same sequences: the samples as they are
+            else:
+                staged = upload(np.array(ids + rows_fed + src, dtype=np.int64), self.device)
+                input_ids = staged[:T]
+                input_ids[staged[T : T + len(rows_fed)]] = fed_from[staged[T + len(rows_fed) :]]
+            ids = None
         want_routing = want_routing and self.capture_buf is not None
         want_weights = want_routing and any(s.req.return_routed_weights for s, _ in items)
         forced = self._forced_routing(plan)
@@ -474,10 +488,10 @@ class ModelRunner(ReleasableMemory):
                                    self.null_block, split_parts=not self.use_kernels)  # parts: reference path only
         batch.use_kernels = self.use_kernels
         if input_ids is None:
-            input_ids = torch.tensor(step.ids, dtype=torch.long, device=self.device)
+            input_ids = upload(np.array(step.ids, dtype=np.int64), self.device)
         forced = None
         if step.forced is not None:
-            forced = tuple(torch.from_numpy(a).to(self.device, non_blocking=True) for a in step.forced)
+            forced = tuple(upload(a, self.device) for a in step.forced)
         T = len(input_ids)
         # The sampling rows, picked before the forward is queued: indexing with a host list copies it to the device
         # synchronously, which after the forward made launch wait for the whole forward (the host work done while
@@ -486,7 +500,7 @@ class ModelRunner(ReleasableMemory):
         if step.samplers:
             rows = batch.last_token_index
             if len(step.samplers) != len(step.context):
-                rows = rows[torch.tensor(step.samplers, dtype=torch.long, device=self.device)]
+                rows = rows[upload(np.array(step.samplers, dtype=np.int64), self.device)]
         want = self.capture_buf is not None
         routing = StepRouting(
             ids=self.capture_buf[:T] if want and step.want_routing else None,

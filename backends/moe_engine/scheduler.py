@@ -40,11 +40,14 @@ class WeightsKey:
 @dataclass
 class StepPlan:
     """What one step forwards: (sequence, new tokens) pairs, each one's context before the step, and which of
-    them sample a token (those whose last known token is forwarded; every one in an overlapped decode step)."""
+    them sample a token (those whose last known token is forwarded, and the ``fed`` rows of an overlapped step)."""
 
     items: list[tuple[Sequence, int]]
     context: list[int]
     samplers: list[int]
+    # plan index -> index among the previous step's samples of this row's input token, for rows planned before
+    # that step's results were read (``Scheduler.follow``: the token is on the device only)
+    fed: dict[int, int] = field(default_factory=dict)
     # plan index -> the routing rows of that sequence's output from this step, the prefix-cache part already
     # filled in (Scheduler.prepare_outputs), the step's own rows still to come
     first_rows: dict[int, np.ndarray] = field(default_factory=dict)
@@ -241,28 +244,58 @@ class Scheduler:
                 del self._computing[h]
         seq.claims = keep
 
-    def can_follow(self, plan: StepPlan, sampled_logprobs: bool) -> bool:
-        """Whether the next decode step may be launched from this step's sampled tokens before its results are
-        read (overlapped decode): a decode step of every running sequence (no logprobs) in which none can reach
-        a length limit, so each would decode again unless it stops on a token."""
-        if sampled_logprobs or len(plan.items) != len(self.running) or self.waiting:
-            return False
-        for (seq, n), c in zip(plan.items, plan.context):
-            if n != 1 or c + 1 != len(seq.tokens) or seq.status is not Status.RUNNING:
-                return False
-            if seq.num_output + 1 >= seq.sampler.params.max_tokens or c + 2 >= self.max_model_len:
-                return False
-        return True
-
     def follow(self, plan: StepPlan) -> StepPlan | None:
-        """The decode step after ``plan`` (its tokens not yet known on the host), if the running batch is still
-        exactly plan's and every sequence gets the block for its next position."""
-        if len(self.running) != len(plan.items) or any(s.status is not Status.RUNNING for s, _ in plan.items):
+        """The step after ``plan``, planned before plan's results are read (overlapped steps): what ``schedule``
+        would plan once they are in, but for the tokens plan samples, which stay on the device. Each of plan's
+        sequences that samples a token decodes it next (``fed``: its input is plan's sample) unless that token
+        ends it on length; its other sequences go on with their prompts, the other running ones as always, and
+        waiting ones are admitted into the budget left. A sequence that stops on its token meanwhile forwards one
+        row in vain, which ``process`` drops. None when a sequence needs blocks only preemption could free (the
+        normal path decides that once the results are in)."""
+        where = {id(seq): i for i, (seq, _) in enumerate(plan.items)}
+        sampled = {i: j for j, i in enumerate(plan.samplers)}
+        budget = self.step_tokens
+        planned: list[tuple[Sequence, int]] = []
+        contexts: list[int] = []
+        fed: dict[int, int] = {}  # index into planned -> index of its input among plan's samples
+        for seq in self.running:
+            if budget <= 0:
+                break
+            i = where.get(id(seq))
+            if i is None:  # not in plan: its state is final
+                c, remaining, src = seq.num_computed, seq.num_remaining, None
+            else:
+                c, src = plan.context[i] + plan.items[i][1], sampled.get(i)
+                if src is not None and self._length_ends(seq, c):
+                    continue  # finishes when plan's results are read
+                remaining = 1 if src is not None else len(seq.tokens) - c
+            n = min(remaining, budget)
+            if n <= 0:
+                continue
+            if not self.blocks.allocate(seq.table, c + n):
+                return None
+            if src is not None:
+                fed[len(planned)] = src
+            planned.append((seq, n))
+            contexts.append(c)
+            budget -= n
+        num_running = len(planned)
+        self._admit(planned, budget)
+        contexts += [seq.num_computed for seq, _ in planned[num_running:]]  # admitted: cached prefix only
+        if not planned:
             return None
-        for (seq, _), c in zip(plan.items, plan.context):
-            if not self.blocks.allocate(seq.table, c + 2):
-                return None  # the normal path will preempt
-        return StepPlan(plan.items, [c + 1 for c in plan.context], list(range(len(plan.items))))
+        # Decodes first, then prefill chunks (as ``schedule``): a fed row decodes, so does a last known token.
+        order = sorted(range(len(planned)), key=lambda k: planned[k][1] != 1 or not (
+            k in fed or contexts[k] + 1 == len(planned[k][0].tokens)))
+        items = [planned[k] for k in order]
+        context = [contexts[k] for k in order]
+        fed = {new: fed[k] for new, k in enumerate(order) if k in fed}
+        samplers = [i for i, ((s, n), c) in enumerate(zip(items, context)) if i in fed or c + n == len(s.tokens)]
+        return StepPlan(items, context, samplers, fed=fed)
+
+    def _length_ends(self, seq: Sequence, position: int) -> bool:
+        """Whether the token ``seq`` samples for ``position`` (not yet read) ends it on a length limit."""
+        return seq.num_output + 1 >= seq.sampler.params.max_tokens or position + 1 >= self.max_model_len
 
     # ------------------------------------------------------------------ results
 
@@ -274,7 +307,9 @@ class Scheduler:
         if self.blocks.rows is None:  # no rows kept with the cache
             return
         for i, ((seq, n), c) in enumerate(zip(plan.items, plan.context)):
-            if seq.rows_sent < c and seq.req.return_routed_experts:
+            # (num_computed == c: not a sequence of the step in flight before a followed step, whose rows go out
+            # as that step's results are read)
+            if seq.num_computed == c and seq.rows_sent < c and seq.req.return_routed_experts:
                 plan.first_rows[i] = self._rows_with_cached(seq, c, n)
 
     def _rows_with_cached(self, seq: Sequence, c: int, n: int) -> np.ndarray:

@@ -344,6 +344,60 @@ def test_overlapped_decode_abort_and_refill(tiny):
         np.testing.assert_array_equal(got.routing, want.routing)
 
 
+def prefill_overlap_workload(engine, stop_token: int | None = None) -> list[Collector]:
+    """Prompts longer than a step (chunked over several), requests arriving while others prefill and decode, two
+    that share a prefix (prefix-cache hits), a stop token, a length limit, a seeded sample and a one-token output:
+    every way the step after a prefill or mixed step can differ from the one before."""
+    shared = prompt_of(40, 41)
+    out = [
+        submit(engine, prompt_of(50, 42), max_tokens=12, ignore_eos=True),
+        submit(engine, shared + prompt_of(5, 43), max_tokens=10, ignore_eos=True),
+    ]
+    for _ in range(2):
+        engine.step()
+    out.append(submit(engine, shared + prompt_of(9, 44), max_tokens=8, ignore_eos=True))  # the shared blocks
+    out.append(submit(engine, prompt_of(33, 45), max_tokens=14, temperature=0.8, seed=5, ignore_eos=True))
+    out.append(submit(engine, prompt_of(21, 46), max_tokens=1, ignore_eos=True))
+    if stop_token is not None:
+        out.append(submit(engine, prompt_of(50, 42), max_tokens=12, ignore_eos=True, stop_token_ids=(stop_token,)))
+    for _ in range(3):
+        engine.step()
+    out.append(submit(engine, prompt_of(27, 47), max_tokens=37, ignore_eos=True))  # ends at max_model_len
+    run_all(engine, out)
+    return out
+
+
+def test_overlapped_prefill_steps_hand_out_exactly_what_sequential_steps_do(tiny):
+    """With overlapped steps the step after a prefill or mixed step is planned and launched before that step's
+    results are read: its decodes take their tokens on the device, prompt chunks and admissions go on. Every
+    request gets what sequential steps give it (tokens, finish, routing rows), a sequence that stops on a token
+    meanwhile never shows its wasted row, and no block is left behind."""
+    kw = dict(max_model_len=64, max_num_batched_tokens=24, max_num_seqs=4)
+    plain = prefill_overlap_workload(make_engine(tiny, overlap_decode=False, **kw))
+    stop_token = plain[0].tokens[4]
+    sequential = make_engine(tiny, overlap_decode=False, **kw)
+    plain = prefill_overlap_workload(sequential, stop_token)
+    engine = make_engine(tiny, overlap_decode=True, **kw)
+    followed = []
+    follow = engine.scheduler.follow
+    engine.scheduler.follow = lambda plan: followed.append(follow(plan)) or followed[-1]
+    overlapped = prefill_overlap_workload(engine, stop_token)
+    assert plain[5].finish_reason == "stop" and len(plain[5].tokens) < 12  # stopped mid-batch
+    assert plain[6].finish_reason == "length" and 27 + len(plain[6].tokens) == 64
+    assert sequential.stats()["prefix_cache_hits"] >= 32  # the shared prompt blocks were hits
+    for a, b in zip(plain, overlapped):
+        assert (b.finish_reason, b.tokens) == (a.finish_reason, a.tokens)
+        np.testing.assert_array_equal(b.routing, a.routing)
+    # The overlapped steps included prompt chunks beside decodes fed on the device, and admissions.
+    plans = [p for p in followed if p is not None]
+    assert any(p.fed and any(n > 1 for _, n in p.items) for p in plans)
+    assert any(c == 0 for p in plans for c in p.context)
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] == sequential.stats()["prefix_cache_hits"]
+    assert stats["overlapped_steps"] == len(plans) and stats["overlapped_steps"] > stats["steps"] // 2
+    assert engine._inflight is None and stats["free_blocks"] == stats["num_blocks"]
+
+
 def test_prefill_warm_up_leaves_cache_and_results_untouched(tiny):
     """The start-up prefill steps (``ModelRunner.warm_prefill``, run on GPUs) write only the null block: cached
     prefixes, their routing rows and new requests give what they gave before it ran."""
