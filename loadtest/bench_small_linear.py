@@ -9,6 +9,10 @@ bytes over it. Also the largest difference from a float32 reference and the shar
     PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --out OUT      # one H200: ~1 minute
     PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --sweep --tokens 1,2,4   # + tile / warps configs
     PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --moe-gemm --tokens 16,32,64   # + one-expert GEMM
+    PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --cublaslt --tokens 16,64,128  # + cuBLASLt
+
+--cublaslt also times F.linear with torch's preferred BLAS library set to cuBLASLt (its own heuristics, no split-K
+by cuBLAS's rules), with the share of its outputs equal to cuBLAS's.
 
 --moe-gemm also times the expert GEMM kernel (``fused_moe.down_proj``) with one expert holding every token: the
 projection as a plain Triton GEMM, over a grid of tile configs (row tile = the step's tokens, column tile, K tile,
@@ -67,6 +71,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--sweep", action="store_true", help="also every (weight elements per program, warps) config")
     p.add_argument("--moe-gemm", action="store_true", help="also the expert GEMM kernel with one expert, per config")
+    p.add_argument("--cublaslt", action="store_true", help="also F.linear through cuBLASLt")
     args = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -87,6 +92,20 @@ def main() -> None:
                        speedup=t_cublas / t_small, max_err_small=(ours.float() - ref).abs().max().item(),
                        max_err_cublas=(theirs.float() - ref).abs().max().item(),
                        equal_to_cublas=(ours == theirs).float().mean().item())
+            if args.cublaslt:
+                default = torch.backends.cuda.preferred_blas_library()
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+                try:
+                    t_lt = graph_time(F.linear, xs, ws, args.reps)
+                    lt = F.linear(xs[0], ws[0])
+                finally:
+                    torch.backends.cuda.preferred_blas_library(default)
+                row["cublaslt"] = dict(us=t_lt * 1e6, speedup=t_cublas / t_lt,
+                                       max_err=(lt.float() - ref).abs().max().item(),
+                                       equal_to_cublas=(lt == theirs).float().mean().item())
+                print(f"    cuBLASLt: {t_lt * 1e6:.2f} us, {t_cublas / t_lt:.2f}x cuBLAS, max err "
+                      f"{row['cublaslt']['max_err']:.2e}, {100 * row['cublaslt']['equal_to_cublas']:.1f}% equal",
+                      flush=True)
             if args.sweep:
                 row["sweep"] = {}
                 for tile in (2048, 4096, 8192, 16384, 32768):
