@@ -17,7 +17,7 @@ GPU gets to it).
 
 Control operations (RL rollout lifecycle: weight updates, cache flush, pause / continue, release / resume of GPU
 memory) go through the same inbox as requests (``call``) and run on the engine thread *between* steps, after the
-step in flight (an overlapped decode step included) has been completed: no weight or cache changes under a
+step in flight (an overlapped step included) has been completed: no weight or cache changes under a
 running forward. Each returns a ``concurrent.futures.Future``. A weight update either lets the requests submitted
 before it finish first (requests submitted after it wait until it is done) or aborts them
 (``abort_all_requests``); while generation is paused it runs at once (requests kept in place continue on the new

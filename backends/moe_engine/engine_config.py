@@ -34,8 +34,9 @@ class EngineConfig:
     # tokens (with the paged attention kernels and the fused experts). None: max(2048, max_num_seqs); 0: every step
     # eager.
     max_cudagraph_capture_size: int | None = None
-    # Launch decode step i+1 before handing out step i's results (None: on CUDA, where the GPU then works while
-    # the host does; on CPU the forward runs on the host, so there is nothing to overlap).
+    # Plan and launch step i+1 (decode, prefill or mixed: engine.py's overlapped steps, vLLM's async scheduling)
+    # before handing out step i's results (None: on CUDA, where the GPU then works while the host does; on CPU the
+    # forward runs on the host, so there is nothing to overlap). The name predates prefill steps taking part.
     overlap_decode: bool | None = None
     # Fused Triton kernels for norms, rotary, expert bookkeeping and the KV write (kernels.py): same results bit
     # for bit, a third of the kernel launches. None: on CUDA when Triton is installed (CUDA builds of torch).

@@ -6,7 +6,7 @@ step; ranks 1..N-1 (ranks.py) run the same forwards on their shards of the weigh
 
 Two groups over the same ranks:
 - the *device* group carries the forward's collectives (an all-reduce after attention and after each MLP / MoE
-  block, the embedding's all-reduce, the logits' all-gather) and an overlapped decode step's token ids, which
+  block, the embedding's all-reduce, the logits' all-gather) and an overlapped step's fed token ids, which
   never leave rank 0's device: NCCL on CUDA, gloo on CPU;
 - the *control* group (gloo, host memory) carries each step's inputs, broadcast from rank 0 (a small header and
   one int64 payload, ranks.py) and the setup's agreements (the KV-cache block count: the smallest over ranks).

@@ -4,7 +4,7 @@ Process model (torch.distributed.run style): the serving process (the Triton mod
 starts one process per other rank (``python -m moe_engine.ranks``; on CUDA rank r uses GPU first_gpu + r), and
 every rank loads only its shard of the checkpoint (sharding.py, read through the memory map). Rank 0 alone runs
 the scheduler and the block manager; each step it broadcasts the step's inputs (``StepInputs``: a header and one
-int64 payload on the control group, plus the token ids on the device group when an overlapped decode step's ids
+int64 payload on the control group, plus the token ids on the device group when an overlapped step's ids
 never left rank 0's GPU), and every rank runs the same forward (``ModelRunner.forward``, CUDA-graph replays
 included: every rank captures the same graphs at the same steps); rank 0 samples and captures routed experts.
 
