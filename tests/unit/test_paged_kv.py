@@ -63,7 +63,10 @@ def long_workload(engine, prompt_starts=(0, 0, 100, 0)):
     return out
 
 
-def test_preempted_requests_end_with_exactly_the_tokens_and_rows_of_an_unpreempted_run(tiny):
+# overlapped: each step is planned and launched before the previous one's results are read (the CUDA default);
+# where that plan would need a preemption the engine falls back to planning after the results.
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sequential", "overlapped"])
+def test_preempted_requests_end_with_exactly_the_tokens_and_rows_of_an_unpreempted_run(tiny, overlapped):
     roomy = make_engine(tiny, max_model_len=1024, max_num_batched_tokens=256, enable_prefix_caching=False)
     want = results(long_workload(roomy))
     assert roomy.stats()["num_preemptions"] == 0
@@ -71,21 +74,23 @@ def test_preempted_requests_end_with_exactly_the_tokens_and_rows_of_an_unpreempt
     # Room for about half of the 3,190 tokens the four sequences reach: running sequences grow into each
     # other's blocks and the newest is preempted (and recomputed) again and again.
     tight = make_engine(tiny, max_model_len=1024, max_num_batched_tokens=256, enable_prefix_caching=False,
-                        kv_cache_memory_bytes=kv_bytes_for(tiny, 1600))
+                        kv_cache_memory_bytes=kv_bytes_for(tiny, 1600), overlap_decode=overlapped)
     got = results(long_workload(tight))
     stats = tight.stats()
     assert stats["num_preemptions"] >= 2, stats
+    assert (stats["overlapped_steps"] > stats["steps"] // 2) == overlapped
     assert_same(got, want)
     for (_, tokens, rows), (p, n), ps in zip(got, SPECS, (0, 0, 100, 0)):
         assert len(tokens) == n and rows.shape[0] == p + n - 1 - ps  # no row lost, none repeated
     assert stats["free_blocks"] == stats["num_blocks"] and stats["running"] == stats["waiting"] == 0
 
 
-def test_preemption_with_the_prefix_cache_on_recomputes_from_cached_blocks(tiny):
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sequential", "overlapped"])
+def test_preemption_with_the_prefix_cache_on_recomputes_from_cached_blocks(tiny, overlapped):
     roomy = make_engine(tiny, max_model_len=1024, max_num_batched_tokens=256)
     want = results(long_workload(roomy))
     tight = make_engine(tiny, max_model_len=1024, max_num_batched_tokens=256,
-                        kv_cache_memory_bytes=kv_bytes_for(tiny, 1600))
+                        kv_cache_memory_bytes=kv_bytes_for(tiny, 1600), overlap_decode=overlapped)
     got = results(long_workload(tight))
     assert tight.stats()["num_preemptions"] >= 1
     assert_same(got, want)
@@ -194,8 +199,9 @@ def test_evicted_prefix_is_recomputed_with_identical_results(tiny):
     np.testing.assert_array_equal(again.routing, cold.routing)
 
 
-def test_choices_of_one_prompt_arriving_together_prefill_it_once(tiny):
-    engine = make_engine(tiny, max_model_len=512)
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sequential", "overlapped"])
+def test_choices_of_one_prompt_arriving_together_prefill_it_once(tiny, overlapped):
+    engine = make_engine(tiny, max_model_len=512, overlap_decode=overlapped)
     p = prompt_of(200, 16)  # 12 full blocks
     choices = [submit(engine, p, max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 3)]
     run_all(engine, choices)
