@@ -182,6 +182,39 @@ def test_replaying_a_requests_own_routing_changes_nothing(tiny):
     np.testing.assert_array_equal(ranks == 1, top_ids[:, 0] == np.asarray(p[1:]))
 
 
+def test_replay_weights_and_prompt_scoring_through_overlapped_chunked_steps(tiny):
+    """The R3 features in steps planned before the previous step's results are read (overlapped steps, the CUDA
+    default): prompts chunked over several steps, one replaying a routing, one scoring its prompt, both asking
+    for combine weights, while a third decodes beside them. Each gets exactly what sequential steps give it."""
+    def workload(engine):
+        first = run(engine, prompt_of(30, 48), max_tokens=4)
+        out = [Result() for _ in range(3)]
+        reqs = [dict(prompt=prompt_of(30, 48), replay=first.routing[:30], return_routed_weights=True),
+                dict(prompt=prompt_of(45, 49), prompt_logprobs=3, return_routed_weights=True),
+                dict(prompt=prompt_of(9, 50))]
+        for r, kw in zip(out, reqs):
+            engine.add_request(Request(
+                request_id=engine.new_request_id(), prompt_token_ids=kw.pop("prompt"), on_output=r,
+                sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                replay_routed_experts=kw.pop("replay", None), **kw))
+        run_all(engine, out)
+        return out
+
+    kw = dict(enable_prefix_caching=False, max_num_batched_tokens=16, max_num_seqs=4)
+    want = workload(make_engine(tiny, overlap_decode=False, **kw))
+    engine = make_engine(tiny, overlap_decode=True, **kw)
+    got = workload(engine)
+    assert engine.stats()["overlapped_steps"] > engine.stats()["steps"] // 2
+    for a, b in zip(got, want):
+        assert a.error is None and a.tokens == b.tokens
+        np.testing.assert_array_equal(a.routing, b.routing)
+        if b.weights:
+            np.testing.assert_array_equal(a.routed_weights, b.routed_weights)
+    for x, y in zip(got[1].prompt_logprobs, want[1].prompt_logprobs):
+        np.testing.assert_array_equal(x, y)
+    assert want[1].prompt_logprobs[0].shape == (44,)
+
+
 def test_replay_with_prompt_start_and_a_partial_replay(tiny):
     engine = make_engine(tiny)
     p = prompt_of(40, 42)
