@@ -307,8 +307,8 @@ class Scheduler:
         if self.blocks.rows is None:  # no rows kept with the cache
             return
         for i, ((seq, n), c) in enumerate(zip(plan.items, plan.context)):
-            # (num_computed == c: not a sequence of the step in flight before a followed step, whose rows go out
-            # as that step's results are read)
+            # (a sequence of the step still in flight when ``follow`` planned this one has num_computed < c: its
+            # rows before c go out with that step's results)
             if seq.num_computed == c and seq.rows_sent < c and seq.req.return_routed_experts:
                 plan.first_rows[i] = self._rows_with_cached(seq, c, n)
 
