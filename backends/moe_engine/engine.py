@@ -472,10 +472,9 @@ class Engine:
         return launched
 
     def _keep_or_complete(self, launched: LaunchedStep) -> None:
-        """Leave a launched step in flight for the next one to follow on the device, else finish it now (its
-        sampled tokens' logprobs were read already: nothing left to overlap)."""
+        """Leave a launched step in flight for the next one to follow on the device, else finish it now."""
         self.num_steps += 1
-        if self.runner.overlap and launched.logprobs is None:
+        if self.runner.overlap:
             self._inflight = launched
         else:
             self._complete(launched)

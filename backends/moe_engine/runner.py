@@ -79,7 +79,9 @@ class LaunchedStep:
     plan: StepPlan
     samplers: list[int]  # plan indices that sample a token this step
     tokens: torch.Tensor | None  # [N] sampled tokens on the device (input of an overlapped next step)
-    logprobs: tuple | None  # (chosen [N], top ids [N, n], top values [N, n]) on the host, when asked
+    # (chosen [N], top ids [N, n], top values [N, n]) on the host, when asked: filled by the step's transfer (read
+    # them after ``results``)
+    logprobs: tuple | None
     transfer: Transfer
     prompt_logprobs: dict | None = None  # prompt scoring of this step (StepResult.prompt_logprobs)
 
@@ -465,7 +467,7 @@ class ModelRunner(ReleasableMemory):
                 tokens = self.sampler.sample(logits, batch_s)  # [N] long, on the device
                 lps = self.sampler.logprobs(logits, tokens, batch_s)
                 if lps is not None:
-                    lp = tuple(t.cpu() if t is not None else None for t in lps)
+                    lp = tuple(self._to_host(t) if t is not None else None for t in lps)
         prompt_lp = self._prompt_logprobs(plan, score, hidden) if scoring else None
         return LaunchedStep(plan, samplers, tokens, lp,
                             self._transfer(tokens, T if want_routing else 0, T if want_weights else 0), prompt_lp)
@@ -616,6 +618,15 @@ class ModelRunner(ReleasableMemory):
             host[w0:w1].copy_(self.step_out[w0:w1], non_blocking=True)
         event.record()
         return Transfer(n, rows, host=self._host_np[self._parity], event=event, weight_rows=weight_rows)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t`` queued on the stream (CUDA: into pinned memory, without waiting; complete once the
+        step's transfer event has fired, which is recorded after it)."""
+        if t.device.type != "cuda":
+            return t.cpu()
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
 
     def results(self, step: LaunchedStep) -> StepResult:
         """Wait for a step's transfer and hand back what the step produced."""

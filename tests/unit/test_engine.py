@@ -346,8 +346,8 @@ def test_overlapped_decode_abort_and_refill(tiny):
 
 def prefill_overlap_workload(engine, stop_token: int | None = None) -> list[Collector]:
     """Prompts longer than a step (chunked over several), requests arriving while others prefill and decode, two
-    that share a prefix (prefix-cache hits), a stop token, a length limit, a seeded sample and a one-token output:
-    every way the step after a prefill or mixed step can differ from the one before."""
+    that share a prefix (prefix-cache hits), a stop token, a length limit, a seeded sample with logprobs and a
+    one-token output: every way the step after a prefill or mixed step can differ from the one before."""
     shared = prompt_of(40, 41)
     out = [
         submit(engine, prompt_of(50, 42), max_tokens=12, ignore_eos=True),
@@ -356,7 +356,8 @@ def prefill_overlap_workload(engine, stop_token: int | None = None) -> list[Coll
     for _ in range(2):
         engine.step()
     out.append(submit(engine, shared + prompt_of(9, 44), max_tokens=8, ignore_eos=True))  # the shared blocks
-    out.append(submit(engine, prompt_of(33, 45), max_tokens=14, temperature=0.8, seed=5, ignore_eos=True))
+    out.append(submit(engine, prompt_of(33, 45), max_tokens=14, temperature=0.8, seed=5, ignore_eos=True,
+                      logprobs=2))
     out.append(submit(engine, prompt_of(21, 46), max_tokens=1, ignore_eos=True))
     if stop_token is not None:
         out.append(submit(engine, prompt_of(50, 42), max_tokens=12, ignore_eos=True, stop_token_ids=(stop_token,)))
@@ -370,7 +371,7 @@ def prefill_overlap_workload(engine, stop_token: int | None = None) -> list[Coll
 def test_overlapped_prefill_steps_hand_out_exactly_what_sequential_steps_do(tiny):
     """With overlapped steps the step after a prefill or mixed step is planned and launched before that step's
     results are read: its decodes take their tokens on the device, prompt chunks and admissions go on. Every
-    request gets what sequential steps give it (tokens, finish, routing rows), a sequence that stops on a token
+    request gets what sequential steps give it (tokens, logprobs, finish, routing rows), a sequence that stops on a token
     meanwhile never shows its wasted row, and no block is left behind."""
     kw = dict(max_model_len=64, max_num_batched_tokens=24, max_num_seqs=4)
     plain = prefill_overlap_workload(make_engine(tiny, overlap_decode=False, **kw))
@@ -388,6 +389,9 @@ def test_overlapped_prefill_steps_hand_out_exactly_what_sequential_steps_do(tiny
     for a, b in zip(plain, overlapped):
         assert (b.finish_reason, b.tokens) == (a.finish_reason, a.tokens)
         np.testing.assert_array_equal(b.routing, a.routing)
+        # logits rows of other batch shapes: equal up to the float32 GEMMs' blocking
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5 if DEVICE == "cpu" else 1e-4)
+    assert len(plain[3].logprobs) == 14  # one per token of the request that asked
     # The overlapped steps included prompt chunks beside decodes fed on the device, and admissions.
     plans = [p for p in followed if p is not None]
     assert any(p.fed and any(n > 1 for _, n in p.items) for p in plans)
