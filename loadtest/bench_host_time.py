@@ -3,8 +3,9 @@
 The host work of a prefill step (``scheduler.schedule``, ``ForwardBatch.build``, ``runner.results``,
 ``scheduler.process``) was time the GPU waited until steps after prefill and mixed steps were overlapped too (the
 next one launched before the previous one's results are read, engine.py); it still bounds how fast the host can
-feed the GPU, and is time the GPU waits where a step cannot be overlapped (sampled logprobs, preemption). It is measured here on the CPU with the real shape's bookkeeping sizes (Qwen3-30B-A3B's 48 layers,
-128 experts top-8: routing rows of 48 x 8 per token, 8192-token steps) and tiny widths (hidden 64), so the forward
+feed the GPU, and is time the GPU waits where a step cannot be overlapped (a preemption, prompt scoring). It is
+measured here on the CPU with the real shape's bookkeeping sizes (Qwen3-30B-A3B's 48 layers, 128 experts top-8:
+routing rows of 48 x 8 per token, 8192-token steps) and tiny widths (hidden 64), so the forward
 is cheap enough and the rest is what a real server's host does per step. Each timed call is wrapped; the forward
 itself is reported for scale only.
 
