@@ -467,7 +467,7 @@ class Engine:
         if nxt is None:
             return None
         launched = self.runner.launch(nxt, self._wants_routing(nxt), fed_from=prev.tokens)
-        self.scheduler.prepare_outputs(nxt)  # (its new sequences': the others' are handed out with prev's)
+        self.scheduler.prepare_outputs(nxt)  # cached rows of the sequences it admits (the others': with prev's)
         self.num_followed += 1
         return launched
 
