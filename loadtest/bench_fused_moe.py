@@ -31,8 +31,8 @@ padding counted); %peak over --peak-tflops (989: H200 bf16 dense).
 ``--tune`` times each GEMM (gate_up, down) alone per bucket of T*K on a representative T: the best tile shape
 (BLOCK_M x BLOCK_N) with the current table's other parameters, then coordinate descent from it (TMA loads or
 pointers, BLOCK_N, BLOCK_K, stages, BLOCK_M, warps, GROUP_M), within --tune-budget seconds, and writes the best
-per bucket to --tune-out (default backends/moe_engine/fused_moe_configs.json, which fused_moe reads: commit it). Bucket "1" (T*K = 1) needs K = 1 and keeps its default
-here.
+per bucket to --tune-out (default backends/moe_engine/fused_moe_configs.json, which fused_moe reads: commit it).
+Bucket "1" (T*K = 1) needs K = 1 and keeps its default here.
 """
 from __future__ import annotations
 
@@ -352,8 +352,9 @@ def tune(args, layers, budget: float, out_path: Path) -> None:
 
 
 def _descend(bucket, gate_up, calls, outs, refs, start: TileConfig, deadline: float, reps: int, device):
-    """Coordinate descent from the best tile shape near ``start`` (seeds: each BLOCK_M x BLOCK_N): each parameter in turn over its values, the others at the best so far,
-    until a pass changes nothing or the deadline passes. A config counts only if its outputs (``outs``, NaN
+    """Coordinate descent from the best tile shape near ``start`` (seeds: each BLOCK_M x BLOCK_N with start's other
+    parameters): each parameter in turn over its values, the others at the best so far, until a pass changes
+    nothing or the deadline passes. A config counts only if its outputs (``outs``, NaN
     before it runs) equal ``refs`` in >= 99% of the elements (only GEMM-order roundings may differ).
     -> (best config, its time, start's time, configs timed)."""
     seen: dict[TileConfig, float] = {}
