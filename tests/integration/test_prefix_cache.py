@@ -30,6 +30,7 @@ import numpy as np
 import openai
 import pytest
 
+from ..tolerances import approx_across_batches
 from .conftest import start_moe_serve
 from .openai_helpers import NUM_EXPERTS_PER_TOK, NUM_HIDDEN_LAYERS, decode, extra
 
@@ -247,7 +248,7 @@ def assert_same(got: list[Choice], want: list[Choice]) -> None:
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.tokens == w.tokens and g.prompt_ids == w.prompt_ids
-        assert g.logprobs == pytest.approx(w.logprobs, rel=1e-4, abs=1e-4) and len(g.logprobs) == len(w.tokens)
+        assert g.logprobs == approx_across_batches(w.logprobs) and len(g.logprobs) == len(w.tokens)
         for c in (g, w):  # a row for every position from the prompt start on, but the last sampled token's
             assert c.rows.shape == (len(c.prompt_ids) + len(c.tokens) - 1 - c.start, NUM_HIDDEN_LAYERS,
                                     NUM_EXPERTS_PER_TOK)

@@ -14,14 +14,11 @@ import time
 
 import httpx
 import numpy as np
-import pytest
 
+from ..tolerances import approx_across_batches, assert_close_across_batches
 from .openai_helpers import NUM_EXPERTS_PER_TOK, NUM_HIDDEN_LAYERS, NUM_LOCAL_EXPERTS, decode, metric_value
 
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again."
-# Values of two requests that ran in different batches (n=2, or other experts' token counts) may differ in their
-# last float32 bits (README: batch invariance); identical computations agree far closer.
-TOL = 1e-5
 
 
 def npy_b64(arr: np.ndarray) -> str:
@@ -71,7 +68,7 @@ def assert_same_prompt_logprobs(got: list, want: list) -> None:
         assert g.keys() == w.keys()
         for k in g:
             assert g[k]["rank"] == w[k]["rank"] and g[k]["decoded_token"] == w[k]["decoded_token"]
-            assert g[k]["logprob"] == pytest.approx(w[k]["logprob"], rel=TOL, abs=TOL)
+            assert g[k]["logprob"] == approx_across_batches(w[k]["logprob"])
 
 
 def lp_values(prompt_logprobs: list, prompt_ids: list[int]) -> list[float | None]:
@@ -146,7 +143,7 @@ def test_changed_ids_are_forced_and_the_rest_routes_normally(openai_client, moe_
     # Prompt logprob of token t comes from positions < t: equal up to the first changed row, then not.
     got_lp, base_lp = lp_values(res["prompt_logprobs"], prompt_ids), lp_values(base["prompt_logprobs"], prompt_ids)
     # (Other experts run on other token counts, so even unaffected values may differ in the last float bits.)
-    np.testing.assert_allclose(got_lp[1 : first_changed + 1], base_lp[1 : first_changed + 1], rtol=0, atol=1e-4)
+    assert_close_across_batches(got_lp[1 : first_changed + 1], base_lp[1 : first_changed + 1])
     assert abs(got_lp[first_changed + 1] - base_lp[first_changed + 1]) > 1e-2
     # What the unforced rows got is what the model computes under that forcing: replaying all of them
     # (forced + chosen) reproduces the request exactly.
@@ -154,7 +151,7 @@ def test_changed_ids_are_forced_and_the_rest_routes_normally(openai_client, moe_
                      extra={**extra, "replay_routed_experts": npy_b64(got[:P])})["choices"][0]
     assert again["token_ids"] == res["token_ids"]
     np.testing.assert_array_equal(decode(again["routed_experts"]), got)
-    np.testing.assert_allclose(lp_values(again["prompt_logprobs"], prompt_ids)[1:], got_lp[1:], rtol=TOL, atol=TOL)
+    assert_close_across_batches(lp_values(again["prompt_logprobs"], prompt_ids)[1:], got_lp[1:])
 
 
 # ---------------------------------------------------------------- (3) routed weights
@@ -177,23 +174,23 @@ def test_routed_weights_align_with_routed_experts(openai_client, moe_server):
     alone = complete(openai_client, moe_server.model,
                      extra={"return_routed_weights": True, "return_routed_experts": False})["choices"][0]
     assert alone["routed_experts"] is None
-    np.testing.assert_allclose(decode(alone["routed_weights"]), w_full, rtol=TOL, atol=TOL)
+    assert_close_across_batches(decode(alone["routed_weights"]), w_full)
 
     cut = complete(openai_client, moe_server.model,
                    extra={"return_routed_weights": True, "routed_experts_prompt_start": 2})["choices"][0]
     _, w_cut = check_weights(cut["routed_experts"], cut["routed_weights"])
-    np.testing.assert_allclose(w_cut, w_full[2:], rtol=TOL, atol=TOL)
+    assert_close_across_batches(w_cut, w_full[2:])
 
     two = complete(openai_client, moe_server.model, n=2, extra={"return_routed_weights": True})["choices"]
     for ch in two:  # greedy: both choices are the plain request
         _, w = check_weights(ch["routed_experts"], ch["routed_weights"])
-        np.testing.assert_allclose(w, w_full, rtol=TOL, atol=TOL)
+        assert_close_across_batches(w, w_full)
 
     streamed = stream_choices(openai_client, moe_server.model, n=2,
                               extra={"return_routed_weights": True, "routed_experts_prompt_start": 2})
     for c in streamed.values():
         _, w = check_weights(c["seen"]["routed_experts"], c["seen"]["routed_weights"])
-        np.testing.assert_allclose(w, w_full[2:], rtol=TOL, atol=TOL)
+        assert_close_across_batches(w, w_full[2:])
 
 
 def test_weights_and_replay_on_chat_and_generate(openai_client, moe_server):
@@ -204,8 +201,7 @@ def test_weights_and_replay_on_chat_and_generate(openai_client, moe_server):
     last = [ch for chunk in openai_client.chat.completions.create(stream=True, **chat_kw)
             for ch in chunk.model_dump()["choices"] if ch["finish_reason"]]
     assert len(last) == 1
-    np.testing.assert_allclose(check_weights(last[0]["routed_experts"], last[0]["routed_weights"])[1], w, rtol=TOL,
-                               atol=TOL)
+    assert_close_across_batches(check_weights(last[0]["routed_experts"], last[0]["routed_weights"])[1], w)
 
     body = {"token_ids": [1, 17, 42, 99, 7], "return_routed_weights": True,
             "sampling_params": {"max_tokens": 4, "temperature": 0, "ignore_eos": True}}
@@ -255,7 +251,7 @@ def test_prompt_logprobs_format_and_agreement_across_endpoints(openai_client, mo
     assert echo["text"].startswith(PROMPT)
     assert len(lp["tokens"]) == len(prompt_ids) + 1
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    np.testing.assert_allclose(lp["token_logprobs"][1 : len(prompt_ids)], values[1:], rtol=TOL, atol=TOL)
+    assert_close_across_batches(lp["token_logprobs"][1 : len(prompt_ids)], values[1:])
     # top 3 + the prompt token, keyed by token text (byte-level pieces may share one: fewer keys then)
     assert all(len(t) <= 4 and tok in t for tok, t in zip(lp["tokens"][1:], lp["top_logprobs"][1:]))
     assert echo["prompt_logprobs"] is not None  # as vLLM: echo + logprobs N computes prompt logprobs N
@@ -279,8 +275,7 @@ def test_prompt_logprobs_streaming_n2_and_echo_stream(openai_client, moe_server)
         assert c["text"] == full["text"]
         assert c["tokens"] == full["logprobs"]["tokens"]
         assert c["token_logprobs"][0] is None
-        np.testing.assert_allclose(c["token_logprobs"][1:], full["logprobs"]["token_logprobs"][1:], rtol=TOL,
-                                   atol=TOL)
+        assert_close_across_batches(c["token_logprobs"][1:], full["logprobs"]["token_logprobs"][1:])
         assert_same_prompt_logprobs(c["seen"]["prompt_logprobs"], full["prompt_logprobs"])
 
 
