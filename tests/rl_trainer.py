@@ -63,7 +63,7 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from moe_engine.weights import init_update_process_group
+    from moe_engine.rl.weights import init_update_process_group
 
     tensors = checkpoint_tensors(args.checkpoint)
     answers: list[dict] = []

@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from moe_engine.core.runner import freeze_start_up_objects
+from moe_engine.core.sampling import SamplingParams
 from moe_engine.engine import Engine, EngineConfig, Request, RequestOutput
-from moe_engine.runner import freeze_start_up_objects
 from moe_engine.errors import EngineError, EngineOverloadedError, EngineStoppedError, InvalidRequestError
-from moe_engine.sampling import SamplingParams
 
 log = logging.getLogger("moe_backend")
 
@@ -189,7 +189,7 @@ class TritonPythonModel:
         t0 = time.monotonic()
         self.cfg = load_config(checkpoint)
         if ecfg.tensor_parallel_size > 1:  # this instance is rank 0; it starts the other ranks (ranks.py)
-            from moe_engine.ranks import build_parallel_engine
+            from moe_engine.distributed.ranks import build_parallel_engine
 
             # KIND_GPU instances (data parallelism) get their first GPU from Triton; rank r uses first + r
             gpu_instance = args.get("model_instance_kind") == "GPU"
@@ -201,7 +201,7 @@ class TritonPythonModel:
             model = load_model(checkpoint, dtype=dtype, device=device)
             self.engine = Engine(model, self.cfg, ecfg)
         log.info("loaded %s in %.1f s", self.cfg.architecture, time.monotonic() - t0)
-        self.engine.weight_version = os.path.basename(os.path.normpath(checkpoint))
+        self.engine.lifecycle.weight_version = os.path.basename(os.path.normpath(checkpoint))
         self.routing_enabled = ecfg.enable_routed_experts
 
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()

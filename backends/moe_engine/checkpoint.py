@@ -37,8 +37,8 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import DTYPE_ALIASES, MoEConfig, load_config
-from .model import MoEForCausalLM
-from .sharding import Selection
+from .distributed.sharding import Selection
+from .models.decoder import MoEForCausalLM
 
 log = logging.getLogger(__name__)
 

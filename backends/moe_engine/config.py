@@ -36,8 +36,8 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .configs import PARSERS
-from .configs.common import DTYPE_ALIASES, UnsupportedModelError, int_list
+from .models import PARSERS
+from .models.common import DTYPE_ALIASES, UnsupportedModelError, int_list
 
 __all__ = [
     "DTYPE_ALIASES", "SUPPORTED_ARCHITECTURES", "AttentionSpec", "ExpertsSpec", "MLASpec", "MoEConfig", "RopeSpec",

@@ -40,20 +40,17 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import kernels
-from .block_manager import BlockManager
 from .config import MoEConfig
+from .core.block_manager import BlockManager
+from .core.runner import LaunchedStep, build_runner
+from .core.warmup import warm_up
+from .core.sampling import SamplingParams, make_state
+from .core.scheduler import Scheduler
+from .core.sequence import Request, RequestOutput, Sequence
 from .engine_config import EngineConfig
 from .errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
-from .kv_cache import blocks_for_budget
-from .paged_attention import available as paged_attention_available
-from .paged_attention import default_block_size
-from .runner import LaunchedStep, ModelRunner, kv_cache_budget, log_late_compiles, starting_up
-from .sampling import SamplingParams, make_state
-from .scheduler import Scheduler
-from .sequence import Request, RequestOutput, Sequence
-from . import weights as W
-from .lifecycle import Control, RolloutLifecycle
+from .kernels import support as kernel_support
+from .rl.lifecycle import Control, RolloutLifecycle
 
 log = logging.getLogger(__name__)
 
@@ -108,85 +105,21 @@ class Engine:
                  parallel=None):
         """``parallel``: with tensor parallelism, the RankPool (ranks.py) of the other ranks; ``model`` is then
         rank 0's shard."""
-        self.model = model
-        self.cfg = cfg
-        self.ecfg = ec = engine_cfg or EngineConfig()
+        self.model, self.cfg = model, cfg
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        cuda = self.device.type == "cuda"
-        self.max_model_len = ec.max_model_len or cfg.max_position_embeddings
-        if self.max_model_len > cfg.max_position_embeddings:
-            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len,
+        self.settings = s = (engine_cfg or EngineConfig()).resolve(cfg, self.device, self.dtype)
+        if s.max_model_len > cfg.max_position_embeddings:
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d", s.max_model_len,
                         cfg.max_position_embeddings)
-        self.max_num_seqs = ec.max_num_seqs or (256 if cuda else 64)
-        step_budget = ec.max_num_batched_tokens or (8192 if cuda else 512)
-        self.step_tokens = max(step_budget, self.max_num_seqs)  # every running sequence can decode
-        self.fused = model.use_fused_kernels(cuda if ec.fused_kernels is None else ec.fused_kernels,
-                                             within_rounding=False if ec.exact_kernels else None)
-        graphs_off = self._graphs_off_reason(model)
-        graph_tokens = (max(2048, self.max_num_seqs) if ec.max_cudagraph_capture_size is None
-                        else ec.max_cudagraph_capture_size)
-        if graph_tokens < 0:
-            raise ValueError(f"max_cudagraph_capture_size must be >= 0, got {graph_tokens}")
-
-        specs = model.kv_layout()
-        overlap = cuda if ec.overlap_decode is None else ec.overlap_decode
-        use_kernels = (self.fused and cuda and model.config.attention.mla is None
-                       and paged_attention_available(self.device))
-        bs = ec.block_size or default_block_size(use_kernels, self.device, self.dtype,
-                                                 {d for spec in specs for d in (spec.k_dim, spec.v_dim)})
-        if parallel is not None:  # the other ranks build the same runner (ranks.build_runner) from these
-            parallel.send_setup(dict(
-                fused=self.fused, exact_kernels=ec.exact_kernels, block_size=bs, step_tokens=self.step_tokens,
-                max_num_seqs=self.max_num_seqs,
-                max_model_len=self.max_model_len, gpu_memory_utilization=ec.gpu_memory_utilization,
-                kv_cache_memory_bytes=ec.kv_cache_memory_bytes, graphs_off=graphs_off, overlap=overlap,
-                use_attention_kernels=use_kernels, max_cudagraph_capture_size=graph_tokens,
-            ), (cfg.num_hidden_layers, cfg.num_experts_per_tok))
-        budget = kv_cache_budget(model, specs, bs, self.step_tokens, self.max_num_seqs, self.max_model_len,
-                                 ec.gpu_memory_utilization, ec.kv_cache_memory_bytes)
-        num_blocks = blocks_for_budget(specs, bs, self.dtype, budget)
-        if parallel is not None:  # the same block ids on every rank
-            num_blocks = parallel.group.min_int(num_blocks)
-        if (num_blocks - 1) * bs < self.max_model_len:
-            raise ValueError(
-                f"the KV cache ({budget / 2**30:.2f} GiB, {num_blocks - 1} blocks of {bs} tokens) cannot hold one "
-                f"sequence of max_model_len={self.max_model_len}; raise the KV budget or lower max_model_len"
-            )
-        # Routing rows are kept with cached prefix blocks, so with the prefix cache on every step captures.
-        keep_rows = ec.enable_prefix_caching and ec.enable_routed_experts
-        L, K = cfg.num_hidden_layers, cfg.num_experts_per_tok
-        self.blocks = BlockManager(num_blocks - 1, bs, ec.enable_prefix_caching,
-                                   routing_shape=(L, K) if keep_rows else None,
-                                   routing_dtype=np.uint8 if cfg.num_experts <= 256 else np.uint16)
-        self.runner = ModelRunner(
-            model, num_blocks, bs, self.step_tokens, self.max_num_seqs, self.max_model_len,
-            capture_routing=ec.enable_routed_experts, graphs_off=graphs_off, overlap=overlap,
-            use_attention_kernels=use_kernels, max_cudagraph_capture_size=graph_tokens,
-        )
-        self.scheduler = Scheduler(self.blocks, self.max_num_seqs, self.step_tokens, self.max_model_len,
-                                   frozenset(cfg.eos_token_ids), keep_rows)
-        self.keep_rows = keep_rows
-        log.info(
-            "engine: KV cache %.2f GiB = %d blocks x %d tokens (%d tokens), %d seqs, %d tokens/step, max_model_len "
-            "%d, prefix caching %s, routed experts %s, device %s, %s, CUDA graphs %s, fused kernels %s, attention %s",
-            self.runner.kv.nbytes / 2**30, num_blocks - 1, bs, (num_blocks - 1) * bs, self.max_num_seqs,
-            self.step_tokens, self.max_model_len,
-            f"on (routing rows of cached blocks: {self.blocks.rows.nbytes / 2**20:.0f} MiB of host memory)"
-            if keep_rows else "on" if ec.enable_prefix_caching else "off",
-            "on" if ec.enable_routed_experts else "off", self.device, self.dtype,
-            self._graphs_description(graphs_off),
-            (("on, bit-exact ones only" if ec.exact_kernels else "on")
-             + (", programmatic dependent launch" if kernels.pdl(self.device) else "")) if self.fused else "off",
-            "paged kernels" if self.runner.use_kernels else "reference (gather + SDPA)",
-        )
+        if parallel is not None:  # the other ranks build the same runner from these settings
+            parallel.send_setup(s, (cfg.num_hidden_layers, cfg.num_experts_per_tok))
+        self.runner = build_runner(model, s, parallel.group if parallel is not None else None)
+        self.blocks = BlockManager.for_engine(self.runner.kv.num_blocks - 1, s, cfg)
+        self.scheduler = Scheduler(self.blocks, s, frozenset(cfg.eos_token_ids))
+        log.info("engine: %s", self._describe())
+        self.lifecycle = RolloutLifecycle(self)  # control operations, pause / release state, weight version
         self._inbox: collections.deque = collections.deque()  # ("add", seq) | ("abort", id) | ("control", c)
-        self._controls: collections.deque[Control] = collections.deque()  # taken from the inbox, not yet run
-        self._held: collections.deque[Sequence] = collections.deque()  # submitted after a pending control
-        self.paused = False  # pause_generation: no steps until continue_generation
-        self.released: set[str] = set()  # release_memory_occupation tags in effect (no steps while any is)
-        self.weight_version = ""  # set by the caller (the checkpoint's folder name), then by weight updates
-        self.lifecycle = RolloutLifecycle(self)  # the control operations (weight updates, pause, release, ...)
         self._known_ids: set[str] = set()
         self._cv = threading.Condition()
         self._stop = False
@@ -198,55 +131,29 @@ class Engine:
         self.num_steps = 0
         self.num_followed = 0  # steps launched before the previous step's results were read
         self.parallel = parallel
-        if parallel is not None:
+        if parallel is not None:  # tensor-parallel ranks run in lockstep, collectives inside: compiled lazily
             parallel.attach(self.runner, on_death=self.fail)
         else:
-            # Kernels compile now rather than inside the first requests of each step shape or batch size; any
-            # compiled later is logged. Tensor-parallel ranks run in lockstep, collectives inside: lazily, when
-            # steps reach them all.
-            triton_kernels = cuda and self.fused
-            with starting_up():
-                if triton_kernels:
-                    self.runner.warm_prefill(self.max_num_seqs)
-                if self.runner.graphs is not None:
-                    # Routing on and the prefix cache off: a step in which no request asks for routing replays
-                    # graphs without the capture, whose kernels are other variants (the router's and route's
-                    # CAPTURE=False): captured now too, or the first such step would compile them (about a second
-                    # at real shapes).
-                    routing = self.runner.capture_buf is not None
-                    for capture in (True, False) if routing and not keep_rows else (routing,):
-                        self.runner.graphs.capture_all(capture=capture)
-                        if self.runner.prefill_graphs is not None:
-                            self.runner.prefill_graphs.capture_all(capture=capture)
-            if triton_kernels:
-                log_late_compiles()
+            warm_up(self.runner, s)
 
-    def _graphs_description(self, graphs_off: str | None) -> str:
-        r = self.runner
-        if graphs_off or not r.graphs_on:
-            return f"off ({graphs_off or 'max_cudagraph_capture_size=0'})"
-        return f"for decode batches up to {r.graph_max_batch}" + (
-            f" and prefill steps up to {r.max_prefill_graph_tokens} tokens" if r.prefill_graphs is not None else "")
-
-    def _graphs_off_reason(self, model: torch.nn.Module) -> str | None:
-        """Why decode steps run eagerly, or None when they replay CUDA graphs."""
-        if self.device.type != "cuda":
-            return "not on CUDA"
-        if self.ecfg.enforce_eager:
-            return "enforce_eager"
-        return model.graph_unsafe_reason()
-
-    @property
-    def capture_buf(self) -> torch.Tensor | None:
-        return self.runner.capture_buf
-
-    @property
-    def graphs(self):
-        return self.runner.graphs
-
-    @property
-    def overlap(self) -> bool:
-        return self.runner.overlap
+    def _describe(self) -> str:
+        """The start-up log line: how memory, steps and kernels were set up."""
+        s, r, b = self.settings, self.runner, self.blocks
+        prefix = "off"
+        if s.keep_routing_rows:
+            prefix = f"on (routing rows of cached blocks: {b.rows.nbytes / 2**20:.0f} MiB of host memory)"
+        elif s.enable_prefix_caching:
+            prefix = "on"
+        kernels = "off"
+        if s.fused_kernels:
+            kernels = ("on, bit-exact ones only" if s.exact_kernels else "on") + (
+                ", programmatic dependent launch" if kernel_support.pdl(self.device) else "")
+        return (f"KV cache {r.kv.nbytes / 2**30:.2f} GiB = {b.num_blocks} blocks x {s.block_size} tokens "
+                f"({b.num_blocks * s.block_size} tokens), {s.max_num_seqs} seqs, {s.step_tokens} tokens/step, "
+                f"max_model_len {s.max_model_len}, prefix caching {prefix}, routed experts "
+                f"{'on' if s.enable_routed_experts else 'off'}, device {self.device}, {self.dtype}, CUDA graphs "
+                f"{r.describe_graphs()}, fused kernels {kernels}, attention "
+                f"{'paged kernels' if r.use_kernels else 'reference (gather + SDPA)'}")
 
     # ---------------------------------------------------------------- public API (any thread)
 
@@ -289,7 +196,7 @@ class Engine:
             shown = f"{int(bad)} is outside" if isinstance(bad, (int, np.integer)) else f"{bad!r} is not an integer of"
             raise InvalidRequestError(f"input_ids: token id {shown} the vocabulary [0, {V})", param="input_ids")
         req.sampling.validate(V)
-        limit = self.max_model_len
+        limit = self.settings.max_model_len
         if n + req.sampling.max_tokens > limit:
             raise InvalidRequestError(
                 f"this model's maximum context length is {limit} tokens; the request asks for "
@@ -337,9 +244,10 @@ class Engine:
                     raise InvalidRequestError(f"{where}request id {req.request_id!r} is already in use",
                                               param="request_id")
                 seen.add(req.request_id)
-            if len(self.scheduler.waiting) + len(self._held) + len(self._inbox) + len(reqs) > self.ecfg.max_waiting:
+            bound = self.settings.max_waiting
+            if len(self.scheduler.waiting) + self.lifecycle.num_held + len(self._inbox) + len(reqs) > bound:
                 raise EngineOverloadedError(
-                    f"the engine's waiting queue is full ({self.ecfg.max_waiting} requests); retry later"
+                    f"the engine's waiting queue is full ({bound} requests); retry later"
                 )
             for req, prompt_ids in zip(reqs, ids):
                 self._enqueue(req, prompt_ids)
@@ -383,7 +291,7 @@ class Engine:
         with self._cv:
             return {
                 "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting) + len(self._held) + len(self._inbox),
+                "waiting": len(self.scheduler.waiting) + self.lifecycle.num_held + len(self._inbox),
                 "num_blocks": b.num_blocks,
                 "block_size": b.block_size,  # tokens per block (the prefix cache reuses whole blocks)
                 "free_blocks": b.num_free,
@@ -402,8 +310,8 @@ class Engine:
         try:
             while True:
                 with self._cv:
-                    while not (self._stop or self._inbox or self._controls or self._inflight or
-                               self._failure is not None or (self.can_run and self.scheduler.has_work())):
+                    while not (self._stop or self._inbox or self.lifecycle.pending or self._inflight or
+                               self._failure is not None or (self.lifecycle.can_run and self.scheduler.has_work())):
                         self._cv.wait()
                     if self._failure is not None:
                         raise self._failure
@@ -421,12 +329,11 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         with self._cv:
-            seqs = list(self.scheduler.running) + list(self.scheduler.waiting) + list(self._held)
+            held, controls = self.lifecycle.drop_pending()
+            seqs = list(self.scheduler.running) + list(self.scheduler.waiting) + held
             seqs += [item for kind, item in self._inbox if kind == "add"]
-            controls = list(self._controls) + [item for kind, item in self._inbox if kind == "control"]
+            controls += [item for kind, item in self._inbox if kind == "control"]
             self._inbox.clear()
-            self._controls.clear()
-            self._held.clear()
             self._inflight = None
         for seq in seqs:
             self.scheduler.finish(seq, "error", self._emit, error=message)
@@ -437,9 +344,10 @@ class Engine:
     def step(self) -> bool:
         """Run one step; returns False when there was nothing to do."""
         self._drain_inbox()
-        if self._controls:
-            self._run_controls()
-        if not self.can_run:
+        if self.lifecycle.pending:
+            self.complete_inflight()  # nothing changes under a step in flight
+            self.lifecycle.run_pending()
+        if not self.lifecycle.can_run:
             return False
         prev, self._inflight = self._inflight, None
         if prev is not None:
@@ -457,7 +365,7 @@ class Engine:
         return True
 
     def _wants_routing(self, plan) -> bool:
-        return self.keep_rows or any(s.req.return_routed_experts or s.req.return_routed_weights
+        return self.settings.keep_routing_rows or any(s.req.return_routed_experts or s.req.return_routed_weights
                                      for s, _ in plan.items)
 
     def _launch_following(self, prev: LaunchedStep) -> LaunchedStep | None:
@@ -488,18 +396,17 @@ class Engine:
             self._inbox.clear()
         for kind, item in items:
             if kind == "control":
-                self._controls.append(item)
+                self.lifecycle.take(item)
             elif kind == "add":
-                (self._held.append if self._controls else self.scheduler.add)(item)
+                if not self.lifecycle.hold(item):
+                    self.scheduler.add(item)
             else:
-                seq = self.scheduler.find(item) or next((s for s in self._held if s.request_id == item), None)
-                if seq in self._held:
-                    self._held.remove(seq)
+                seq = self.scheduler.find(item) or self.lifecycle.unhold(item)
                 if seq is not None:
                     self.scheduler.finish(seq, "abort", self._emit)
 
     def _emit(self, seq: Sequence, out: RequestOutput) -> None:
-        out.weight_version = self.weight_version  # the weights that produced this output
+        out.weight_version = self.lifecycle.weight_version  # the weights that produced this output
         if out.finished:
             with self._cv:
                 self._known_ids.discard(seq.request_id)
@@ -513,12 +420,7 @@ class Engine:
             if not out.finished:
                 self.abort(seq.request_id)
 
-    # ---------------------------------------------------------------- control operations (RL rollout lifecycle)
-
-    @property
-    def can_run(self) -> bool:
-        """Whether steps may run: not paused, and no memory released."""
-        return not self.paused and not self.released
+    # ---------------------------------------------------------------- what the RL lifecycle uses (engine thread)
 
     def call(self, fn: Callable[[], dict], *, drain: bool = False, abort: bool = False) -> Future:
         """Run ``fn`` on the engine thread between steps (see the module docstring); its dict is the result."""
@@ -531,28 +433,38 @@ class Engine:
             self._cv.notify_all()
         return future
 
-    def _run_controls(self) -> None:
-        """Run the pending controls in order; a draining one waits (steps go on) while requests submitted
-        before it are unfinished and steps can run. Then the requests held behind them join the queue."""
-        if self._inflight is not None:  # nothing changes under a step in flight
+    def complete_inflight(self) -> None:
+        """Hand out the results of the step in flight, if any (before anything changes the model or the cache)."""
+        if self._inflight is not None:
             self._complete(self._inflight)
             self._inflight = None
-        while self._controls:
-            c = self._controls[0]
-            if c.abort:
-                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    self.scheduler.finish(seq, "abort", self._emit)
-                c.abort = False
-            if c.drain and self.can_run and self.scheduler.has_work():
-                return
-            self._controls.popleft()
-            if not c.future.set_running_or_notify_cancel():
-                continue
-            try:
-                c.future.set_result(c.fn())
-            except Exception as exc:  # reported to the caller; the engine goes on
-                if not isinstance(exc, W.WeightUpdateError):
-                    log.exception("control operation failed")
-                c.future.set_exception(exc)
-        while self._held:
-            self.scheduler.add(self._held.popleft())
+
+    def abort_all(self) -> int:
+        """End every running and waiting request with "abort"; how many."""
+        seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for seq in seqs:
+            self.scheduler.finish(seq, "abort", self._emit)
+        return len(seqs)
+
+    def retract_all(self) -> int:
+        """Running requests give their KV blocks back and wait, to be recomputed; how many requests wait now."""
+        return self.scheduler.retract_all()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def admit(self, seq: Sequence) -> None:
+        """A request held behind a control operation joins the waiting queue."""
+        self.scheduler.add(seq)
+
+    def weights_changed(self, flush_cache: bool) -> None:
+        """After a weight update: a new weights epoch in every later prefix-cache key (cached blocks computed
+        under the old weights never match), the old entries optionally dropped."""
+        self.scheduler.bump_cache_epoch()
+        if flush_cache:
+            self.blocks.flush()
+
+    def release_kv_cache(self) -> None:
+        """Before the KV cache is freed: every running request retracted, the prefix cache emptied."""
+        self.scheduler.retract_all()
+        self.blocks.flush()

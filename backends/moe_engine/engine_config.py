@@ -1,56 +1,80 @@
-"""Engine settings: every setting and its default, in one place, free of torch (the CLI imports it).
+"""Engine settings: every setting, its default and its help text, in one place, free of torch (the CLI imports it).
 
-``moe-serve`` builds an ``EngineConfig`` from its flags and sends it to the Triton model as one JSON parameter
-(``engine_config``); the backend rebuilds it with ``EngineConfig.from_json`` (as Triton's vllm_backend takes its
-engine args). No other layer has defaults of its own.
+``EngineConfig`` is what a user sets (``None``: decided by the engine). ``moe-serve`` generates its engine flags
+from its fields (``add_cli_args``, as vLLM's ``EngineArgs``), builds one from the parsed flags
+(``from_cli_args``) and sends it to the Triton model as one JSON parameter (``engine_config``); the backend
+rebuilds it with ``from_json``. ``resolve`` decides every default once, for a model on a device, into a frozen
+``ResolvedConfig``: the engine, the scheduler, the block manager, the runner and every tensor-parallel rank take
+that, and no other module has defaults of its own.
 """
 from __future__ import annotations
 
+import argparse
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+# Renamed settings still accepted in an engine_config JSON (old name -> new name).
+RENAMED = {"overlap_decode": "async_scheduling"}
+
+
+def _setting(default: Any, help: str, **cli: Any) -> Any:
+    """A field with its help text and how its flag differs from ``--<field-name>`` (``cli``: ``flag``, ``type``,
+    ``choices``, ``to_field`` converting the flag's value, ``action``; ``flag=None``: no flag)."""
+    return field(default=default, metadata={"help": help, **cli})
 
 
 @dataclass
 class EngineConfig:
-    """What the engine runs with (see each field)."""
+    """What the engine runs with. ``None``: decided by ``resolve`` (each field's help says how)."""
 
-    max_num_seqs: int | None = None  # sequences running at once; None: 256 on CUDA, 64 on CPU
-    max_model_len: int | None = None  # prompt + output tokens of one sequence; None: max_position_embeddings
-    # Per step: decode tokens + prefill chunk tokens. None: 8192 on CUDA (as vLLM; prefill GEMMs run closer to
-    # the tensor cores' peak, and fewer steps cost less host time), 512 on CPU (a step's time grows with its
-    # tokens, and running requests wait for it).
-    max_num_batched_tokens: int | None = None
-    # Tokens per KV block. None: 64 where the prefill attention kernel loads whole blocks through TMA (CUDA on
-    # Hopper or later with the fused kernels, bf16/fp16), else 16 (paged_attention.default_block_size).
-    block_size: int | None = None
-    gpu_memory_utilization: float = 0.9  # CUDA: share of GPU memory for weights + activations + KV cache
-    kv_cache_memory_bytes: int | None = None  # KV cache size; None: from gpu_memory_utilization (CPU: 2 GiB)
-    enable_prefix_caching: bool = True  # reuse computed KV blocks (and their routing rows) across requests
-    max_waiting: int = 1024  # waiting-queue bound; beyond it add_request raises EngineOverloadedError
-    enable_routed_experts: bool = True  # server-wide switch; off = never any capture work
-    enforce_eager: bool = False  # CUDA: no CUDA graphs (debugging, or to save their memory)
-    # CUDA: steps of up to this many tokens replay CUDA graphs (vLLM's compilation-config field of that name):
-    # decode steps of up to this many sequences (at most max_num_seqs), prefill and mixed steps of up to this many
-    # tokens (with the paged attention kernels and the fused experts). None: max(2048, max_num_seqs); 0: every step
-    # eager.
-    max_cudagraph_capture_size: int | None = None
-    # Plan and launch step i+1 (decode, prefill or mixed: engine.py's overlapped steps, vLLM's async scheduling)
-    # before handing out step i's results (None: on CUDA, where the GPU then works while the host does; on CPU the
-    # forward runs on the host, so there is nothing to overlap). The name predates prefill steps taking part.
-    overlap_decode: bool | None = None
-    # Fused Triton kernels for norms, rotary, expert bookkeeping and the KV write (kernels.py): same results bit
-    # for bit, a third of the kernel launches. None: on CUDA when Triton is installed (CUDA builds of torch).
-    # The switch is the model's: engines sharing a model share it.
-    fused_kernels: bool | None = None
-    # Only the fused kernels that are bit-identical to the op-by-op path: without it, GPUs also use the fusions
-    # equal to it within rounding, with the same expert ids (one-pass norms, fused router, one q/k/v GEMM).
-    exact_kernels: bool = False
-    # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks, one process (one
-    # GPU) each; this process is rank 0 and starts the others (ranks.py, sharding.py).
-    tensor_parallel_size: int = 1
-    # With tensor parallelism, each rank holds num_experts / N whole experts (vLLM's --enable-expert-parallel)
-    # instead of a slice of every expert.
-    enable_expert_parallel: bool = False
+    max_num_seqs: int | None = _setting(None, "sequences running at once (default: 256 on CUDA, 64 on CPU)")
+    max_model_len: int | None = _setting(
+        None, "prompt + output tokens of one sequence (default: the model's max_position_embeddings)")
+    max_num_batched_tokens: int | None = _setting(
+        None, "tokens per engine step: decode tokens + prefill chunks (default: 8192 on CUDA, as vLLM: prefill GEMMs "
+              "run near the tensor cores' peak; 512 on CPU, where a step's time grows with its tokens)")
+    block_size: int | None = _setting(
+        None, "tokens per KV-cache block (default: 64 on Hopper or later GPUs with the fused kernels, where the "
+              "prefill attention loads whole blocks through TMA; 16 elsewhere)", choices=[8, 16, 32, 64, 128])
+    gpu_memory_utilization: float = _setting(
+        0.9, "CUDA: share of GPU memory for weights, activations and the KV cache (the KV cache gets the rest)")
+    kv_cache_memory_bytes: int | None = _setting(
+        None, "KV cache size in GiB (overrides --gpu-memory-utilization; default on CPU: 2 GiB)",
+        flag="--kv-cache-memory", type=float, to_field=lambda gib: int(gib * 2**30) if gib else None)
+    enable_prefix_caching: bool = _setting(
+        True, "reuse the KV blocks and routed experts of shared prompt prefixes (--no-enable-prefix-caching: off)",
+        action=argparse.BooleanOptionalAction)
+    max_waiting: int = _setting(1024, "engine queue bound; beyond it requests get 503")
+    enable_routed_experts: bool = _setting(
+        True, "turn routed experts off server-wide (no capture work at all)", flag="--disable-routed-experts",
+        action="store_true", to_field=lambda off: not off)
+    enforce_eager: bool = _setting(
+        False, "CUDA: run every step eagerly instead of replaying CUDA graphs (debugging; saves the graphs' memory)",
+        action="store_true")
+    max_cudagraph_capture_size: int | None = _setting(
+        None, "CUDA: steps of up to this many tokens replay CUDA graphs: decode batches of up to this many sequences "
+              "(at most --max-num-seqs), prefill and mixed steps of up to this many tokens; default "
+              "max(2048, --max-num-seqs); 0: every step eager")
+    async_scheduling: bool | None = _setting(
+        None, "plan and launch step i+1 before handing out step i's results, so the GPU computes while the host "
+              "works (default: on CUDA; on CPU the forward runs on the host, nothing to overlap)",
+        action=argparse.BooleanOptionalAction)
+    fused_kernels: bool | None = _setting(
+        None, "CUDA: op-by-op forward instead of the fused Triton kernels (same results; debugging)",
+        flag="--disable-fused-kernels", action="store_true", to_field=lambda off: False if off else None)
+    exact_kernels: bool = _setting(
+        False, "CUDA: only the fused kernels that are bit-identical to the op-by-op forward (without it, also the "
+               "one-pass norms, fused router and q/k/v GEMM: equal within rounding, same expert ids; faster)",
+        action="store_true")
+    tensor_parallel_size: int = _setting(
+        1, "split the model over this many GPUs (processes on CPU): attention heads, MLPs, vocabulary and experts; "
+           "one engine, started by the Triton model instance")
+    enable_expert_parallel: bool = _setting(
+        False, "with --tensor-parallel-size N, each rank holds num_experts/N whole experts (instead of a slice of "
+               "every expert)", action="store_true")
+
+    # ------------------------------------------------------------------ serialisation and the command line
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -58,11 +82,136 @@ class EngineConfig:
     @classmethod
     def from_json(cls, text: str) -> "EngineConfig":
         raw = json.loads(text) if text else {}
+        raw = {RENAMED.get(k, k): v for k, v in raw.items()}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown engine settings: {', '.join(unknown)}")
         return cls(**raw)
+
+    @classmethod
+    def add_cli_args(cls, add) -> None:
+        """Add one flag per field through ``add(flag, **argparse_kwargs)`` (the CLI's adder: environment
+        variables, help suffix)."""
+        for f in fields(cls):
+            meta = f.metadata
+            if meta.get("flag", "") is None:
+                continue
+            kw = {"help": meta["help"], "dest": f.name}
+            if "action" in meta:
+                kw["action"] = meta["action"]
+                kw["default"] = False if meta["action"] == "store_true" else f.default
+            else:
+                kw["type"] = meta.get("type") or _scalar_type(f)
+                kw["default"] = None if "to_field" in meta else f.default
+            if "choices" in meta:
+                kw["choices"] = meta["choices"]
+            add(meta.get("flag") or "--" + f.name.replace("_", "-"), **kw)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        values = {}
+        for f in fields(cls):
+            value = getattr(args, f.name)
+            convert = f.metadata.get("to_field")
+            values[f.name] = convert(value) if convert else value
+        return cls(**values)
+
+    # ------------------------------------------------------------------ resolution
+
+    def resolve(self, cfg, device, dtype) -> "ResolvedConfig":
+        """Every default decided for ``cfg`` (a MoEConfig) running on ``device`` in ``dtype`` (torch objects)."""
+        from .kernels import paged_attention
+        from .kernels import support as kernel_support
+
+        import torch
+
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+        max_num_seqs = self.max_num_seqs or (256 if cuda else 64)
+        graph_tokens = max(2048, max_num_seqs) if self.max_cudagraph_capture_size is None \
+            else self.max_cudagraph_capture_size
+        if graph_tokens < 0:
+            raise ValueError(f"max_cudagraph_capture_size must be >= 0, got {graph_tokens}")
+        fused = ((cuda if self.fused_kernels is None else self.fused_kernels)
+                 and kernel_support.available(device) and kernel_support.supports(dtype))
+        attention_kernels = fused and cuda and cfg.attention.mla is None and paged_attention.available(device)
+        att = cfg.attention
+        head_dims = (att.mla.kv_lora_rank, att.mla.qk_rope_head_dim) if att.mla is not None else (att.head_dim,)
+        budget = self.kv_cache_memory_bytes
+        if not budget and not cuda:
+            budget = CPU_KV_CACHE_BYTES
+        return ResolvedConfig(
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len or cfg.max_position_embeddings,
+            # every running sequence can decode in one step
+            step_tokens=max(self.max_num_batched_tokens or (8192 if cuda else 512), max_num_seqs),
+            block_size=self.block_size or paged_attention.default_block_size(attention_kernels, device, dtype,
+                                                                            head_dims),
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=int(budget or 0),
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_routed_experts=self.enable_routed_experts,
+            max_waiting=self.max_waiting,
+            cuda_graphs=cuda and not self.enforce_eager and graph_tokens > 0,
+            max_cudagraph_capture_size=graph_tokens,
+            async_scheduling=cuda if self.async_scheduling is None else self.async_scheduling,
+            fused_kernels=bool(fused),
+            exact_kernels=self.exact_kernels,
+            attention_kernels=bool(attention_kernels),
+            tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
+        )
+
+
+def _scalar_type(f) -> type:
+    name = f.type if isinstance(f.type, str) else f.type.__name__
+    return {"int": int, "float": float, "str": str}[name.split("|")[0].strip()]
+
+
+# CPU: the KV cache's default size (capped at what max_num_seqs full-length sequences need, kv_cache.py).
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """``EngineConfig.resolve``'s answer: every setting decided, nothing left to default. JSON-able (rank 0 sends
+    it to the other ranks of a tensor-parallel group, which build the same runner from it)."""
+
+    device: str
+    dtype: str
+    max_num_seqs: int
+    max_model_len: int
+    step_tokens: int  # per step, >= max_num_seqs
+    block_size: int
+    gpu_memory_utilization: float
+    # KV-cache bytes; 0: on CUDA, what gpu_memory_utilization leaves after the weights and a profiled peak step
+    kv_cache_memory_bytes: int
+    enable_prefix_caching: bool
+    enable_routed_experts: bool
+    max_waiting: int
+    cuda_graphs: bool  # CUDA and not enforce_eager (the model may still refuse: graph_unsafe_reason)
+    max_cudagraph_capture_size: int
+    async_scheduling: bool  # overlapped steps (engine.py)
+    fused_kernels: bool  # the fused Triton kernels, where Triton runs for this device and dtype
+    exact_kernels: bool
+    attention_kernels: bool  # the paged attention kernels (CUDA, fused kernels on, not MLA)
+    tensor_parallel_size: int
+    enable_expert_parallel: bool
+
+    @property
+    def keep_routing_rows(self) -> bool:
+        """Routing rows kept with cached prefix blocks (so, with the prefix cache on, every step captures)."""
+        return self.enable_prefix_caching and self.enable_routed_experts
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ResolvedConfig":
+        return cls(**json.loads(text))
 
 
 def check_parallel(cfg, tensor_parallel_size: int, expert_parallel: bool) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
-from moe_engine.model import reference_forward
+from moe_engine.models.decoder import reference_forward
 
 
 def decode(s: str) -> np.ndarray:

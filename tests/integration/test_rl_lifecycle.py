@@ -23,8 +23,8 @@ import tritonclient.grpc as grpcclient
 
 from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
+from moe_engine.core.sampling import SamplingParams
 from moe_engine.engine import Engine, EngineConfig, Request
-from moe_engine.sampling import SamplingParams
 from openai_frontend.server_process import free_ports, start_server
 
 from ..unit.hf_checkpoints import write_servable_checkpoint

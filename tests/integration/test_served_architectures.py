@@ -11,7 +11,7 @@ import pytest
 
 from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
-from moe_engine.model import reference_forward
+from moe_engine.models.decoder import reference_forward
 from openai_frontend.server_process import start_server
 
 from ..unit.hf_checkpoints import ARCHS, write_servable_checkpoint

@@ -25,7 +25,7 @@ def rank_processes(root_pid: int | None = None) -> list:
     out = []
     for p in psutil.Process(root_pid).children(recursive=True):
         try:
-            if "moe_engine.ranks" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
+            if "moe_engine.distributed.ranks" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p)
         except psutil.NoSuchProcess:
             pass
@@ -34,8 +34,8 @@ def rank_processes(root_pid: int | None = None) -> list:
 
 def run_cases(group, cases: list[dict]):
     """Per case {checkpoint, expert_parallel, ids}: (logits [T, V] float32, routed ids [T, L, K]) of this rank."""
-    from moe_engine.model import reference_forward
-    from moe_engine.ranks import load_rank_model
+    from moe_engine.distributed.ranks import load_rank_model
+    from moe_engine.models.decoder import reference_forward
 
     for case in cases:
         model = load_rank_model(case["checkpoint"], "float32", torch.device("cpu"), group, case["expert_parallel"],
@@ -46,7 +46,7 @@ def run_cases(group, cases: list[dict]):
 @contextlib.contextmanager
 def two_ranks():
     """Yields ``run(cases)`` -> list of rank 0's results; rank 1 runs in a child process and is always reaped."""
-    from moe_engine.parallel import ParallelGroup
+    from moe_engine.distributed.parallel import ParallelGroup
 
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=120))
@@ -74,7 +74,7 @@ def two_ranks():
 
 
 def main() -> None:
-    from moe_engine.parallel import ParallelGroup
+    from moe_engine.distributed.parallel import ParallelGroup
 
     torch.set_num_threads(1)
     port, cases = int(sys.argv[1]), json.loads(sys.argv[2])

@@ -105,7 +105,7 @@ def test_engine_and_transformers_models_get_identical_weights():
 
 
 def test_balanced_init_routes_near_uniformly_where_plain_init_collapses():
-    from moe_engine.model import reference_forward
+    from moe_engine.models.decoder import reference_forward
 
     ids = torch.randint(3, rsm.TINY["vocab_size"], (512,), generator=torch.Generator().manual_seed(0)).tolist()
     stats = {}

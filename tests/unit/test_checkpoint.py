@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_engine.checkpoint import CheckpointError, load_model
-from moe_engine.model import reference_forward
+from moe_engine.models.decoder import reference_forward
 
 from .hf_checkpoints import make_hf_model, save_hf_checkpoint
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from moe_engine import rope
 from moe_engine.config import SUPPORTED_ARCHITECTURES, MoEConfig, UnsupportedModelError, config_from_dict, load_config
+from moe_engine.layers import rotary
 
 from .hf_checkpoints import ARCHS, hf_config
 
@@ -114,7 +114,7 @@ def test_deepseek_and_gpt_oss_fields(tmp_path):
         assert (mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim) == (16, 8, 16)
         assert c.dense_layers == (0,) and c.intermediate_size == 48 and c.experts.block == "deepseek" and c.router.fp32
         assert c.attention.num_kv_heads == c.attention.num_heads and (c.router.n_group, c.router.topk_group) == (4, 2)
-    v2_scale, v3_scale = (rope.deepseek_softmax_scale(c.rope, c.attention.head_dim) for c in (v2, v3))
+    v2_scale, v3_scale = (rotary.deepseek_softmax_scale(c.rope, c.attention.head_dim) for c in (v2, v3))
     assert v2.attention.mla.q_lora_rank is None and v2.rope.style == "complex" and v2.router.kind == "deepseek_v2"
     assert v2.router.topk_method == "group_limited_greedy" and v2.router.routed_scaling_factor == 2.0
     assert not v2.router.norm_topk_prob
@@ -123,7 +123,7 @@ def test_deepseek_and_gpt_oss_fields(tmp_path):
     assert v3.router.norm_topk_prob
     assert v3.router.routed_scaling_factor == 2.5 and v3.experts.shared_intermediate_size == 16
     assert v3.rope.type == "yarn"
-    assert v3_scale > 24**-0.5 and rope.attention_factor(v3.rope) > 1  # mscale_all_dim / mscale at work
+    assert v3_scale > 24**-0.5 and rotary.attention_factor(v3.rope) > 1  # mscale_all_dim / mscale at work
     assert go.router.kind == "gpt_oss" and go.experts.block == "gpt_oss" and go.attention.sinks and go.norm_fp32_weight
     assert go.attention.sliding_windows == (8, None, 8) and go.attention.qkv_bias and go.attention.o_bias
     assert go.experts.swiglu_limit == 0.1
@@ -181,9 +181,9 @@ def test_real_hub_configs():
     assert v2.experts.shared_intermediate_size == 2816
     assert v2.rope.type == "yarn" and v2.rope.factor == 40 and v2.rope.dim == 64
     mscale = 0.1 * 0.707 * math.log(40) + 1.0
-    v2_scale = rope.deepseek_softmax_scale(v2.rope, v2.attention.head_dim)
+    v2_scale = rotary.deepseek_softmax_scale(v2.rope, v2.attention.head_dim)
     assert v2_scale == pytest.approx(192**-0.5 * mscale * mscale, rel=1e-12)
-    assert rope.attention_factor(v2.rope) == 1.0  # mscale == mscale_all_dim
+    assert rotary.attention_factor(v2.rope) == 1.0  # mscale == mscale_all_dim
     assert v2.metadata()["moe_layers"] == list(range(1, 27)) and v2.metadata()["num_hidden_layers"] == 27
 
     with pytest.raises(UnsupportedModelError, match=r"deepseek_v3: quantized checkpoints \(fp8\)"):
@@ -198,7 +198,7 @@ def test_real_hub_configs():
     assert go.experts.quant == "mxfp4" and go.moe_layers == tuple(range(24)) and go.num_experts == 32
     assert go.attention.sliding_windows == (128, None) * 12 and go.attention.head_dim == 64
     assert go.attention.num_kv_heads == 8
-    assert rope.attention_factor(go.rope) == pytest.approx(0.1 * math.log(32) + 1.0)
+    assert rotary.attention_factor(go.rope) == pytest.approx(0.1 * math.log(32) + 1.0)
 
 
 def test_deepseek_and_gpt_oss_errors():

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from moe_engine import fused_moe, kernels, paged_attention, sampling_kernels
-from moe_engine.attention import ForwardBatch
 from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
-from moe_engine.cuda_graphs import batch_buckets, kv_len_buckets
+from moe_engine.core import warmup
+from moe_engine.core.cuda_graphs import batch_buckets, kv_len_buckets
+from moe_engine.core.prefill_graphs import StagingLayout, stage_step, token_buckets
+from moe_engine.core.warmup import prefill_warm_shapes
 from moe_engine.engine import Engine, EngineConfig
-from moe_engine.prefill_graphs import StagingLayout, stage_step, token_buckets
-from moe_engine import runner
-from moe_engine.runner import prefill_warm_shapes
+from moe_engine.kernels import fused_moe, moe_routing, norm, paged_attention, rotary, sampling, small_linear, support
+from moe_engine.layers.attend import ForwardBatch
 
 from .test_engine import prompt_of, run_all, submit
 from .test_replay import run as run_request
@@ -122,7 +122,7 @@ def run_mixed_batch(tiny, enforce_eager: bool, overlap: bool = True, **engine_ar
     tokens, some with decodes beside them)."""
     cfg, model = tiny
     ecfg = EngineConfig(max_model_len=256, max_num_batched_tokens=64, enforce_eager=enforce_eager,
-                        overlap_decode=overlap, kv_cache_memory_bytes=256 << 20, **engine_args)
+                        async_scheduling=overlap, kv_cache_memory_bytes=256 << 20, **engine_args)
     engine = Engine(model, cfg, ecfg)
     out = []
     for i in range(7):
@@ -215,15 +215,15 @@ def test_engine_captures_every_decode_graph_at_start(tiny_cuda):
     to max_num_seqs, at any context up to max_model_len, replay without a capture."""
     cfg, model = tiny_cuda
     engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_seqs=12, kv_cache_memory_bytes=256 << 20))
-    at_start = set(engine.graphs._graphs)
-    assert at_start == every_graph(engine.graphs)
+    at_start = set(engine.runner.graphs._graphs)
+    assert at_start == every_graph(engine.runner.graphs)
     assert {Lk for _, Lk, _, _ in at_start} == {128, 256}  # both key buckets of 256 tokens
     for n, prompt in ((5, 9), (12, 9), (3, 200), (12, 130)):
         out = [submit(engine, prompt_of(prompt, 70 + i), max_tokens=6, ignore_eos=True) for i in range(n)]
         run_all(engine, out)
         assert all(len(c.tokens) == 6 for c in out)
-    assert set(engine.graphs._graphs) == at_start
-    assert {Lk for _, Lk, _, _ in engine.graphs.replays} == {128, 256}  # steps at both key buckets replayed
+    assert set(engine.runner.graphs._graphs) == at_start
+    assert {Lk for _, Lk, _, _ in engine.runner.graphs.replays} == {128, 256}  # steps at both key buckets replayed
 
 
 @cuda
@@ -255,12 +255,13 @@ def test_key_buckets_that_split_alike_replay_one_graph_as_eager_steps_decode(tin
 
 def _compiled_variants() -> int:
     """Kernels compiled so far by this process for the engine's Triton kernels (all devices, all variants)."""
+    jitted = {id(fn): fn for module in (support, norm, rotary, moe_routing, small_linear, fused_moe, paged_attention,
+                                        sampling) for fn in vars(module).values()}  # helpers imported by name: once
     n = 0
-    for module in (kernels, fused_moe, paged_attention, sampling_kernels):
-        for fn in vars(module).values():
-            caches = getattr(fn, "device_caches", None)  # a JITFunction (module-level helpers too)
-            if isinstance(caches, dict):
-                n += sum(len(c[0]) for c in caches.values())
+    for fn in jitted.values():
+        caches = getattr(fn, "device_caches", None)  # a JITFunction (module-level helpers too)
+        if isinstance(caches, dict):
+            n += sum(len(c[0]) for c in caches.values())
     return n
 
 
@@ -291,7 +292,7 @@ def test_decode_at_longer_contexts_compiles_nothing_after_start(tiny_cuda):
     prompts, alone and together, waits for no compile and no capture."""
     cfg, model = tiny_cuda
     engine = Engine(model, cfg, EngineConfig(max_model_len=2048, max_num_seqs=4, kv_cache_memory_bytes=256 << 20))
-    graphs = engine.graphs
+    graphs = engine.runner.graphs
     splits = {c for B in graphs.batch_sizes for Lk in graphs.kv_lens for c in graphs.split_counts(B, Lk)}
     assert len(splits - {1}) >= 2  # the case this test is about: several split counts past the first key bucket
     before, at_start = _compiled_variants(), set(graphs._graphs)
@@ -310,12 +311,12 @@ def test_kernels_compiled_while_an_engine_starts_up_are_not_logged_as_late(caplo
     triton = pytest.importorskip("triton")
     knobs = triton.knobs.runtime
     monkeypatch.setattr(knobs, "jit_cache_hook", None)
-    assert runner.log_late_compiles()
+    assert warmup.log_late_compiles()
     hook = knobs.jit_cache_hook
     first_use = dict(key="k", repr="_some_kernel[num_warps=4]", fn=None, compile={}, is_manual_warmup=False,
                      already_compiled=False)
-    with caplog.at_level("WARNING", logger="moe_engine.runner"):
-        with runner.starting_up():
+    with caplog.at_level("WARNING", logger="moe_engine.core.runner"):
+        with warmup.starting_up():
             hook(**first_use)
         assert not [r for r in caplog.records if "first used after start-up" in r.message]
         hook(**first_use)
@@ -336,7 +337,7 @@ def test_a_kernel_variant_first_used_after_start_is_logged(tiny_cuda, caplog):
     seq_lens = torch.tensor([30, 50], device="cuda", dtype=torch.int32)
     odd = paged_attention.KernelConfig(prefill_block_m=64, prefill_tile_n=32, prefill_num_warps=2,
                                        prefill_num_stages=1)  # tiles nothing else in the suite uses
-    with caplog.at_level("WARNING", logger="moe_engine.runner"):
+    with caplog.at_level("WARNING", logger="moe_engine.core.runner"):
         paged_attention.paged_attention(q, k_cache, k_cache, tables, cu, seq_lens, max_query_len=20, max_seq_len=50,
                                         scale=0.25, config=odd)
         torch.cuda.synchronize()
@@ -357,7 +358,7 @@ def test_graph_decode_without_routing_requests_skips_capture(tiny_cuda):
     without = submit(engine, prompt_of(11, 5), routing=False, max_tokens=8, ignore_eos=True)
     run_all(engine, [without])
     assert without.routing is None and without.tokens == with_rows.tokens
-    assert {key[2] for key in engine.graphs._graphs} == {True, False}
+    assert {key[2] for key in engine.runner.graphs._graphs} == {True, False}
 
 
 @cuda
@@ -368,14 +369,14 @@ def test_without_prefix_caching_steps_without_routing_requests_compile_nothing_a
     cfg, model = tiny_cuda
     engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=256 << 20,
                                              enable_prefix_caching=False))
-    at_start = set(engine.graphs._graphs)
-    assert at_start == every_graph(engine.graphs, captures=(True, False))
+    at_start = set(engine.runner.graphs._graphs)
+    assert at_start == every_graph(engine.runner.graphs, captures=(True, False))
     before = _compiled_variants()
     for n, routing in ((1, False), (3, False), (1, True), (3, True)):
         out = [submit(engine, prompt_of(9, 40 + i), routing=routing, max_tokens=6, ignore_eos=True) for i in range(n)]
         run_all(engine, out)
         assert all(len(c.tokens) == 6 and (c.routing is not None) == routing for c in out)
-    assert set(engine.graphs._graphs) == at_start
+    assert set(engine.runner.graphs._graphs) == at_start
     assert _compiled_variants() == before
 
 
@@ -385,7 +386,7 @@ def test_overlapped_graph_decode_equals_sequential_graph_decode(tiny_cuda):
     staging and transfers; the results must be those of steps run one after another."""
     _, want = run_mixed_batch(tiny_cuda, enforce_eager=False, overlap=False)
     engine, got = run_mixed_batch(tiny_cuda, enforce_eager=False, overlap=True)
-    assert engine.overlap and engine._inflight is None
+    assert engine.settings.async_scheduling and engine._inflight is None
     for w, g in zip(want, got):
         assert (g.finish_reason, g.tokens, g.num_outputs) == (w.finish_reason, w.tokens, w.num_outputs)
         np.testing.assert_array_equal(g.routing, w.routing)

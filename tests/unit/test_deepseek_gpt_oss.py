@@ -23,9 +23,9 @@ from safetensors.torch import save_file
 
 from moe_engine.checkpoint import dequantize_mxfp4, load_model
 from moe_engine.config import config_from_dict
-from moe_engine.model import reference_forward
-from moe_engine.rope import RotaryEmbedding, deepseek_softmax_scale
-from moe_engine.routing import make_router
+from moe_engine.layers.rotary import RotaryEmbedding, deepseek_softmax_scale
+from moe_engine.layers.routing import make_router
+from moe_engine.models.decoder import reference_forward
 
 from .hf_checkpoints import (
     hf_config,
@@ -184,8 +184,8 @@ def test_config_variants_match_hf(variant, tmp_path):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt):].tolist()
-    from moe_engine.attention import ForwardBatch
-    from moe_engine.kv_cache import KVCache
+    from moe_engine.core.kv_cache import KVCache
+    from moe_engine.layers.attend import ForwardBatch
 
     cache = KVCache.for_sequences(model.kv_layout(), 1, len(prompt) + 10, model.dtype, "cpu", block_size=4)
     tokens, context, step = [], 0, prompt

@@ -14,13 +14,13 @@ import torch
 
 from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
+from moe_engine.core.sampling import SamplingParams
+from moe_engine.core.warmup import warm_prefill
 from moe_engine.engine import Engine, EngineConfig, Request
 from moe_engine.errors import EngineOverloadedError, InvalidRequestError
-from moe_engine.model import reference_forward
-from moe_engine.sampling import SamplingParams
+from moe_engine.models.decoder import reference_forward
 
 from ..tolerances import approx_across_batches
-
 
 # CPU in CI; `MOE_TEST_DEVICE=cuda` runs the same checks on a GPU.
 DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
@@ -196,7 +196,7 @@ def test_routing_opt_out_and_server_switch(tiny):
     assert c.routing is None and len(c.tokens) == 3
 
     off = make_engine(tiny, enable_routed_experts=False)
-    assert off.capture_buf is None  # no buffer, so no capture work in any step
+    assert off.runner.capture_buf is None  # no buffer, so no capture work in any step
     d = submit(off, prompt_of(6, 5), routing=True, max_tokens=3)
     run_all(off, [d])
     assert d.routing is None and d.tokens == c.tokens
@@ -307,10 +307,10 @@ def overlap_workload(engine, stop_token: int | None = None) -> list[Collector]:
 def test_overlapped_decode_hands_out_exactly_what_sequential_steps_do(tiny):
     """Overlapped decode (the CUDA default) launches step i+1 from step i's samples before step i's results
     are read; a sequence that stops meanwhile has one wasted row that must never reach its output."""
-    plain = overlap_workload(make_engine(tiny, max_model_len=64, overlap_decode=False))
+    plain = overlap_workload(make_engine(tiny, max_model_len=64, async_scheduling=False))
     stop_token = plain[0].tokens[6]
-    plain = overlap_workload(make_engine(tiny, max_model_len=64, overlap_decode=False), stop_token)
-    overlapped_engine = make_engine(tiny, max_model_len=64, overlap_decode=True)
+    plain = overlap_workload(make_engine(tiny, max_model_len=64, async_scheduling=False), stop_token)
+    overlapped_engine = make_engine(tiny, max_model_len=64, async_scheduling=True)
     overlapped = overlap_workload(overlapped_engine, stop_token)
     assert plain[4].finish_reason == "stop" and len(plain[4].tokens) < 14  # stopped mid-batch
     assert plain[5].finish_reason == "length" and 40 + len(plain[5].tokens) == 64
@@ -325,7 +325,7 @@ def test_overlapped_decode_hands_out_exactly_what_sequential_steps_do(tiny):
 
 
 def test_overlapped_decode_abort_and_refill(tiny):
-    engine = make_engine(tiny, max_num_seqs=2, overlap_decode=True)
+    engine = make_engine(tiny, max_num_seqs=2, async_scheduling=True)
     long = submit(engine, prompt_of(6, 31), rid="long", max_tokens=100, ignore_eos=True)
     other = submit(engine, prompt_of(8, 32), max_tokens=30, ignore_eos=True)
     while len(long.tokens) < 4:
@@ -337,7 +337,7 @@ def test_overlapped_decode_abort_and_refill(tiny):
     assert long.finish_reason == "abort" and len(long.tokens) < 100
     assert long.routing.shape[0] == 6 + len(long.tokens) - 1  # rows stay aligned with the tokens handed out
 
-    ref = make_engine(tiny, overlap_decode=False)
+    ref = make_engine(tiny, async_scheduling=False)
     alone = [submit(ref, prompt_of(8, 32), max_tokens=30, ignore_eos=True),
              submit(ref, prompt_of(7, 33), max_tokens=10, ignore_eos=True)]
     run_all(ref, alone)
@@ -376,11 +376,11 @@ def test_overlapped_prefill_steps_hand_out_exactly_what_sequential_steps_do(tiny
     request gets what sequential steps give it (tokens, logprobs, finish, routing rows), a sequence that stops on a token
     meanwhile never shows its wasted row, and no block is left behind."""
     kw = dict(max_model_len=64, max_num_batched_tokens=24, max_num_seqs=4)
-    plain = prefill_overlap_workload(make_engine(tiny, overlap_decode=False, **kw))
+    plain = prefill_overlap_workload(make_engine(tiny, async_scheduling=False, **kw))
     stop_token = plain[0].tokens[4]
-    sequential = make_engine(tiny, overlap_decode=False, **kw)
+    sequential = make_engine(tiny, async_scheduling=False, **kw)
     plain = prefill_overlap_workload(sequential, stop_token)
-    engine = make_engine(tiny, overlap_decode=True, **kw)
+    engine = make_engine(tiny, async_scheduling=True, **kw)
     followed = []
     follow = engine.scheduler.follow
     engine.scheduler.follow = lambda plan: followed.append(follow(plan)) or followed[-1]
@@ -404,13 +404,13 @@ def test_overlapped_prefill_steps_hand_out_exactly_what_sequential_steps_do(tiny
 
 
 def test_prefill_warm_up_leaves_cache_and_results_untouched(tiny):
-    """The start-up prefill steps (``ModelRunner.warm_prefill``, run on GPUs) write only the null block: cached
+    """The start-up prefill steps (``warmup.warm_prefill``, run on GPUs) write only the null block: cached
     prefixes, their routing rows and new requests give what they gave before it ran."""
     engine = make_engine(tiny, max_num_seqs=8, max_num_batched_tokens=96, enable_prefix_caching=True)
     prompts = [prompt_of(40, 7), prompt_of(23, 8)]
     first = [submit(engine, p, max_tokens=5, ignore_eos=True) for p in prompts]
     run_all(engine, first)
-    engine.runner.warm_prefill(engine.max_num_seqs)
+    warm_prefill(engine.runner, engine.settings.max_num_seqs)
     again = [submit(engine, p, max_tokens=5, ignore_eos=True) for p in prompts]
     run_all(engine, again)
     assert engine.stats()["prefix_cache_hits"] > 0

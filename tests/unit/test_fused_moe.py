@@ -16,9 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_engine import fused_moe, kernels
-from moe_engine.fused_moe import TileConfig, expert_mlp
-from moe_engine.experts import Experts
+from moe_engine.kernels import fused_moe
+from moe_engine.kernels import moe_routing as routing_kernels
+from moe_engine.kernels import support as kernel_support
+from moe_engine.kernels.fused_moe import TileConfig, expert_mlp
+from moe_engine.layers.experts import Experts
 
 DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -27,7 +29,7 @@ UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 H, I = 48, 40
 SMALL = (TileConfig(16, 32, 32, GROUP_M=4), TileConfig(16, 64, 32))
 
-pytestmark = pytest.mark.skipif(not kernels.available(DEVICE), reason="Triton not available for this device")
+pytestmark = pytest.mark.skipif(not kernel_support.available(DEVICE), reason="Triton not available for this device")
 
 
 def make_weights(E: int, dtype: torch.dtype, seed: int = 0):
@@ -112,7 +114,7 @@ def test_expert_mlp_equals_torch_per_expert_computation(T, K, E):
     dtype = torch.bfloat16
     gate_up, down = make_weights(E, dtype)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(DEVICE, dtype)
-    pos, tok, offs = kernels.route(random_ids(T, K, E, seed=T * K + E), E)
+    pos, tok, offs = routing_kernels.route(random_ids(T, K, E, seed=T * K + E), E)
     y = expert_mlp(x, gate_up, down, pos, tok, offs, SMALL)
     y_ref, h_ref, gu_ref = torch_experts(x, gate_up, down, tok, offs)
     assert y.shape == (T * K, H) and y.dtype == dtype
@@ -131,7 +133,7 @@ def test_uneven_and_empty_groups_in_every_dtype_with_the_default_tiles(dtype):
     gate_up[unused.to(DEVICE)] = float("nan")
     down[unused.to(DEVICE)] = float("nan")
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
-    pos, tok, offs = kernels.route(ids, E)
+    pos, tok, offs = routing_kernels.route(ids, E)
     y = expert_mlp(x, gate_up, down, pos, tok, offs)
     y_ref, h_ref, gu_ref = torch_experts(x, gate_up, down, tok, offs)
     assert torch.isfinite(y).all()
@@ -155,9 +157,9 @@ def test_moe_output_after_combine_equals_the_grouped_mm_path(T, K, E, dtype):
     expected = experts(x, ids, weights, capture_ref)
 
     capture = torch.full((T, K), -1, dtype=torch.int32, device=DEVICE)
-    pos, tok, offs = kernels.route(ids, E, capture)
+    pos, tok, offs = routing_kernels.route(ids, E, capture)
     y = expert_mlp(x, gate_up, down, pos, tok, offs)
-    out = kernels.combine(y, ids, pos, weights, dtype)
+    out = routing_kernels.combine(y, ids, pos, weights, dtype)
     assert torch.equal(capture, capture_ref) and torch.equal(capture.long(), ids)
     if dtype == torch.float32:
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -180,7 +182,7 @@ def test_tma_loads_give_the_pointer_loads_bits(T, K, E):
     gate_up = (torch.randn(E, 2 * i_dim, h_dim, generator=g) / h_dim**0.5).to(DEVICE, dtype)
     down = (torch.randn(E, h_dim, i_dim, generator=g) / i_dim**0.5).to(DEVICE, dtype)
     x = torch.randn(T, h_dim, generator=g).to(DEVICE, dtype)
-    pos, tok, offs = kernels.route(random_ids(T, K, E, seed=T + E, skew=T == 64), E)
+    pos, tok, offs = routing_kernels.route(random_ids(T, K, E, seed=T + E, skew=T == 64), E)
     pointers = (TileConfig(16, 16, 32), TileConfig(16, 16, 32))
     tma = tuple(dataclasses.replace(c, tma=1) for c in pointers)
     if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
@@ -207,7 +209,7 @@ def test_tma_launches_replay_in_a_cuda_graph_on_new_inputs():
     inputs = []
     for seed in range(3):
         x = torch.randn(T, 64, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
-        inputs.append((x, *kernels.route(random_ids(T, K, E, seed=seed), E)))
+        inputs.append((x, *routing_kernels.route(random_ids(T, K, E, seed=seed), E)))
     static = [t.clone() for t in inputs[0]]
     expert_mlp(*static[:1], gate_up, down, *static[1:], tma)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -229,7 +231,7 @@ def test_swiglu_epilogue_rounds_like_torch(dtype):
     gate_up, down = make_weights(E, dtype, seed=4)
     gate_up[:, :I] *= 4  # gates ~ N(0, 4^2)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
-    pos, tok, offs = kernels.route(random_ids(T, K, E, seed=8), E)
+    pos, tok, offs = routing_kernels.route(random_ids(T, K, E, seed=8), E)
     h = fused_moe.gate_up_swiglu(x, gate_up, tok, offs, SMALL[0])
     _, h_ref, gu_ref = torch_experts(x, gate_up, down, tok, offs)
     assert_like_torch(h, h_ref, h_bound(h_ref, gu_ref, dtype), dtype)
@@ -318,7 +320,7 @@ HOPPER_COMPILE = r"""
 import json, sys
 import torch
 from kernel_ptx_stats import compile_moe_gemm  # loadtest/: the launch the engine makes, compiled for sm_90
-from moe_engine import fused_moe as fm
+from moe_engine.kernels import fused_moe as fm
 
 out = {}
 tuned = fm._table("NVIDIA H200", 128, 2048, 768, torch.bfloat16, str(fm.CONFIG_FILE))  # the shipped table

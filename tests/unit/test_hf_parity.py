@@ -24,10 +24,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_engine.attention import ForwardBatch
 from moe_engine.checkpoint import load_model
-from moe_engine.kv_cache import KVCache
-from moe_engine.model import reference_forward
+from moe_engine.core.kv_cache import KVCache
+from moe_engine.layers.attend import ForwardBatch
+from moe_engine.models.decoder import reference_forward
 
 from .hf_checkpoints import (
     ARCHS,

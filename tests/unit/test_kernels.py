@@ -14,11 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from moe_engine import kernels
 from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
 from moe_engine.engine import Engine, EngineConfig
-from moe_engine.model import reference_forward
+from moe_engine.kernels import moe_routing as routing_kernels
+from moe_engine.kernels import norm as norm_kernels
+from moe_engine.kernels import rotary as rotary_kernels
+from moe_engine.kernels import small_linear as linear_kernels
+from moe_engine.kernels import support as kernel_support
+from moe_engine.models.decoder import reference_forward
 
 from .hf_checkpoints import ARCHS, make_hf_model, save_hf_checkpoint
 from .test_engine import run_all, submit
@@ -46,6 +50,14 @@ def bf16_checkpoints(tmp_path_factory):
     return get
 
 
+KERNEL_MODULES = (kernel_support, norm_kernels, rotary_kernels, routing_kernels, linear_kernels)
+
+
+def module_of(name: str):
+    """The kernels module that defines ``name`` (where the forward looks it up, hence where to patch it)."""
+    return next(m for m in KERNEL_MODULES if name in vars(m))
+
+
 class LaunchCounter:
     """Counts calls of the kernels' Python entry points (which fused paths a forward took)."""
 
@@ -54,14 +66,14 @@ class LaunchCounter:
     def __init__(self, monkeypatch):
         self.calls: dict[str, int] = {}
         for name in self.NAMES:
-            fn = getattr(kernels, name)
+            fn = getattr(module_of(name), name)
 
             def counted(*args, _fn=fn, _name=name, **kw):
                 result = _fn(*args, **kw)
                 self.calls[_name] = self.calls.get(_name, 0) + 1
                 return result
 
-            monkeypatch.setattr(kernels, name, counted)
+            monkeypatch.setattr(module_of(name), name, counted)
 
 
 def forward_both_ways(model, ids, within_rounding: bool = False, expert_gemms: bool = True):
@@ -86,8 +98,8 @@ def test_fused_forward_is_bit_identical_for_every_architecture(arch, bf16_checkp
     bookkeeping done by the `route` kernel (a decode-sized step) and by its per-chunk counting (larger)."""
     model = load_model(bf16_checkpoints(arch), device=DEVICE, progress=False)
     counter = LaunchCounter(monkeypatch)
-    for n, max_pairs in ((6, kernels.ROUTE_MAX_PAIRS), (20, 16)):  # 16: the per-chunk counting at 20 tokens
-        monkeypatch.setattr(kernels, "ROUTE_MAX_PAIRS", max_pairs)
+    for n, max_pairs in ((6, routing_kernels.ROUTE_MAX_PAIRS), (20, 16)):  # 16: the per-chunk counting at 20 tokens
+        monkeypatch.setattr(routing_kernels, "ROUTE_MAX_PAIRS", max_pairs)
         counter.calls.clear()
         (ref_logits, ref_routed), (logits, routed) = forward_both_ways(model, prompt_of(n, seed=n))
         assert torch.equal(logits, ref_logits), (arch, n, (logits - ref_logits).abs().max())
@@ -118,7 +130,7 @@ def test_route_orders_pairs_like_a_stable_sort_by_expert():
     # several blocks of 64 pairs, experts beyond one block of 64, experts left without a pair
     for T, K, E in ((13, 4, 16), (45, 6, 150)):
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEVICE)
-        pos, tok, offs = kernels.route(ids, E)
+        pos, tok, offs = routing_kernels.route(ids, E)
         order = torch.argsort(ids.t().reshape(-1), stable=True)
         assert torch.equal(tok, order % T)
         assert torch.equal(offs.cpu().long(), torch.cumsum(torch.bincount(ids.reshape(-1).cpu(), minlength=E), 0))
@@ -134,12 +146,12 @@ def test_large_steps_group_their_pairs_like_a_stable_sort_by_expert(T, K, E):
     outputs for a stable argsort of the slot-major pairs, experts without a pair included (the first ones unused),
     pair counts that are no multiple of a chunk, more experts than one block of counts holds (300), fewer than the
     counting's 16 columns (10), and writes the routing capture rows."""
-    assert T * K > kernels.ROUTE_MAX_PAIRS
+    assert T * K > routing_kernels.ROUTE_MAX_PAIRS
     g = torch.Generator().manual_seed(T)
     unused = min(20, E // 2)
     ids = torch.stack([torch.randperm(E - unused, generator=g)[:K] + unused for _ in range(T)]).to(DEVICE)
     capture = torch.full((T, K), -1, dtype=torch.int32, device=DEVICE)
-    pos, tok, ends = kernels.route(ids, E, capture)
+    pos, tok, ends = routing_kernels.route(ids, E, capture)
     order = torch.argsort(ids.t().reshape(-1), stable=True)
     assert torch.equal(tok, order % T)
     assert ends.dtype == torch.int32 and torch.equal(
@@ -157,7 +169,7 @@ def test_engine_with_fused_kernels_hands_out_what_the_op_by_op_engine_does(bf16_
     def run(fused: bool):
         engine = Engine(model, cfg, EngineConfig(max_model_len=96, max_num_batched_tokens=16, fused_kernels=fused,
                                                  exact_kernels=True))
-        assert engine.fused is fused
+        assert engine.settings.fused_kernels is fused
         out = []
         for i in range(4):
             sampling = dict(max_tokens=3 + 2 * i, ignore_eos=True)
@@ -199,20 +211,20 @@ def test_fused_router_chooses_the_same_experts_with_weights_within_rounding(dtyp
         logits = torch.stack([(torch.randperm(E, generator=g) - E / 2) * 0.05 for _ in range(T)]).to(dtype)
         logits = logits.to(DEVICE)
         for renorm, wdtype in ((True, torch.float32), (False, dtype), (True, dtype)):
-            ids, w = kernels.softmax_topk(logits, K, renorm, wdtype)
+            ids, w = routing_kernels.softmax_topk(logits, K, renorm, wdtype)
             ref_ids, ref_w = router_reference(logits, K, renorm, wdtype)
             assert torch.equal(ids, ref_ids), (T, E, K)
             assert w.dtype == wdtype
             torch.testing.assert_close(w, ref_w)
             mask = (torch.arange(T) % 2 == 0).to(DEVICE)
             given = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEVICE)
-            f_ids, f_w = kernels.softmax_topk(logits, K, renorm, wdtype, mask, given)
+            f_ids, f_w = routing_kernels.softmax_topk(logits, K, renorm, wdtype, mask, given)
             ref_ids, ref_w = router_reference(logits, K, renorm, wdtype, mask, given)
             assert torch.equal(f_ids, ref_ids)
             torch.testing.assert_close(f_w, ref_w)
             assert torch.equal(f_ids[~mask], ids[~mask]) and torch.equal(f_w[~mask], w[~mask])
     # ties go to the lower expert id, in that order
-    ids, w = kernels.softmax_topk(torch.zeros(2, 16, dtype=dtype, device=DEVICE), 4, True, torch.float32)
+    ids, w = routing_kernels.softmax_topk(torch.zeros(2, 16, dtype=dtype, device=DEVICE), 4, True, torch.float32)
     assert ids.tolist() == [[0, 1, 2, 3]] * 2
     torch.testing.assert_close(w, torch.full((2, 4), 0.25, device=DEVICE))
 
@@ -229,22 +241,22 @@ def test_one_token_router_launch_also_routes_exactly_as_route(dtype):
         for renorm, wdtype in ((True, torch.float32), (False, dtype)):
             for forced in (None, (torch.ones(1, dtype=torch.bool, device=DEVICE), given)):
                 mask, fids = forced or (None, None)
-                ids, w = kernels.softmax_topk(logits, K, renorm, wdtype, mask, fids)
+                ids, w = routing_kernels.softmax_topk(logits, K, renorm, wdtype, mask, fids)
                 cap_ref = torch.full((1, K), -1, dtype=torch.int32, device=DEVICE)
-                grouped_ref = kernels.route(ids, E, cap_ref)
+                grouped_ref = routing_kernels.route(ids, E, cap_ref)
                 cap = torch.full((1, K), -1, dtype=torch.int32, device=DEVICE)
-                f_ids, f_w, grouped = kernels.softmax_topk_route(logits, K, renorm, wdtype, cap, mask, fids)
+                f_ids, f_w, grouped = routing_kernels.softmax_topk_route(logits, K, renorm, wdtype, cap, mask, fids)
                 assert torch.equal(f_ids, ids) and torch.equal(f_w, w), (E, K, forced is not None)
                 assert all(torch.equal(a, b) for a, b in zip(grouped, grouped_ref)), (E, K)
                 assert torch.equal(cap, cap_ref) and torch.equal(cap.long(), ids)
                 if forced is not None:
                     assert torch.equal(f_ids, given)
-        assert kernels.softmax_topk_route(logits, K, True, torch.float32)[2][2][-1] == K  # no capture: still routed
+        assert routing_kernels.softmax_topk_route(logits, K, True, torch.float32)[2][2][-1] == K  # no capture: still routed
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_small_linear_equals_f_linear_within_rounding(dtype):
-    """kernels.small_linear (decode steps' router and projections): F.linear's result within float32 summation
+    """linear_kernels.small_linear (decode steps' router and projections): F.linear's result within float32 summation
     order, rounded to the model dtype as F.linear rounds it; with and without a bias, widths not a power of two,
     a strided input (a view of a wider tensor); only for steps it is meant for."""
     g = torch.Generator().manual_seed(11)
@@ -254,22 +266,22 @@ def test_small_linear_equals_f_linear_within_rounding(dtype):
         w = (torch.randn(N, H, generator=g) / H**0.5).to(dtype).to(DEVICE)
         b = torch.randn(N, generator=g).to(dtype).to(DEVICE)
         for bias in (None, b):
-            y = kernels.small_linear(x, w, bias)
+            y = linear_kernels.small_linear(x, w, bias)
             assert y.shape == (T, N) and y.dtype == dtype
             torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias))
             exact = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
             # float32 sums: within a few ulps of the exact result (bf16: the rounding of it)
             torch.testing.assert_close(y.double(), exact, rtol=1e-5 if dtype == torch.float32 else 8e-3,
                                        atol=1e-5 if dtype == torch.float32 else 8e-3)
-    assert kernels.small_linear_fits(4, 8192, 4) and not kernels.small_linear_fits(5, 2048, 4)
-    assert not kernels.small_linear_fits(1, 8193, 4) and not kernels.small_linear_fits(0, 64, 4)
+    assert linear_kernels.small_linear_fits(4, 8192, 4) and not linear_kernels.small_linear_fits(5, 2048, 4)
+    assert not linear_kernels.small_linear_fits(1, 8193, 4) and not linear_kernels.small_linear_fits(0, 64, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_one_pass_norms_equal_the_op_by_op_norms_within_rounding(dtype):
-    """kernels.rms_norm (the residual add, the mean of squares summed in the kernel, the tail) and qk_norm_rope
+    """norm_kernels.rms_norm (the residual add, the mean of squares summed in the kernel, the tail) and qk_norm_rope
     summing its own means: the add bit for bit, the norms within float32 summation order."""
-    from moe_engine.model import RMSNorm
+    from moe_engine.layers.norm import RMSNorm
 
     g = torch.Generator().manual_seed(2)
     x, delta = (torch.randn(7, 96, generator=g).to(dtype).to(DEVICE) for _ in range(2))
@@ -277,10 +289,10 @@ def test_one_pass_norms_equal_the_op_by_op_norms_within_rounding(dtype):
         norm = RMSNorm(96, 1e-6, fp32_weight).to(DEVICE, torch.float32 if fp32_weight else dtype)
         with torch.no_grad():
             norm.weight.copy_(1 + 0.1 * torch.randn(96, generator=g))
-        s, out = kernels.rms_norm(x, norm.weight, 1e-6, fp32_weight, delta)
+        s, out = norm_kernels.rms_norm(x, norm.weight, 1e-6, fp32_weight, delta)
         assert torch.equal(s, x + delta)
         torch.testing.assert_close(out, norm(x + delta))
-        torch.testing.assert_close(kernels.rms_norm(x, norm.weight, 1e-6, fp32_weight)[1], norm(x))
+        torch.testing.assert_close(norm_kernels.rms_norm(x, norm.weight, 1e-6, fp32_weight)[1], norm(x))
     T, D, Hq, Hk = 5, 16, 4, 2
     q, k = torch.randn(T, Hq * D, generator=g).to(dtype).to(DEVICE), torch.randn(T, Hk * D, generator=g).to(dtype).to(DEVICE)
     angles = torch.randn(T, D // 2, generator=g).repeat(1, 2)
@@ -290,8 +302,8 @@ def test_one_pass_norms_equal_the_op_by_op_norms_within_rounding(dtype):
         wk = (1 + 0.1 * torch.randn(shape_k[-1], generator=g)).to(dtype).to(DEVICE)
         q_var = q.float().view(shape_q).pow(2).mean(-1, keepdim=True)
         k_var = k.float().view(shape_k).pow(2).mean(-1, keepdim=True)
-        exact = kernels.qk_norm_rope(q, k, cos, sin, D, mode, q_var, k_var, wq, wk, 1e-6)
-        summed_here = kernels.qk_norm_rope(q, k, cos, sin, D, mode, q_weight=wq, k_weight=wk, eps=1e-6)
+        exact = rotary_kernels.qk_norm_rope(q, k, cos, sin, D, mode, q_var, k_var, wq, wk, 1e-6)
+        summed_here = rotary_kernels.qk_norm_rope(q, k, cos, sin, D, mode, q_weight=wq, k_weight=wk, eps=1e-6)
         for a, b in zip(summed_here, exact):
             torch.testing.assert_close(a, b)
 
@@ -313,12 +325,12 @@ def test_qk_norm_rope_writes_the_cache_exactly_as_store_kv(norm):
     slots = torch.tensor([17, 2, 9, 10, 3, 0], device=DEVICE)
     fill = torch.randn(nb, bs, Hk, D, generator=g).to(dtype).to(DEVICE)  # what other tokens' slots hold
     expected_k, expected_v, cache_k, cache_v = (fill.clone() for _ in range(4))
-    q_ref, k_ref = kernels.qk_norm_rope(*args)
-    kernels.store_kv(k_ref, v.view(T, Hk, D), expected_k, expected_v, slots)
+    q_ref, k_ref = rotary_kernels.qk_norm_rope(*args)
+    rotary_kernels.store_kv(k_ref, v.view(T, Hk, D), expected_k, expected_v, slots)
     # the heads split over programs (one q or k head per program .. all of them in one): the same bits
     for heads_per_program in (None, 1, 2, 8):  # 8: the large-step default (all 4 q heads here)
         cache_k, cache_v = fill.clone(), fill.clone()
-        q_out, k_out = kernels.qk_norm_rope(*args, kv_cache=(v, cache_k, cache_v, slots),
+        q_out, k_out = rotary_kernels.qk_norm_rope(*args, kv_cache=(v, cache_k, cache_v, slots),
                                             heads_per_program=heads_per_program)
         assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref), heads_per_program
         assert torch.equal(cache_k, expected_k) and torch.equal(cache_v, expected_v), heads_per_program
@@ -329,24 +341,24 @@ def test_route_and_combine_give_the_same_bits_however_the_work_is_split(monkeypa
     """route's pairs per program and combine's columns per program (the launch granularity a decode step's
     latency depends on, and combine's defaults by step size) change nothing: combine equals the op-by-op weighted
     sum in ascending expert order."""
-    from moe_engine.experts import group_by_expert, sum_in_expert_order
+    from moe_engine.layers.experts import group_by_expert, sum_in_expert_order
 
     g = torch.Generator().manual_seed(3)
     T, K, E, N, dtype = 5, 4, 12, 96, torch.bfloat16
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEVICE)
     weights = torch.softmax(torch.randn(T, K, generator=g), -1).to(dtype).to(DEVICE)
     y = torch.randn(T * K, N, generator=g).to(dtype).to(DEVICE)  # grouped rows
-    pos, tok, offs = kernels.route(ids, E)
+    pos, tok, offs = routing_kernels.route(ids, E)
     for block_i in (4, 8, 32):
-        assert all(torch.equal(a, b) for a, b in zip(kernels.route(ids, E, block_i=block_i), (pos, tok, offs)))
+        assert all(torch.equal(a, b) for a, b in zip(routing_kernels.route(ids, E, block_i=block_i), (pos, tok, offs)))
     g_tok, g_slot = group_by_expert(ids)
     expected = sum_in_expert_order(y * weights[g_tok, g_slot][:, None], ids, g_tok, g_slot)
     for block in (None, 16, 32, 128):
-        assert torch.equal(kernels.combine(y, ids, pos, weights, dtype, block=block), expected), block
+        assert torch.equal(routing_kernels.combine(y, ids, pos, weights, dtype, block=block), expected), block
     # the defaults by step size, scaled down: 5 tokens take 64-column programs, 3 tokens 32-column ones
-    monkeypatch.setattr(kernels, "COMBINE_BLOCKS", ((T, 64), (3, 32), (0, 16)))
-    assert torch.equal(kernels.combine(y, ids, pos, weights, dtype), expected)
-    assert torch.equal(kernels.combine(y, ids[:3], pos[:3], weights[:3], dtype), expected[:3])  # rows of 3 tokens
+    monkeypatch.setattr(routing_kernels, "COMBINE_BLOCKS", ((T, 64), (3, 32), (0, 16)))
+    assert torch.equal(routing_kernels.combine(y, ids, pos, weights, dtype), expected)
+    assert torch.equal(routing_kernels.combine(y, ids[:3], pos[:3], weights[:3], dtype), expected[:3])  # rows of 3 tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -354,7 +366,7 @@ def test_combine_and_the_next_norm_in_one_launch_give_the_two_launches_bits(dtyp
     """combine_rms_norm (a MoE layer's combine, the residual add and the next one-pass norm in one launch) returns
     exactly what combine and then rms_norm with that output as delta return: the residual stream and the normed
     rows, for one expert per token and several, with the norm's weights in either precision."""
-    from moe_engine.model import RMSNorm
+    from moe_engine.layers.norm import RMSNorm
 
     g = torch.Generator().manual_seed(11)
     E, N = 12, 96
@@ -363,14 +375,14 @@ def test_combine_and_the_next_norm_in_one_launch_give_the_two_launches_bits(dtyp
         weights = torch.softmax(torch.randn(T, K, generator=g), -1).to(dtype).to(DEVICE)
         y = torch.randn(T * K, N, generator=g).to(dtype).to(DEVICE)  # grouped rows
         x = torch.randn(T, N, generator=g).to(dtype).to(DEVICE)  # the residual stream
-        pos, _, _ = kernels.route(ids, E)
+        pos, _, _ = routing_kernels.route(ids, E)
         for fp32_weight in (False, True):
             norm = RMSNorm(N, 1e-6, fp32_weight).to(DEVICE, torch.float32 if fp32_weight else dtype)
             with torch.no_grad():
                 norm.weight.copy_(1 + 0.1 * torch.randn(N, generator=g))
-            delta = kernels.combine(y, ids, pos, weights, dtype)
-            s_ref, out_ref = kernels.rms_norm(x, norm.weight, 1e-6, fp32_weight, delta)
-            s, out = kernels.combine_rms_norm(y, ids, pos, weights, x, norm.weight, 1e-6, fp32_weight)
+            delta = routing_kernels.combine(y, ids, pos, weights, dtype)
+            s_ref, out_ref = norm_kernels.rms_norm(x, norm.weight, 1e-6, fp32_weight, delta)
+            s, out = routing_kernels.combine_rms_norm(y, ids, pos, weights, x, norm.weight, 1e-6, fp32_weight)
             assert torch.equal(s, s_ref) and torch.equal(out, out_ref), (T, K, fp32_weight)
             assert not torch.equal(s, x)
 
@@ -384,10 +396,10 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
     states."""
     counter = LaunchCounter(monkeypatch)
     # the combine in the next norm's launch from 4 tokens here (the 10-token prompt; not the 1- and 3-token steps)
-    monkeypatch.setattr(kernels, "COMBINE_NORM_MIN_TOKENS", 4)
+    monkeypatch.setattr(routing_kernels, "COMBINE_NORM_MIN_TOKENS", 4)
     for name in ("rms_norm", "softmax_topk", "small_linear", "softmax_topk_route", "combine_rms_norm"):
-        fn = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _name=name, **kw: (
+        fn = getattr(module_of(name), name)
+        monkeypatch.setattr(module_of(name), name, lambda *a, _fn=fn, _name=name, **kw: (
             counter.calls.__setitem__(_name, counter.calls.get(_name, 0) + 1), _fn(*a, **kw))[1])
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model(bf16_checkpoints(arch), dtype=dtype, device=DEVICE, progress=False)
@@ -447,11 +459,11 @@ def test_weight_updates_reach_the_fused_qkv_gemm(bf16_checkpoints):
     assert not torch.allclose(after, before, atol=1e-3)
 
 
-if kernels.triton is not None:
+if kernel_support.triton is not None:
     import triton
     import triton.language as tl
 
-    from moe_engine.kernels import _round
+    from moe_engine.kernels.support import _round
 
     @triton.jit
     def _round_bf16_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
@@ -464,7 +476,7 @@ def test_kernel_rounding_to_bfloat16_gives_torchs_cast_bits():
     """``_round`` (every fused kernel's rounding to bf16) equals torch's float32 -> bfloat16 cast bit for bit: ties
     to even both ways, values that round up into the next binade or to infinity, subnormals, signed zeros. Under the
     interpreter that is the integer formula; on a GPU (MOE_TEST_DEVICE=cuda) the hardware conversion."""
-    if not kernels.available(DEVICE):
+    if not kernel_support.available(DEVICE):
         pytest.skip("Triton not available")
     ulp_lo = torch.tensor([1.0, 1.0078125, -3.0, 3.0078125, 255.0, 256.0], dtype=torch.float32)  # bf16 values
     half_ulp = ulp_lo * 2.0**-8  # exactly between two bf16 values: ties (to the even neighbour)
@@ -473,7 +485,7 @@ def test_kernel_rounding_to_bfloat16_gives_torchs_cast_bits():
     noise = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 30, 4096)
     x = torch.cat([ulp_lo + half_ulp, ulp_lo - half_ulp, special, noise]).to(DEVICE)
     y = torch.empty_like(x)
-    kernels._launch(_round_bf16_kernel, (1,), x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    kernel_support._launch(_round_bf16_kernel, (1,), x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
     want = x.to(torch.bfloat16).float()
     assert torch.equal(y.view(torch.int32), want.view(torch.int32)), (x[y != want], y[y != want], want[y != want])
 
@@ -482,12 +494,12 @@ ROUND_PTX = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moe_engine import kernels
+from moe_engine.kernels import moe_routing as routing_kernels, norm as norm_kernels, rotary as rotary_kernels, small_linear as linear_kernels, support as kernel_support
 
 consts = dict(K=8, BLOCK_K=8, BLOCK=256, DT=1, PDL=True)
 sig = {"y_ptr": "*bf16", "ids_ptr": "*i32", "pos_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32",
        **{n: "constexpr" for n in consts}}
-ck = triton.compile(ASTSource(kernels._combine_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+ck = triton.compile(ASTSource(routing_kernels._combine_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                     options={"num_warps": 4})
 print(ck.asm["ptx"])
 """

@@ -16,9 +16,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from moe_engine import paged_attention as pa
-from moe_engine import attention
-from moe_engine.attention import DENSE_PREFILL_MAX_CALLS, ForwardBatch, LayerKV, attend_cached, attend_kernels, cached_kv
+from moe_engine.kernels import paged_attention as pa
+from moe_engine.layers import attend
+from moe_engine.layers.attend import (
+    DENSE_PREFILL_MAX_CALLS,
+    ForwardBatch,
+    LayerKV,
+    attend_cached,
+    attend_kernels,
+    cached_kv,
+)
 
 DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
 needs_kernels = pytest.mark.skipif(not pa.available(DEVICE), reason="Triton (or its interpreter) unavailable")
@@ -341,7 +348,7 @@ def test_dense_prefill_covers_the_trailing_prompts_prefilled_from_position_zero(
 def test_dense_buckets_bound_the_padding_and_the_plan_count():
     """Every length pads to a bucket at most 1/8 longer (or to the first multiple of 512); up to 8192 tokens there
     are 16 buckets, and eight per doubling above: the cuDNN plans warm_dense_prefill makes at start."""
-    b = attention.dense_bucket
+    b = attend.dense_bucket
     for n in (1, 100, 511, 512, 513, 4095, 4096, 4097, 8191, 8192, 8193, 20000, 65536, 70001):
         assert n <= b(n) <= max(512 * -(-n // 512), n + n // 8), n
         assert b(b(n)) == b(n), n  # a bucket is its own bucket
@@ -355,11 +362,11 @@ def test_dense_causal_padding_leaves_every_real_row_as_unpadded_sdpa():
     g = torch.Generator().manual_seed(9)
     L, hq, hkv, d = 300, 8, 2, 16
     q, k, v = (torch.randn(L, h, d, generator=g) for h in (hq, hkv, hkv))
-    got = attention.dense_causal(q, k, v, d**-0.5)
+    got = attend.dense_causal(q, k, v, d**-0.5)
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.repeat_interleave(hq // hkv, 1).transpose(0, 1),
         v.repeat_interleave(hq // hkv, 1).transpose(0, 1), is_causal=True, scale=d**-0.5).transpose(0, 1)
-    assert attention.dense_bucket(L) == 512 and got.shape == (L, hq, d)
+    assert attend.dense_bucket(L) == 512 and got.shape == (L, hq, d)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
 
 
@@ -367,10 +374,10 @@ def test_warm_dense_prefill_makes_one_call_per_bucket_and_shape(monkeypatch):
     """warm_dense_prefill runs dense_causal once for every bucket from DENSE_PREFILL_MIN_TOKENS to the step's
     limit, per attention shape (the plans cuDNN would otherwise build while a request waits)."""
     seen = []
-    monkeypatch.setattr(attention, "dense_causal", lambda q, k, v, scale: seen.append((q.shape, k.shape, v.shape)))
+    monkeypatch.setattr(attend, "dense_causal", lambda q, k, v, scale: seen.append((q.shape, k.shape, v.shape)))
     shapes = {(4, 2, 8, 8), (2, 1, 16, 16)}
-    calls = attention.warm_dense_prefill(shapes, torch.device("cpu"), torch.bfloat16, max_tokens=8192)
-    lengths = sorted({attention.dense_bucket(n) for n in range(attention.DENSE_PREFILL_MIN_TOKENS, 8193)})
+    calls = attend.warm_dense_prefill(shapes, torch.device("cpu"), torch.bfloat16, max_tokens=8192)
+    lengths = sorted({attend.dense_bucket(n) for n in range(attend.DENSE_PREFILL_MIN_TOKENS, 8193)})
     assert calls == len(seen) == 2 * len(lengths)
     assert sorted({s[0][0] for s in seen}) == lengths
     assert {(q[1], k[1], q[2], v[2]) for q, k, v in seen} == shapes
@@ -491,7 +498,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moe_engine import paged_attention as pa
+from moe_engine.kernels import paged_attention as pa
 
 kernel, out = pa._attn_2d_kernel, {}
 for name, decode, dtype, G, dk, dv, tma in json.loads(sys.argv[1]):

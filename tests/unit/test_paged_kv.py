@@ -12,10 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_engine.block_manager import BlockManager, BlockTable
+from moe_engine.core.block_manager import BlockManager, BlockTable
 
 from ..tolerances import approx_across_batches
-
 from .test_engine import make_engine, prompt_of, run_all, submit, tiny  # noqa: F401 (fixture)
 
 BS = 16
@@ -23,7 +22,7 @@ BS = 16
 
 def kv_bytes_for(tiny, tokens: int, block_size: int = BS) -> int:
     """KV budget that holds ``tokens`` tokens (plus the null block) for the tiny model."""
-    from moe_engine.kv_cache import bytes_per_block
+    from moe_engine.core.kv_cache import bytes_per_block
 
     cfg, model = tiny
     return (-(-tokens // block_size) + 1) * bytes_per_block(model.kv_layout(), block_size, model.dtype)
@@ -73,7 +72,7 @@ def test_preempted_requests_end_with_exactly_the_tokens_and_rows_of_an_unpreempt
     # Room for about half of the 3,190 tokens the four sequences reach: running sequences grow into each
     # other's blocks and the newest is preempted (and recomputed) again and again.
     tight = make_engine(tiny, max_model_len=1024, max_num_batched_tokens=256, enable_prefix_caching=False,
-                        kv_cache_memory_bytes=kv_bytes_for(tiny, 1600), overlap_decode=overlapped)
+                        kv_cache_memory_bytes=kv_bytes_for(tiny, 1600), async_scheduling=overlapped)
     got = results(long_workload(tight))
     stats = tight.stats()
     assert stats["num_preemptions"] >= 2, stats
@@ -89,7 +88,7 @@ def test_preemption_with_the_prefix_cache_on_recomputes_from_cached_blocks(tiny,
     roomy = make_engine(tiny, max_model_len=1024, max_num_batched_tokens=256)
     want = results(long_workload(roomy))
     tight = make_engine(tiny, max_model_len=1024, max_num_batched_tokens=256,
-                        kv_cache_memory_bytes=kv_bytes_for(tiny, 1600), overlap_decode=overlapped)
+                        kv_cache_memory_bytes=kv_bytes_for(tiny, 1600), async_scheduling=overlapped)
     got = results(long_workload(tight))
     assert tight.stats()["num_preemptions"] >= 1
     assert_same(got, want)
@@ -200,7 +199,7 @@ def test_evicted_prefix_is_recomputed_with_identical_results(tiny):
 
 @pytest.mark.parametrize("overlapped", [False, True], ids=["sequential", "overlapped"])
 def test_choices_of_one_prompt_arriving_together_prefill_it_once(tiny, overlapped):
-    engine = make_engine(tiny, max_model_len=512, overlap_decode=overlapped)
+    engine = make_engine(tiny, max_model_len=512, async_scheduling=overlapped)
     p = prompt_of(200, 16)  # 12 full blocks
     choices = [submit(engine, p, max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 3)]
     run_all(engine, choices)
@@ -352,8 +351,8 @@ def test_cache_salt_isolates_cached_prefixes(tiny):
 
 
 def submit_salted(engine, prompt, salt):
+    from moe_engine.core.sampling import SamplingParams
     from moe_engine.engine import Request
-    from moe_engine.sampling import SamplingParams
 
     from .test_engine import Collector
 

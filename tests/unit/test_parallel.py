@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import replace
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -25,15 +25,14 @@ import torch
 
 from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
+from moe_engine.core.sampling import SamplingParams
+from moe_engine.distributed.ranks import build_parallel_engine
 from moe_engine.engine import Engine, EngineConfig, Request
 from moe_engine.engine_config import check_parallel
 from moe_engine.errors import EngineStoppedError
-from moe_engine.model import reference_forward
-from moe_engine.ranks import build_parallel_engine
-from moe_engine.sampling import SamplingParams
+from moe_engine.models.decoder import reference_forward
 
 from ..tolerances import assert_close_across_batches
-
 from .hf_checkpoints import ARCHS, make_hf_model, save_gpt_oss_mxfp4, save_hf_checkpoint
 from .parallel_harness import rank_processes, two_ranks
 from .test_replay import Result
@@ -101,7 +100,7 @@ def single_rank(tiny_checkpoint):
 def test_two_ranks_give_what_one_gives(expert_parallel, tiny_checkpoint, single_rank):
     cfg = load_config(tiny_checkpoint)
     ecfg = EngineConfig(max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2,
-                        enable_expert_parallel=expert_parallel, overlap_decode=expert_parallel)
+                        enable_expert_parallel=expert_parallel, async_scheduling=expert_parallel)
     engine = build_parallel_engine(tiny_checkpoint, "float32", "cpu", cfg, ecfg)
     publish, device_ids = engine.runner.publish, []
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from moe_engine.checkpoint import load_model
+from moe_engine.core.sampling import SamplingParams
 from moe_engine.engine import Engine, EngineConfig, Request
 from moe_engine.errors import InvalidRequestError
-from moe_engine.sampling import SamplingParams
 
 from .hf_checkpoints import ARCHS, hf_router_modules, load_hf
 from .test_engine import Collector, make_engine, prompt_of, run_all, tiny  # noqa: F401 (fixture)
@@ -201,8 +201,8 @@ def test_replay_weights_and_prompt_scoring_through_overlapped_chunked_steps(tiny
         return out
 
     kw = dict(enable_prefix_caching=False, max_num_batched_tokens=16, max_num_seqs=4)
-    want = workload(make_engine(tiny, overlap_decode=False, **kw))
-    engine = make_engine(tiny, overlap_decode=True, **kw)
+    want = workload(make_engine(tiny, async_scheduling=False, **kw))
+    engine = make_engine(tiny, async_scheduling=True, **kw)
     got = workload(engine)
     assert engine.stats()["overlapped_steps"] > engine.stats()["steps"] // 2
     for a, b in zip(got, want):

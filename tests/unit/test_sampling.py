@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_engine import sampling, sampling_kernels
-from moe_engine.sampling import SamplingParams, Sampler, compute_logprobs, make_state, sample
+from moe_engine.core import sampling
+from moe_engine.core.sampling import Sampler, SamplingParams, compute_logprobs, make_state, sample
+from moe_engine.kernels import sampling as sampling_kernels
 
 DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
 PATHS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(sampling_kernels.triton is None, reason="no Triton"))]
@@ -258,7 +259,7 @@ def test_the_kernels_compile_for_hopper():
 import sys; sys.path.insert(0, {str(Path(sampling.__file__).parents[1])!r})
 import triton
 from triton.backends.compiler import GPUTarget
-from moe_engine import sampling_kernels as S
+from moe_engine.kernels import sampling as S
 P, I, C = "*fp32", "i32", "constexpr"
 x = dict(x_ptr=P, stride=I)
 par = dict(cand_ptr=P, C=I, temp_ptr=P, top_k_ptr="*i32", top_p_ptr=P)

@@ -18,10 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
+from moe_engine.core.sampling import SamplingParams
 from moe_engine.engine import Engine, EngineConfig, Request
 from moe_engine.errors import EngineStoppedError
-from moe_engine.sampling import SamplingParams
-from moe_engine.weights import WeightUpdateError, check_checkpoint, check_tensors, load_checkpoint
+from moe_engine.rl.weights import WeightUpdateError, check_checkpoint, check_tensors, load_checkpoint
 
 from ..rl_trainer import announce, checkpoint_tensors
 from .hf_checkpoints import ARCHS, make_hf_model, save_gpt_oss_mxfp4, save_hf_checkpoint, write_servable_checkpoint
@@ -76,7 +76,7 @@ def engine_on(path, **kw) -> Engine:
     kw.setdefault("kv_cache_memory_bytes", 32 << 20)  # plenty for these requests, and bounded on a GPU
     engine = Engine(load_model(path, dtype="float32", device=DEVICE, progress=False), load_config(path),
                     EngineConfig(**kw))
-    engine.weight_version = Path(path).name
+    engine.lifecycle.weight_version = Path(path).name
     return engine
 
 
@@ -124,7 +124,7 @@ def test_update_from_disk_serves_exactly_what_an_engine_started_on_b_serves(ckpt
     before = generate(engine, P)
     params_before = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
     result = settle(engine, engine.lifecycle.update_weights_from_disk(str(ckpts["B"])))
-    assert result["num_bytes"] > 0 and engine.weight_version == "B"
+    assert result["num_bytes"] > 0 and engine.lifecycle.weight_version == "B"
     # In place: the same tensors hold B's values, exactly as loading B does.
     assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == params_before
     assert_same_weights(engine.model, params_of(load_model(ckpts["B"], dtype="float32", progress=False)))
@@ -189,7 +189,7 @@ def test_refused_checkpoints_name_the_problem_and_keep_the_old_weights(ckpts):
             good, wrong = ckpts["bad_shapes"]
             assert f"has shape {wrong}, the model's is {good}" in str(info.value)
     assert_same_weights(engine.model, params)
-    assert engine.weight_version == "A" and engine.scheduler.cache_epoch == 0
+    assert engine.lifecycle.weight_version == "A" and engine.scheduler.cache_epoch == 0
     assert generate(engine, P).tokens == before.tokens
 
 
@@ -198,7 +198,7 @@ def test_update_from_disk_reaches_every_tensor_parallel_rank(ckpts, on_b, expert
     """Two ranks (gloo, one process each): a checkpoint of another shape is refused with its tensor named and
     nothing changes; B is then read by every rank (its own slices) and the pair serves what one engine started on
     B serves: the same greedy tokens and routed experts."""
-    from moe_engine.ranks import build_parallel_engine
+    from moe_engine.distributed.ranks import build_parallel_engine
 
     cfg = load_config(ckpts["A"])
     engine = build_parallel_engine(ckpts["A"], "float32", "cpu", cfg, EngineConfig(
@@ -210,7 +210,7 @@ def test_update_from_disk_reaches_every_tensor_parallel_rank(ckpts, on_b, expert
             settle(engine, engine.lifecycle.update_weights_from_disk(str(ckpts["bad"])))
         assert generate(engine, P).tokens == before.tokens
         result = settle(engine, engine.lifecycle.update_weights_from_disk(str(ckpts["B"])))
-        assert result["num_bytes"] > 0 and engine.weight_version == "B"
+        assert result["num_bytes"] > 0 and engine.lifecycle.weight_version == "B"
         after = generate(engine, P)
     finally:
         engine.shutdown()
@@ -222,7 +222,7 @@ def test_a_tensor_parallel_update_that_fails_while_loading_stops_the_engine(ckpt
     """The checkpoint passes the check, then its file is emptied before the engine gets to load it: the ranks'
     weights may now differ, so the update answers EngineStoppedError (503) and the engine stops (the watchdog
     restarts the backend); no rank process is left behind."""
-    from moe_engine.ranks import build_parallel_engine
+    from moe_engine.distributed.ranks import build_parallel_engine
 
     vanishing = tmp_path / "B"
     vanishing.mkdir()
@@ -267,7 +267,7 @@ def test_distributed_update_over_gloo_equals_the_disk_update(ckpts, on_b):
         update = engine.lifecycle.update_weights_from_distributed(**announce(tensors), weight_version="step-1")
         result = update.result(60)
         assert proc.wait(60) == 0 and result["num_bytes"] > 0
-        assert engine.weight_version == "step-1"
+        assert engine.lifecycle.weight_version == "step-1"
         assert_same_weights(engine.model, params_of(disk.model))
         assert generate(engine, P, threaded=True).tokens == on_b["P"].tokens
 
@@ -283,7 +283,7 @@ def test_distributed_update_over_gloo_equals_the_disk_update(ckpts, on_b):
             refused.result(60)
         assert proc.wait(60) == 0
         assert_same_weights(engine.model, params)
-        assert engine.weight_version == "step-1"
+        assert engine.lifecycle.weight_version == "step-1"
     finally:
         engine.shutdown()
 
@@ -293,7 +293,7 @@ def test_distributed_update_reaches_every_tensor_parallel_rank(ckpts, on_b, expe
     """Two ranks (gloo): the trainer broadcasts B's whole tensors (per-expert names) to rank 0, which forwards
     each to rank 1; every rank keeps its own part, and the pair then serves what one engine started on B
     serves. A wrong announcement is refused and the trainer's broadcasts still complete."""
-    from moe_engine.ranks import build_parallel_engine
+    from moe_engine.distributed.ranks import build_parallel_engine
 
     engine = build_parallel_engine(ckpts["A"], "float32", "cpu", load_config(ckpts["A"]), EngineConfig(
         max_model_len=256, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
@@ -318,7 +318,7 @@ def test_distributed_update_reaches_every_tensor_parallel_rank(ckpts, on_b, expe
         assert generate(engine, P, threaded=True).tokens == got.tokens  # still B
     finally:
         engine.shutdown()
-    assert engine.weight_version == "step-1"
+    assert engine.lifecycle.weight_version == "step-1"
     assert got.tokens == on_b["P"].tokens
     np.testing.assert_array_equal(got.routing, on_b["P"].routing)
 
@@ -464,7 +464,7 @@ def test_release_and_resume_memory_keep_every_request(ckpts):
 def test_release_and_resume_reach_every_tensor_parallel_rank(ckpts):
     """Two ranks: release frees every rank's KV cache while requests run (they are retracted), resume gives it
     back and the requests end with exactly what an engine that never released returns."""
-    from moe_engine.ranks import build_parallel_engine
+    from moe_engine.distributed.ranks import build_parallel_engine
 
     prompts = [prompt_of(11 + 5 * i, 40 + i) for i in range(3)]
     expected = reference(ckpts, prompts, 60)
@@ -500,4 +500,4 @@ def test_shutdown_fails_pending_controls_and_later_ones(ckpts):
     assert c.done.is_set() and c.finish_reason == "error"
     with pytest.raises(EngineStoppedError):
         engine.lifecycle.flush_cache().result(1)
-    assert engine.weight_version == "A"
+    assert engine.lifecycle.weight_version == "A"

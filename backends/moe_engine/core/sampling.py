@@ -42,8 +42,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .errors import InvalidRequestError
-from .sampling_kernels import _pow2, triton_available, triton_filter_thresholds, triton_logsumexp, triton_race
+from ..errors import InvalidRequestError
+from ..kernels.sampling import _pow2, triton_available, triton_filter_thresholds, triton_logsumexp, triton_race
 
 
 @dataclass

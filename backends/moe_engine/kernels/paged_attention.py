@@ -45,13 +45,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels import pdl
+from .support import pdl
 
 try:
     import triton
     import triton.language as tl
 
-    from .kernels import _await_inputs
+    from .support import _await_inputs
 except ImportError:  # CPU wheels of torch do not bring Triton
     triton = None
 

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import ForwardBatch
+from ..layers.attend import ForwardBatch
+from ..layers.experts import StepRouting
 from .cuda_graphs import capture_graph
-from .experts import StepRouting
 from .kv_cache import KVCache
 
 log = logging.getLogger(__name__)

@@ -78,21 +78,15 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        blocks: BlockManager,
-        max_num_seqs: int,
-        step_tokens: int,
-        max_model_len: int,
-        eos_ids: frozenset[int],
-        keep_rows: bool,
-    ):
+    def __init__(self, blocks: BlockManager, settings, eos_ids: frozenset[int]):
+        """``settings``: the engine's ResolvedConfig (sequences at once, tokens per step, max_model_len, whether
+        routing rows are kept for the prefix cache)."""
         self.blocks = blocks
-        self.max_num_seqs = max_num_seqs
-        self.step_tokens = step_tokens
-        self.max_model_len = max_model_len
+        self.max_num_seqs = settings.max_num_seqs
+        self.step_tokens = settings.step_tokens
+        self.max_model_len = settings.max_model_len
         self.eos_ids = eos_ids
-        self.keep_rows = keep_rows  # every step captures routing: keep rows for the prefix cache
+        self.keep_rows = settings.keep_routing_rows  # every step captures routing: keep rows for the prefix cache
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order (the newest last: preempted first)
         self.num_preemptions = 0
@@ -108,9 +102,11 @@ class Scheduler:
         self._key(seq)
         self.waiting.append(seq)
 
-    def rekey_waiting(self) -> None:
-        """After a weight update: waiting sequences that hold no blocks compute under the new weights, so they
-        take the new epoch's key (running ones keep theirs: their blocks were computed under the old weights)."""
+    def bump_cache_epoch(self) -> None:
+        """After a weight update: a new weights epoch in the prefix-cache key of every sequence added from now on;
+        waiting sequences that hold no blocks compute under the new weights, so they take the new key too (running
+        ones keep theirs: their blocks were computed under the old weights)."""
+        self.cache_epoch += 1
         for seq in self.waiting:
             if not seq.table.blocks:
                 self._key(seq)

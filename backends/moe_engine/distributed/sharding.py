@@ -140,7 +140,7 @@ def _shard_mlp(s: _Sharder, mlp: nn.Module) -> None:
 
 
 def _shard_experts(s: _Sharder, ex: nn.Module, expert_parallel: bool) -> None:
-    from .experts import GptOssExperts
+    from ..layers.experts import GptOssExperts
 
     E = ex.num_experts
     if expert_parallel:
@@ -215,7 +215,8 @@ def _shard_vocab(s: _Sharder, model: nn.Module, group) -> None:
 def shard_model(model: nn.Module, group, expert_parallel: bool) -> dict[str, Selection]:
     """Shard ``model`` (MoEForCausalLM on the meta device) for ``group``'s rank in place; returns the checkpoint
     selections of the sharded parameters (the others are read whole). Raises ShardingError."""
-    from .model import MLAttention, MLP
+    from ..layers.mla import MLAttention
+    from ..layers.moe import MLP
 
     s = _Sharder(model, group.rank, group.world_size)
     for layer in model.model.layers:

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .config import RopeSpec
+from ..config import RopeSpec
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -45,9 +45,9 @@ import time
 import numpy as np
 import torch
 
-from . import paged_attention
-from .attention import ForwardBatch
-from .experts import StepRouting
+from ..kernels import paged_attention
+from ..layers.attend import ForwardBatch
+from ..layers.experts import StepRouting
 from .kv_cache import KVCache
 
 log = logging.getLogger(__name__)

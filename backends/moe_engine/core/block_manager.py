@@ -168,6 +168,14 @@ class BlockManager:
         self.query_tokens = 0
         self.hit_tokens = 0
 
+    @classmethod
+    def for_engine(cls, num_blocks: int, settings, cfg) -> "BlockManager":
+        """An engine's block manager: ``settings`` (ResolvedConfig) gives the block size and whether cached blocks
+        keep routing rows of ``cfg`` (MoEConfig), stored in the dtype the API sends them in."""
+        shape = (cfg.num_hidden_layers, cfg.num_experts_per_tok) if settings.keep_routing_rows else None
+        return cls(num_blocks, settings.block_size, settings.enable_prefix_caching, routing_shape=shape,
+                   routing_dtype=np.dtype(cfg.routed_experts_dtype))
+
     # ------------------------------------------------------------------ queries
 
     @property

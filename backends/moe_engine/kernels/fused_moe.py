@@ -1,16 +1,16 @@
 """Expert MLPs of a MoE layer as two Triton GEMMs that read only the hit experts' weights.
 
-Input: the (token, slot) pairs of a step grouped by expert, as ``kernels.route`` produces them: ``tok [P]`` the
+Input: the (token, slot) pairs of a step grouped by expert, as ``routing_kernels.route`` produces them: ``tok [P]`` the
 token of grouped row r, ``offs [E]`` int32 row ends (rows of expert e are offs[e-1]..offs[e]), P = T*K. Output:
-``y [P, H]`` in the model dtype and in the same grouped order, which ``kernels.combine`` weights and sums in HF
+``y [P, H]`` in the model dtype and in the same grouped order, which ``routing_kernels.combine`` weights and sums in HF
 order, unchanged.
 
     expert_mlp(x, gate_up, down, pos, tok, offs) -> y       (gate_up [E, 2I, H], down [E, H, I]: HF v5 layout)
 
 In ``Experts._forward_fused`` it replaces the two grouped GEMMs (and x[tok], silu, the product):
-    pos, tok, offs = kernels.route(ids, E, capture)
+    pos, tok, offs = routing_kernels.route(ids, E, capture)
     y = fused_moe.expert_mlp(x, self.gate_up_proj, self.down_proj, pos, tok, offs)
-    return ExpertOutputs(y, ids, pos, weights)  # summed by kernels.combine, or by the next norm's launch
+    return ExpertOutputs(y, ids, pos, weights)  # summed by routing_kernels.combine, or by the next norm's launch
 
 Two launches, no host sync, CUDA-graph capturable (grid sizes from host ints only):
 
@@ -65,14 +65,14 @@ from pathlib import Path
 
 import torch
 
-from . import kernels
-from .kernels import _DT, _launch, interpreting, triton
+from . import support as kernel_support
+from .support import _DT, _launch, interpreting, triton
 
 if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from .kernels import _await_inputs, _round
+    from .support import _await_inputs, _round
 
 CONFIG_ENV = "MOE_FUSED_MOE_CONFIGS"
 CONFIG_FILE = Path(__file__).with_name("fused_moe_configs.json")
@@ -318,7 +318,7 @@ _SHRUNK: dict[tuple, TileConfig] = {}
 @functools.lru_cache(maxsize=None)
 def _fit(cfg: TileConfig, N: int, K: int) -> TileConfig:
     """Tiles no wider than the (power-of-two-rounded) matrix: small models need no special table."""
-    cap = lambda b, n: min(b, max(16, kernels._pow2(n)))  # noqa: E731
+    cap = lambda b, n: min(b, max(16, kernel_support._pow2(n)))  # noqa: E731
     return replace(cfg, BLOCK_N=cap(cfg.BLOCK_N, N), BLOCK_K=cap(cfg.BLOCK_K, K))
 
 
@@ -367,9 +367,9 @@ def _gemm(a, w, out, tok, offs, N: int, K: int, cfg: TileConfig, gate_up: bool) 
                 _moe_gemm_kernel, grid, a, w, out, tok, offs, a_desc, w_desc, E, N, K, num_pid_m,
                 a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
                 GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                BLOCK_E=kernels._pow2(E), EVEN_K=K % cfg.BLOCK_K == 0, DT=_DT[a.dtype],
+                BLOCK_E=kernel_support._pow2(E), EVEN_K=K % cfg.BLOCK_K == 0, DT=_DT[a.dtype],
                 UPCAST=interpreting(), PRECISE=not interpreting(),
-                PREC="ieee" if a.dtype == torch.float32 else "tf32", PDL=kernels.pdl(a.device), TMA=tma,
+                PREC="ieee" if a.dtype == torch.float32 else "tf32", PDL=kernel_support.pdl(a.device), TMA=tma,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
             return
@@ -414,7 +414,7 @@ def expert_mlp(
     tok: torch.Tensor,  # [T*K] long: token of each grouped row
     offs: torch.Tensor,  # [E] int32: end row of each expert's group
     configs: tuple[TileConfig, TileConfig] | None = None,  # (gate_up, down); default: the table's, by T*K
-) -> torch.Tensor:  # [T*K, H] model dtype, grouped order (kernels.combine's input)
+) -> torch.Tensor:  # [T*K, H] model dtype, grouped order (routing_kernels.combine's input)
     """The routed experts' SwiGLU MLPs on expert-grouped rows, reading only the experts that have rows."""
     E, I2, H = gate_up.shape
     P = pos.numel()

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (
+from ..checkpoint import (
     _DEFAULT_PER_EXPERT_NAMES,
     _PER_EXPERT_NAMES,
     CheckpointError,
@@ -48,8 +48,8 @@ from .checkpoint import (
     _load_experts,
     _Tensors,
 )
-from .config import MoEConfig, load_config
-from .errors import InvalidRequestError
+from ..config import MoEConfig, load_config
+from ..errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 

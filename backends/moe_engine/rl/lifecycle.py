@@ -16,6 +16,7 @@ Idempotent: releasing what is released, resuming what is not, pausing a paused e
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -25,8 +26,8 @@ from typing import Callable
 
 import torch
 
+from ..errors import EngineStoppedError, InvalidRequestError
 from . import weights as W
-from .errors import EngineStoppedError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +81,85 @@ class Control:
 
 
 class RolloutLifecycle:
-    """``engine.lifecycle``: the operations of one engine (its call, model, scheduler, blocks, runner and state:
-    paused, released, weight_version), and the engine's weight-update process groups."""
+    """``engine.lifecycle``: the control operations of one engine, the queue they wait in, the requests held behind
+    them, and the state they set (paused, released memory, the weight version). The engine thread calls ``take``,
+    ``hold`` and ``run_pending``; the operations use the engine's named methods (``call``, ``abort_all``,
+    ``retract_all``, ``weights_changed``, ``release_kv_cache``) and its model and runner."""
 
     def __init__(self, engine):
         self.engine = engine
         self.update_groups = W.UpdateGroups(engine.device)
+        self.paused = False  # pause_generation: no steps until continue_generation
+        self.released: set[str] = set()  # release_memory_occupation tags in effect (no steps while any is)
+        self.weight_version = ""  # set by the caller (the checkpoint's folder name), then by weight updates
+        self._controls: collections.deque[Control] = collections.deque()  # taken from the inbox, not yet run
+        self._held: collections.deque = collections.deque()  # sequences submitted after a pending control
+
+    # ---------------------------------------------------------------- the engine thread's side
+
+    @property
+    def can_run(self) -> bool:
+        """Whether steps may run: not paused, and no memory released."""
+        return not self.paused and not self.released
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._controls)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def take(self, control: Control) -> None:
+        self._controls.append(control)
+
+    def hold(self, seq) -> bool:
+        """Hold a new request while a control operation is pending (it joins the queue after them); whether held."""
+        if self._controls:
+            self._held.append(seq)
+        return bool(self._controls)
+
+    def unhold(self, request_id: str):
+        """The held sequence of that request, taken out (to be aborted), or None."""
+        seq = next((s for s in self._held if s.request_id == request_id), None)
+        if seq is not None:
+            self._held.remove(seq)
+        return seq
+
+    def drop_pending(self) -> tuple[list, list[Control]]:
+        """(held sequences, pending controls), all taken out (the engine is stopping)."""
+        held, controls = list(self._held), list(self._controls)
+        self._held.clear()
+        self._controls.clear()
+        return held, controls
+
+    def run_pending(self) -> None:
+        """Run the pending controls in order; a draining one waits (steps go on) while requests submitted before it
+        are unfinished and steps can run. Then the requests held behind them join the queue."""
+        while self._controls:
+            c = self._controls[0]
+            if c.abort:
+                self.engine.abort_all()
+                c.abort = False
+            if c.drain and self.can_run and self.engine.has_work():
+                return
+            self._controls.popleft()
+            if not c.future.set_running_or_notify_cancel():
+                continue
+            try:
+                c.future.set_result(c.fn())
+            except Exception as exc:  # reported to the caller; the engine goes on
+                if not isinstance(exc, W.WeightUpdateError):
+                    log.exception("control operation failed")
+                c.future.set_exception(exc)
+        while self._held:
+            self.engine.admit(self._held.popleft())
+
+    # ---------------------------------------------------------------- the operations (any thread)
 
     def get_weight_version(self) -> Future:
         future: Future = Future()
-        future.set_result({"message": f"weight version {self.engine.weight_version!r}"})
+        future.set_result({"message": f"weight version {self.weight_version!r}"})
         return future
 
     def get_engine_info(self) -> Future:
@@ -104,18 +174,14 @@ class RolloutLifecycle:
     def is_sleeping(self) -> Future:
         """Whether any memory is released (vLLM's /is_sleeping): no steps run until it is resumed."""
         future: Future = Future()
-        released = sorted(self.engine.released)
+        released = sorted(self.released)
         future.set_result({"message": f"released: {', '.join(released) or 'nothing'}", "is_sleeping": bool(released)})
         return future
 
     def _weights_changed(self, version: str | None, flush_cache: bool) -> None:
-        """After a weight update: a new epoch in every new prefix-cache key, the old entries optionally dropped."""
-        self.engine.scheduler.cache_epoch += 1
-        self.engine.scheduler.rekey_waiting()
-        if flush_cache:
-            self.engine.blocks.flush()
+        self.engine.weights_changed(flush_cache)
         if version is not None:
-            self.engine.weight_version = version
+            self.weight_version = version
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True,
                                  abort_all_requests: bool = False) -> Future:
@@ -132,7 +198,7 @@ class RolloutLifecycle:
             self._weights_changed(weight_version or root.name, flush_cache)
             seconds = time.monotonic() - t0
             log.info("weights updated from %s in %.2f s (%.2f GB); version %s", root, seconds, nbytes / 1e9,
-                     self.engine.weight_version)
+                     self.weight_version)
             return {"message": f"loaded {root} ({nbytes / 1e9:.3f} GB in {seconds:.2f} s)", "num_bytes": nbytes}
 
         return self.engine.call(run, drain=not abort_all_requests, abort=abort_all_requests)
@@ -218,20 +284,20 @@ class RolloutLifecycle:
             return _failed(InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}", param="mode"))
 
         def run() -> dict:
-            n = len(self.engine.scheduler.running) + len(self.engine.scheduler.waiting)
+            stats = self.engine.stats()
+            n = stats["running"] + stats["waiting"]
             if mode == "abort":
-                for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
-                    self.engine.scheduler.finish(seq, "abort", self.engine._emit)
+                n = self.engine.abort_all()
             elif mode == "retract":
-                n = self.engine.scheduler.retract_all()
-            self.engine.paused = True
+                n = self.engine.retract_all()
+            self.paused = True
             return {"message": f"generation paused ({mode}: {n} requests {_PAUSED[mode]})"}
 
         return self.engine.call(run)
 
     def continue_generation(self) -> Future:
         def run() -> dict:
-            was, self.engine.paused = self.engine.paused, False
+            was, self.paused = self.paused, False
             return {"message": "generation continued" if was else "generation was not paused"}
 
         return self.engine.call(run)
@@ -244,14 +310,13 @@ class RolloutLifecycle:
             return _failed(tags)
 
         def run() -> dict:
-            kv = "kv_cache" in tags and "kv_cache" not in self.engine.released
-            weights = "weights" in tags and "weights" not in self.engine.released
+            kv = "kv_cache" in tags and "kv_cache" not in self.released
+            weights = "weights" in tags and "weights" not in self.released
             if kv:
-                self.engine.scheduler.retract_all()
-                self.engine.blocks.flush()
+                self.engine.release_kv_cache()
             op = {"op": "release_memory_occupation", "kv_cache": kv, "weights": weights}
             done = self._on_every_rank(op, lambda: release_rank_memory(self.engine.runner, op))
-            self.engine.released |= tags - {"cuda_graph"}
+            self.released |= tags - {"cuda_graph"}
             return {"message": f"released {', '.join(done) or 'nothing (already released, or on CPU)'}"}
 
         return self.engine.call(run)
@@ -263,10 +328,10 @@ class RolloutLifecycle:
 
         def run() -> dict:
             op = {"op": "resume_memory_occupation",
-                  "kv_cache": "kv_cache" in tags and "kv_cache" in self.engine.released,
-                  "weights": "weights" in tags and "weights" in self.engine.released}
+                  "kv_cache": "kv_cache" in tags and "kv_cache" in self.released,
+                  "weights": "weights" in tags and "weights" in self.released}
             done = self._on_every_rank(op, lambda: resume_rank_memory(self.engine.runner, op))
-            self.engine.released -= {t for t in ("kv_cache", "weights") if op[t]}
+            self.released -= {t for t in ("kv_cache", "weights") if op[t]}
             return {"message": f"resumed {', '.join(done) or 'nothing (not released)'}"}
 
         return self.engine.call(run)

@@ -32,10 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import kernels
-
-from . import paged_attention
-from .uploads import upload
+from ..core.uploads import upload
+from ..kernels import paged_attention
+from ..kernels import rotary as rotary_kernels
 
 log = logging.getLogger(__name__)
 
@@ -198,9 +197,9 @@ class ForwardBatch:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: ForwardBatch) -> None:
     """Write this step's k [T, Hkv, Dk] / v [T, Hkv, Dv] into the cache at each token's slot (the fused rotary,
-    ``kernels.qk_norm_rope`` with ``kv_cache``, writes them itself and skips this)."""
+    ``rotary_kernels.qk_norm_rope`` with ``kv_cache``, writes them itself and skips this)."""
     if batch.use_kernels:  # one kernel (kernels.py) instead of two index_puts and their copies
-        kernels.store_kv(k, v, cache.k, cache.v, batch.slot_mapping)
+        rotary_kernels.store_kv(k, v, cache.k, cache.v, batch.slot_mapping)
         return
     nb, bs = cache.k.shape[0], cache.k.shape[1]
     cache.k.view(nb * bs, *cache.k.shape[2:])[batch.slot_mapping] = k.to(cache.k.dtype)

@@ -1,7 +1,7 @@
 """The device side of a step: inputs, CUDA graphs, forward, sampling, one transfer to the host.
 
 ``ModelRunner`` owns everything that lives on the device: the model, the paged KV cache (sized from the memory
-left after the weights and a profiled peak step, see ``kv_cache_budget``), the step's output buffer and the CUDA
+left after the weights and a profiled peak step: kv_cache.py's budget), the step's output buffer and the CUDA
 graphs (decode steps: cuda_graphs.py; prefill and mixed steps of up to ``max_cudagraph_capture_size`` tokens:
 prefill_graphs.py). ``launch`` queues a step's forward, sampling and device->host copy and returns before the GPU
 is done; ``results`` waits for that copy.
@@ -13,29 +13,24 @@ keeping rows), the model gets no buffer and does no capture work.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
-import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from . import attention, fused_moe
-from .attention import ForwardBatch
+from ..layers.attend import ForwardBatch
+from ..layers.experts import StepRouting
 from .cuda_graphs import DecodeGraphs
-from .kv_cache import KVCache, KVSpec, bytes_per_block
+from ..engine_config import ResolvedConfig
+from .kv_cache import KVCache, blocks_for_budget, kv_cache_budget
 from .prefill_graphs import PrefillGraphs
 from .sampling import Sampler
-from .experts import StepRouting
 from .scheduler import StepPlan, StepResult
 from .uploads import upload
 
 log = logging.getLogger(__name__)
 
-CPU_KV_BUDGET = 2 << 30  # CPU default: 2 GiB, or less when max_num_seqs full-length sequences need less
 PROMPT_LOGPROB_ROWS = 512  # prompt scoring: logits rows materialised at once ([512, vocab] float32)
 
 
@@ -86,71 +81,6 @@ class LaunchedStep:
     prompt_logprobs: dict | None = None  # prompt scoring of this step (StepResult.prompt_logprobs)
 
 
-def kv_cache_budget(
-    model: torch.nn.Module, specs: list[KVSpec], block_size: int, step_tokens: int, max_num_seqs: int,
-    max_model_len: int, gpu_memory_utilization: float, kv_cache_memory_bytes: int | None,
-) -> int:
-    """KV-cache bytes: ``kv_cache_memory_bytes`` when given; on CUDA the share ``gpu_memory_utilization`` of the
-    GPU's memory minus what is in use (weights, other processes), a profiled peak step's activations and the same
-    again for the decode graphs' pool; on CPU ``CPU_KV_BUDGET`` capped at what max_num_seqs full sequences need."""
-    if kv_cache_memory_bytes:
-        return int(kv_cache_memory_bytes)
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    if device.type != "cuda":
-        need = (max_num_seqs * -(-max_model_len // block_size) + 1) * bytes_per_block(specs, block_size, dtype)
-        return min(CPU_KV_BUDGET, need)
-    peak = profile_peak_activation(model, specs, block_size, step_tokens, max_num_seqs)
-    torch.cuda.synchronize(device)
-    # Memory this process's caching allocator holds but no tensor uses (a previous engine's KV cache, the
-    # profiling step's activations) is free for this one: hand it back before asking the driver.
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    in_use = total - free  # weights, this process's other buffers, CUDA context, other processes
-    budget = int(total * gpu_memory_utilization) - in_use - 2 * peak
-    log.info(
-        "KV budget: %.1f GiB of %.1f GiB (utilization %.2f; in use %.1f GiB; peak step activations %.2f GiB, "
-        "reserved twice: step and graphs)",
-        budget / 2**30, total / 2**30, gpu_memory_utilization, in_use / 2**30, peak / 2**30,
-    )
-    if budget <= 0:
-        raise RuntimeError(
-            f"no GPU memory left for the KV cache: {in_use / 2**30:.1f} GiB of {total / 2**30:.1f} GiB in use and "
-            f"{2 * peak / 2**30:.1f} GiB needed for activations; raise --gpu-memory-utilization, lower "
-            f"--max-num-batched-tokens, or give --kv-cache-memory"
-        )
-    return budget
-
-
-@torch.inference_mode()
-def profile_peak_activation(
-    model: torch.nn.Module, specs: list[KVSpec], block_size: int, step_tokens: int, max_num_seqs: int
-) -> int:
-    """Peak device bytes a step of ``step_tokens`` prefill tokens allocates beyond what is allocated now
-    (activations, expert buffers, logits and sampling of ``max_num_seqs`` rows), measured by running one."""
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    cfg = model.config
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    cache = KVCache(specs, -(-step_tokens // block_size) + 1, block_size, dtype, device)
-    batch = ForwardBatch.build([list(range(cache.num_blocks - 1))], [0], [step_tokens], device, block_size)
-    capture = torch.zeros(step_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.int32,
-                          device=device)
-    ids = torch.randint(0, cfg.vocab_size, (step_tokens,), device=device)
-    hidden = model(ids, batch, cache, capture)
-    rows = min(max_num_seqs, step_tokens)
-    logits = model.compute_logits(hidden[:rows])
-    torch.softmax(logits, dim=-1)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base - cache.nbytes
-    del cache, batch, capture, hidden, logits
-    torch.cuda.empty_cache()
-    return max(int(peak), 0)
-
-
 class ReleasableMemory:
     """``ModelRunner``'s KV cache and CUDA graphs freed and allocated again (RL: release / resume memory while a
     trainer uses the GPU)."""
@@ -178,149 +108,59 @@ class ReleasableMemory:
         self.kv = KVCache(self.model.kv_layout(), self._kv_blocks, self.block_size, self.dtype, self.device)
 
 
-def prefill_warm_shapes(step_tokens: int, top_k: int, max_num_seqs: int) -> list[tuple[int, int]]:
-    """(tokens, sequences) of the prefill steps ``ModelRunner.warm_prefill`` runs at start.
-
-    Triton compiles a kernel once per class of its integer arguments (1, a multiple of 16, anything else), and the
-    fused MoE picks its tiles by the step's (token, slot) pairs (``fused_moe.BUCKETS``). So per pair bucket that a
-    step of 2..step_tokens tokens can land in, the largest token count of each (tokens, pairs) class found there
-    (both multiples of 16; only the pairs; neither). Their sequence counts cycle through 1, 16 and 3 (the classes of
-    the sampling kernels' row count; the attention kernels do not specialise on sequence counts or block-table
-    widths), at most max_num_seqs and the step's tokens. Steps of one token are the decode graphs' work,
-    captured separately."""
-    shapes: list[tuple[int, int]] = []
-    prev = 0
-    for _, top in fused_moe.BUCKETS:
-        lo = max(prev // top_k + 1, 2)
-        hi = step_tokens if top is None else min(top // top_k, step_tokens)
-        prev = top if top is not None else prev
-        seen: set[tuple[bool, bool]] = set()
-        for tokens in range(hi, lo - 1, -1):
-            cls = (tokens % 16 == 0, tokens * top_k % 16 == 0)
-            if cls not in seen:
-                seen.add(cls)
-                seqs = (1, 16, 3)[len(shapes) % 3]
-                shapes.append((tokens, max(1, min(seqs, tokens, max_num_seqs))))
-            if len(seen) == 3:
-                break
-    return shapes
+def graphs_off_reason(model: torch.nn.Module, settings: ResolvedConfig) -> str | None:
+    """Why steps run eagerly, or None when decode steps replay CUDA graphs."""
+    if settings.device.split(":")[0] != "cuda":
+        return "not on CUDA"
+    if not settings.cuda_graphs:
+        return "enforce_eager" if settings.max_cudagraph_capture_size else "max_cudagraph_capture_size=0"
+    return model.graph_unsafe_reason()
 
 
-def _variant_of(fn, compile: dict, fallback: str) -> str:
-    """One line naming a Triton kernel variant by what selects it: ``kernel[num_warps, num_stages](...)`` with
-    ``name=value`` for its constants (declared constexprs and integers specialised to 1), ``name%16`` for
-    integers compiled as multiples of 16 and ``name`` for other integers: the classes a warm-up has to reach.
-    (Triton 3.6's own ``repr`` pairs the names with the characters of the cache key.) ``fallback`` where the
-    hook's data has another form."""
-    try:
-        signature = compile["signature"]  # {name: type}: "i32", "*bf16", "fp32", "constexpr", ...
-        names = list(signature)
-        constants = {names[path[0]]: value for path, value in compile["constants"].items() if len(path) == 1}
-        aligned = {names[path[0]] for path, attrs in compile["configs"][0].items() if len(path) == 1 and attrs}
-        args = []
-        for name, kind in signature.items():
-            if name in constants:
-                args.append(f"{name}={constants[name]}")
-            elif kind[:1] in ("i", "u"):
-                args.append(f"{name}%16" if name in aligned else name)
-        return f"{fn.name}[num_warps={compile['num_warps']}, num_stages={compile['num_stages']}]({', '.join(args)})"
-    except (KeyError, IndexError, TypeError, AttributeError):
-        return fallback
+def build_runner(model: torch.nn.Module, settings: ResolvedConfig, group=None) -> ModelRunner:
+    """The runner of an engine, or of one rank of a tensor-parallel group (``group``: the same block count on every
+    rank, the smallest): fused kernels switched as ``settings`` say, the KV cache sized by its budget
+    (kv_cache.py), CUDA graphs unless ``settings`` or the model rule them out."""
+    from .warmup import warm_dense_prefill
 
-
-def freeze_start_up_objects() -> int:
-    """Take every object alive now (torch's and Triton's modules, the model, the engine: ~300k at the tiny model's
-    start) out of Python's cyclic garbage collector, and return how many. A full collection walks every tracked
-    object holding the GIL: ~170 ms on the 2-core CPU with the tiny model loaded, 0.0 ms after this. Python runs
-    one when the objects that survived the younger collections reach a quarter of the long-lived ones: rarely in
-    serving (none in 16 turns of 32 multi-turn conversations, a CPU probe), but each one stops the step loop that
-    long. Frozen objects that become garbage are still freed by reference counting (cycles among them would
-    stay). For a process that hosts its engine (or a tensor-parallel rank) for its lifetime, once after start-up,
-    as vLLM's engine core does."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
-_starting = [0]  # engines of this process between their first kernel warm-up and the end of their start-up
-_starting_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def starting_up():
-    """An engine's start-up (its warm-up and graph captures): the kernels it compiles are not late. The late-compile
-    hook is process-wide, so without this a second engine started in a process (a benchmark comparing two, a
-    test suite) would have its start-up compiles logged by the first engine's hook as stalls inside a step.
-    Compiles of another engine's steps during that window are not logged either."""
-    with _starting_lock:
-        _starting[0] += 1
-    try:
-        yield
-    finally:
-        with _starting_lock:
-            _starting[0] -= 1
-
-
-def log_late_compiles() -> bool:
-    """From now on, log a warning whenever a Triton kernel variant is first needed in this process (compiled, or
-    loaded from Triton's disk cache): after the start-up warm-up and graph capture, that happens inside a step,
-    which then waits (about a second at real shapes), and the line names the kernel and its argument classes, so
-    that the warm-up can be taught the shape. Process-wide (Triton's ``jit_cache_hook``); False where this Triton
-    has no such hook. Idempotent."""
-    try:
-        import triton
-        knobs = triton.knobs.runtime
-    except (ImportError, AttributeError):
-        return False
-    if getattr(knobs.jit_cache_hook, "_moe_late_compiles", False):
-        return True
-    previous = knobs.jit_cache_hook
-
-    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-        if not already_compiled and not _starting[0]:
-            log.warning("kernel variant first used after start-up, inside a step: %s", _variant_of(fn, compile, repr))
-        return previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
-                        already_compiled=already_compiled) if previous is not None else None
-
-    hook._moe_late_compiles = True
-    knobs.jit_cache_hook = hook
-    return True
+    model.use_fused_kernels(settings.fused_kernels, within_rounding=False if settings.exact_kernels else None)
+    specs = model.kv_layout()
+    budget = kv_cache_budget(model, specs, settings)
+    num_blocks = blocks_for_budget(specs, settings.block_size, next(model.parameters()).dtype, budget)
+    if group is not None:
+        num_blocks = group.min_int(num_blocks)
+    if (num_blocks - 1) * settings.block_size < settings.max_model_len:
+        raise ValueError(
+            f"the KV cache ({budget / 2**30:.2f} GiB, {num_blocks - 1} blocks of {settings.block_size} tokens) cannot "
+            f"hold one sequence of max_model_len={settings.max_model_len}; raise the KV budget or lower max_model_len"
+        )
+    runner = ModelRunner(model, num_blocks, settings)
+    if settings.attention_kernels and runner.dtype != torch.float32:
+        warm_dense_prefill(runner, settings.step_tokens)
+    return runner
 
 
 class ModelRunner(ReleasableMemory):
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        num_blocks: int,
-        block_size: int,
-        step_tokens: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        capture_routing: bool,
-        graphs_off: str | None,
-        overlap: bool,
-        use_attention_kernels: bool = False,
-        max_cudagraph_capture_size: int = 2048,
-    ):
-        cfg = model.config
+    def __init__(self, model: torch.nn.Module, num_blocks: int, settings: ResolvedConfig):
+        cfg, s = model.config, settings
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.block_size = block_size
-        self.kv = KVCache(model.kv_layout(), num_blocks, block_size, self.dtype, self.device)
+        self.block_size = s.block_size
+        self.kv = KVCache(model.kv_layout(), num_blocks, s.block_size, self.dtype, self.device)
         self.null_block = self.kv.null_block
-        self.step_tokens = S = step_tokens
+        self.step_tokens = S = s.step_tokens
         L, K = self.routing_shape = cfg.num_hidden_layers, cfg.num_experts_per_tok
         # The step's outputs in one int32 buffer: [S] sampled tokens, then the capture buffer [S, L, K] that each
         # MoE layer writes, then the combine weights [S, L, K] (float32 bits) written when a request asks for them.
         # Preallocated (a decode step allocates nothing; graphs capture its address). Dense layers' columns are
         # never written and stay 0. On CUDA a step's tokens and first T routing rows are one contiguous prefix,
         # fetched with a single copy into pinned memory (the weights' first T rows are a second copy).
-        capture_numel = S * L * K if capture_routing else 0
+        capture_numel = S * L * K if s.enable_routed_experts else 0
         self.step_out = torch.zeros(S + 2 * capture_numel, dtype=torch.int32, device=self.device)
-        self.capture_buf = self.step_out[S : S + capture_numel].view(S, L, K) if capture_routing else None
+        self.capture_buf = self.step_out[S : S + capture_numel].view(S, L, K) if capture_numel else None
         self.weights_buf = (
-            self.step_out[S + capture_numel :].view(torch.float32).view(S, L, K) if capture_routing else None
+            self.step_out[S + capture_numel :].view(torch.float32).view(S, L, K) if capture_numel else None
         )
         cuda = self.device.type == "cuda"
         # Two pinned host copies (an overlapped step's transfer lands while the previous one is read), with
@@ -331,23 +171,22 @@ class ModelRunner(ReleasableMemory):
         self._host_np = [h.numpy() for h in self.step_out_host] if cuda else None
         self._events = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._parity = 0
-        self.overlap = overlap
+        self.overlap = s.async_scheduling
         # Batched sampling on the device: one host->device copy of the step's sampling parameters, no host sync.
-        self.sampler = Sampler(cfg.vocab_size, self.device, max_rows=max_num_seqs)
+        self.sampler = Sampler(cfg.vocab_size, self.device, max_rows=s.max_num_seqs)
         # Attention through paged_attention.py's kernels (they read only each sequence's own blocks) on CUDA with
         # the fused kernels on; the reference (gather + SDPA) elsewhere, and for MLA's latent cache.
-        self.use_kernels = use_attention_kernels
-        if use_attention_kernels and cuda and self.dtype != torch.float32:
-            self._warm_dense_prefill(step_tokens)
+        self.use_kernels = s.attention_kernels
         # Steps of up to max_cudagraph_capture_size tokens replay graphs: decode steps of that many sequences (at
         # most max_num_seqs), and prefill and mixed steps of that many tokens where the attention kernels read the
         # cache themselves and the fused experts in every MoE layer (which group the pairs without the host).
-        self.graph_max_batch = min(max_num_seqs, max_cudagraph_capture_size)
-        self.max_model_len = max_model_len
+        self.graph_max_batch = min(s.max_num_seqs, s.max_cudagraph_capture_size)
+        self.max_model_len = s.max_model_len
         self.max_prefill_graph_tokens = (
-            min(max_cudagraph_capture_size, step_tokens)
-            if use_attention_kernels and model.prefill_graph_unsafe_reason() is None else 0)
-        self.graphs_on = graphs_off is None and self.graph_max_batch > 0
+            min(s.max_cudagraph_capture_size, S)
+            if s.attention_kernels and model.prefill_graph_unsafe_reason() is None else 0)
+        self.graphs_off = graphs_off_reason(model, s)
+        self.graphs_on = self.graphs_off is None
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         if self.graphs_on:
@@ -356,6 +195,14 @@ class ModelRunner(ReleasableMemory):
         # rank 0 runs it; ``on_close`` stops them.
         self.publish = None
         self.on_close = None
+
+    def describe_graphs(self) -> str:
+        """The CUDA graphs for the start-up log line."""
+        if not self.graphs_on:
+            return f"off ({self.graphs_off})"
+        return f"for decode batches up to {self.graph_max_batch}" + (
+            f" and prefill steps up to {self.max_prefill_graph_tokens} tokens" if self.prefill_graphs is not None
+            else "")
 
     def make_graphs(self) -> None:
         """The decode graphs, and the prefill-step graphs when steps of 16+ tokens may replay them (nothing is
@@ -368,42 +215,6 @@ class ModelRunner(ReleasableMemory):
                 self.model, self.kv, self.max_prefill_graph_tokens, self.graph_max_batch, self.max_model_len,
                 self.capture_buf, self.weights_buf, logits=self.graphs.logits, pool=self.graphs.pool)
 
-    def _warm_dense_prefill(self, max_tokens: int) -> None:
-        """cuDNN's attention plans for the prompt-length buckets of attention.dense_causal, made now (70 ms to a
-        second each on an H200) rather than by the first request of each length."""
-        shapes = {s for m in self.model.modules() if (s := getattr(m, "dense_prefill_shape", None)) is not None}
-        if not shapes or max_tokens < attention.DENSE_PREFILL_MIN_TOKENS:
-            return
-        t = time.perf_counter()
-        with torch.inference_mode():
-            calls = attention.warm_dense_prefill(shapes, self.device, self.dtype, max_tokens)
-        log.info("dense prefill attention: %d plans warmed for prompts of %d-%d tokens in %.1f s", calls,
-                 attention.DENSE_PREFILL_MIN_TOKENS, max_tokens, time.perf_counter() - t)
-
-    @torch.inference_mode()
-    def warm_prefill(self, max_num_seqs: int) -> None:
-        """Run the prefill steps of ``prefill_warm_shapes`` on throwaway inputs, so that their kernels compile now
-        and not inside the first requests of each shape (on an H200 0.9-1.2 s per new class at the real shape,
-        multiturn trace of run 23). Each step is sequences of one token and one longer chunk last, all from
-        position 0, reading and writing only the null block; routing is captured as a serving step would."""
-        K = self.routing_shape[1]
-        shapes = prefill_warm_shapes(self.step_tokens, K, max_num_seqs)
-        log.info("warming prefill kernels: %d step shapes of %d-%d tokens ...", len(shapes),
-                 min(t for t, _ in shapes), max(t for t, _ in shapes))
-        t0 = time.perf_counter()
-        for T, B in shapes:
-            lens = [1] * (B - 1) + [T - (B - 1)]
-            step = StepInputs(
-                ids=[i % self.model.config.vocab_size for i in range(T)], context=[0] * B, query_lens=lens,
-                tables=[[self.null_block] * -(-n // self.block_size) for n in lens],
-                want_routing=self.capture_buf is not None, samplers=list(range(B)),
-            )
-            logits, _ = self.forward(step)
-            torch.argmax(logits, dim=-1)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        log.info("warmed prefill kernels for steps of %s tokens in %.1f s",
-                 ", ".join(f"{T} ({B} seqs)" for T, B in shapes), time.perf_counter() - t0)
 
     @torch.inference_mode()
     def launch(

@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
-from .config import RouterSpec
+from ..config import RouterSpec
+from ..kernels import moe_routing as routing_kernels
+from ..kernels import small_linear as linear_kernels
 
 
 class Forced:
@@ -71,7 +72,7 @@ class Router(nn.Module):
     def forward_grouped(
         self, x: torch.Tensor, forced: Forced | None = None, capture: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
-        """``forward``, and where this router's kernel can do it in the same launch, what ``kernels.route``
+        """``forward``, and where this router's kernel can do it in the same launch, what ``routing_kernels.route``
         returns for the ids (the expert-grouped order; the ids copied into ``capture``), else None (the fused
         experts then route the ids themselves)."""
         ids, weights = self(x, forced)
@@ -92,8 +93,8 @@ class SoftmaxTopKRouter(Router):
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size), requires_grad=False)  # [E, H]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        # [T, E] in the model dtype (bf16 logits for a bf16 model); decode steps: kernels.small_linear
-        return kernels.decode_linear(x, self.weight, None, self.within_rounding, kernels.ROUTER_SMALL_LINEAR_TOKENS)
+        # [T, E] in the model dtype (bf16 logits for a bf16 model); decode steps: linear_kernels.small_linear
+        return linear_kernels.decode_linear(x, self.weight, None, self.within_rounding, linear_kernels.ROUTER_SMALL_LINEAR_TOKENS)
 
     def _kernel_args(self, logits: torch.Tensor, forced: Forced | None) -> tuple:
         return (self.top_k, self.norm_topk_prob, torch.float32 if self.weights_fp32 else logits.dtype,
@@ -104,15 +105,15 @@ class SoftmaxTopKRouter(Router):
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
         if not (self.within_rounding and x.shape[0] == 1):
             return super().forward_grouped(x, forced, capture)
-        # one token (a batch-1 decode step): kernels.softmax_topk_route, the grouping in the router's launch
+        # one token (a batch-1 decode step): routing_kernels.softmax_topk_route, the grouping in the router's launch
         logits = self._logits(x)
         top_k, renorm, wdtype, forced_mask, forced_ids = self._kernel_args(logits, forced)
-        return kernels.softmax_topk_route(logits, top_k, renorm, wdtype, capture, forced_mask, forced_ids)
+        return routing_kernels.softmax_topk_route(logits, top_k, renorm, wdtype, capture, forced_mask, forced_ids)
 
     def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self._logits(x)
-        if self.within_rounding:  # kernels.softmax_topk: the lines below in one launch
-            return kernels.softmax_topk(logits, *self._kernel_args(logits, forced))
+        if self.within_rounding:  # routing_kernels.softmax_topk: the lines below in one launch
+            return routing_kernels.softmax_topk(logits, *self._kernel_args(logits, forced))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E] float32
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K], sorted descending
         if forced is not None:

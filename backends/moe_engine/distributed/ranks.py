@@ -1,16 +1,16 @@
 """The ranks of a tensor-parallel engine: rank 0 starts, drives, watches and stops ranks 1..N-1.
 
 Process model (torch.distributed.run style): the serving process (the Triton model instance) is rank 0. It
-starts one process per other rank (``python -m moe_engine.ranks``; on CUDA rank r uses GPU first_gpu + r), and
-every rank loads only its shard of the checkpoint (sharding.py, read through the memory map). Rank 0 alone runs
+starts one process per other rank (``python -m moe_engine.distributed.ranks``; on CUDA rank r uses GPU
+first_gpu + r), and every rank loads only its shard of the checkpoint (sharding.py, read through the memory map). Rank 0 alone runs
 the scheduler and the block manager; each step it broadcasts the step's inputs (``StepInputs``: a header and one
 int64 payload on the control group, plus the token ids on the device group when an overlapped step's ids
 never left rank 0's GPU), and every rank runs the same forward (``ModelRunner.forward``, CUDA-graph replays
 included: every rank captures the same graphs at the same steps); rank 0 samples and captures routed experts.
 
-Setup: rank 0's engine sends the runner's settings (``setup``); every rank sizes its KV cache the same way (on
-CUDA by profiling the same step, collectives included), the smallest block count over ranks wins, so every rank
-holds the same block ids.
+Setup: rank 0's engine sends its settings (``ResolvedConfig``); every rank builds its runner from them
+(``build_runner``) and sizes its KV cache the same way (on CUDA by profiling the same step, collectives included);
+the smallest block count over ranks wins, so every rank holds the same block ids.
 
 Failures: a watchdog thread waits on the child processes. When one exits unasked, the engine is failed
 (``Engine.fail``: every in-flight request ends with an error, ``engine.dead`` is set, the backend's
@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -38,9 +39,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..core.runner import ModelRunner, StepInputs, build_runner
+from ..core.warmup import freeze_start_up_objects
+from ..engine_config import ResolvedConfig
 from .parallel import ParallelError, ParallelGroup, apply_rank_env, rank_device
-from .runner import ModelRunner, StepInputs, freeze_start_up_objects, kv_cache_budget
-from .kv_cache import blocks_for_budget
 
 T = TypeVar("T")
 
@@ -169,7 +171,7 @@ class StepChannel:
 def apply_control(runner: ModelRunner, group: ParallelGroup, op: dict) -> bool:
     """Rank 1..N-1's part of a weight or memory operation (``RankPool.run_on_every_rank``); whether it succeeded
     here."""
-    from . import lifecycle, weights
+    from ..rl import lifecycle, weights
 
     try:
         if op["op"] == "update_weights_from_disk":  # this rank's slices, into the live parameters
@@ -192,23 +194,6 @@ def apply_control(runner: ModelRunner, group: ParallelGroup, op: dict) -> bool:
     except Exception:
         log.exception("%s failed on this rank", op.get("op"))
         return False
-
-
-def build_runner(model, setup: dict, group: ParallelGroup | None, capture_routing: bool) -> ModelRunner:
-    """The runner a rank builds from the engine's settings (``setup``): the KV cache sized like the engine's (the
-    smallest block count over ranks), decode graphs as configured."""
-    model.use_fused_kernels(setup["fused"], within_rounding=False if setup["exact_kernels"] else None)
-    specs = model.kv_layout()
-    bs = setup["block_size"]
-    budget = kv_cache_budget(model, specs, bs, setup["step_tokens"], setup["max_num_seqs"], setup["max_model_len"],
-                             setup["gpu_memory_utilization"], setup["kv_cache_memory_bytes"])
-    num_blocks = blocks_for_budget(specs, bs, next(model.parameters()).dtype, budget)
-    if group is not None:
-        num_blocks = group.min_int(num_blocks)
-    return ModelRunner(model, num_blocks, bs, setup["step_tokens"], setup["max_num_seqs"], setup["max_model_len"],
-                       capture_routing=capture_routing, graphs_off=setup["graphs_off"], overlap=setup["overlap"],
-                       use_attention_kernels=setup["use_attention_kernels"],
-                       max_cudagraph_capture_size=setup["max_cudagraph_capture_size"])
 
 
 # ----------------------------------------------------------------------------- rank 0: the pool
@@ -254,7 +239,7 @@ class RankPool:
         backends_dir = str(Path(__file__).resolve().parent.parent)  # so that ``moe_engine`` imports
         env["PYTHONPATH"] = os.pathsep.join(p for p in (backends_dir, env.get("PYTHONPATH", "")) if p)
         for rank in range(1, self.world_size):
-            cmd = [_python(), "-m", "moe_engine.ranks", "--rank", str(rank), "--world-size", str(self.world_size),
+            cmd = [_python(), "-m", "moe_engine.distributed.ranks", "--rank", str(rank), "--world-size", str(self.world_size),
                    "--store-port", str(store.port), "--parent", str(os.getpid()),
                    "--num-threads", str(self.num_threads), "--args", json.dumps(self.args)]
             # A session of their own: signals to rank 0's process group (Ctrl-C, Triton stopping) reach rank 0,
@@ -281,10 +266,10 @@ class RankPool:
                 raise ParallelError(f"the other ranks did not join within {JOIN_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
 
-    def send_setup(self, setup: dict, routing_shape: tuple[int, int]) -> None:
-        """The runner settings every rank builds its runner from (before rank 0 sizes its own KV cache)."""
+    def send_setup(self, settings: ResolvedConfig, routing_shape: tuple[int, int]) -> None:
+        """The engine's settings, which every rank builds its runner from (before rank 0 sizes its own KV cache)."""
         self.channel = StepChannel(self.group, routing_shape)
-        self.channel.send_setup(dict(setup, num_threads=self.num_threads))
+        self.channel.send_setup({"settings": asdict(settings), "num_threads": self.num_threads})
 
     def run_on_every_rank(self, op: dict, local: Callable[[], T]) -> T:
         """A weight operation on every rank, between steps (rank 0's engine thread calls this): ``op`` goes to
@@ -363,7 +348,7 @@ class RankPool:
 
 def load_rank_model(checkpoint: str, dtype: str, device: torch.device, group: ParallelGroup, expert_parallel: bool,
                     progress: bool = True):
-    from .checkpoint import load_model
+    from ..checkpoint import load_model
     from .sharding import shard_model
 
     return load_model(checkpoint, dtype=dtype, device=device, progress=progress,
@@ -373,7 +358,7 @@ def load_rank_model(checkpoint: str, dtype: str, device: torch.device, group: Pa
 def build_parallel_engine(checkpoint, dtype: str, device: str, cfg, ecfg, first_gpu: int = 0):
     """An Engine whose model is split over ``ecfg.tensor_parallel_size`` ranks (this process is rank 0). The
     other ranks are stopped if anything fails on the way."""
-    from .engine import Engine
+    from ..engine import Engine
 
     pool = RankPool(ecfg.tensor_parallel_size, checkpoint, dtype, device, first_gpu, ecfg.enable_expert_parallel)
     group = pool.start()
@@ -415,7 +400,9 @@ def serve_rank(rank: int, world_size: int, store_port: int, args: dict, num_thre
             return
         setup = msg[1]
         torch.set_num_threads(setup.get("num_threads", num_threads))
-        runner = build_runner(model, setup, group, capture_routing=False)  # only rank 0 captures routing
+        # only rank 0 captures routing
+        settings = replace(ResolvedConfig(**setup["settings"]), enable_routed_experts=False)
+        runner = build_runner(model, settings, group)
         log.info("rank %d ready: KV cache %d blocks; garbage collector: %d start-up objects frozen", rank,
                  runner.kv.num_blocks - 1, freeze_start_up_objects())
         while True:

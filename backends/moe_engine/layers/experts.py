@@ -6,7 +6,7 @@ Where routed experts flow (data-path order):
 2. ``MoEForCausalLM.forward`` (model.py) hands each MoE layer its slice ``capture[:T, layer]`` ([T, K], a view);
    the MoE block passes it on with the router's ids (routing.py).
 3. Here, each experts module writes exactly the ids it then uses into that slice: on the fused path inside
-   ``kernels.route`` (the kernel that groups (token, slot) pairs by expert, so capture adds no launch; for a
+   ``routing_kernels.route`` (the kernel that groups (token, slot) pairs by expert, so capture adds no launch; for a
    one-token step the router's own launch does that grouping and the copy, ``Router.forward_grouped``), otherwise
    by one ``copy_`` before the experts run; and, when a request asked for them, the combine weights it multiplies
    the expert outputs by (float32, a second buffer). Dense layers get no slice and their rows stay 0. Forced
@@ -18,8 +18,8 @@ Where routed experts flow (data-path order):
 Execution paths, one per situation, numerically the same as Hugging Face transformers' per-expert loop (rows of
 each expert in HF's order, the routing weight applied before the cast, outputs summed one by one in ascending
 expert order):
-- ``fused`` (CUDA, Triton): ``kernels.route`` -> expert GEMMs -> ``kernels.combine`` (for a step of at least
-  ``kernels.COMBINE_NORM_MIN_TOKENS`` tokens under the within-rounding fusions: inside the next norm's launch, to
+- ``fused`` (CUDA, Triton): ``routing_kernels.route`` -> expert GEMMs -> ``routing_kernels.combine`` (for a step of at least
+  ``routing_kernels.COMBINE_NORM_MIN_TOKENS`` tokens under the within-rounding fusions: inside the next norm's launch, to
   which the decoder hands the ``ExpertOutputs``); graph-capturable. The GEMMs
   are fused_moe.py's Triton kernels (reading only the hit experts' weights; equal to torch's within bf16 GEMM
   rounding, a different summation order) up to ``triton_gemm_max_pairs`` pairs, torch's grouped GEMM beyond;
@@ -46,9 +46,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import fused_moe, kernels
-from .config import ExpertsSpec
+from ..config import ExpertsSpec
+from ..kernels import fused_moe
+from ..kernels import moe_routing as routing_kernels
 from .routing import Forced
+
 
 @dataclass(frozen=True)
 class LayerRouting:
@@ -66,9 +68,9 @@ NO_ROUTING = LayerRouting()
 @dataclass(frozen=True)
 class ExpertOutputs:
     """A MoE layer's output before its combine (fused path): ``y`` [T*K, H] the expert outputs in grouped order,
-    ``ids`` / ``pos`` / ``weights`` [T, K] as ``kernels.combine`` takes them. The decoder hands it on, not summed,
+    ``ids`` / ``pos`` / ``weights`` [T, K] as ``routing_kernels.combine`` takes them. The decoder hands it on, not summed,
     to the norm that reads the residual stream next, which sums it in its own launch
-    (``kernels.combine_rms_norm``); anything else asks for ``combine()``, the [T, H] output."""
+    (``routing_kernels.combine_rms_norm``); anything else asks for ``combine()``, the [T, H] output."""
 
     y: Tensor
     ids: Tensor
@@ -76,7 +78,7 @@ class ExpertOutputs:
     weights: Tensor
 
     def combine(self, dtype: torch.dtype) -> Tensor:
-        return kernels.combine(self.y, self.ids, self.pos, self.weights, dtype)
+        return routing_kernels.combine(self.y, self.ids, self.pos, self.weights, dtype)
 
 
 @dataclass(frozen=True)
@@ -256,7 +258,7 @@ class Experts(nn.Module):
         """x [T, H], ids [T, K], weights [T, K] -> sum_k weights[t, k] * expert_{ids[t, k]}(x[t])  [T, H].
         capture [T, K] int32 (a view of the step's routing buffer): receives exactly ``ids``, before the experts
         run (on the fused path, by the kernel that reads them to group the pairs); weights_capture [T, K] float32
-        receives ``weights``. ``grouped``: ``kernels.route``'s outputs for ``ids`` when the router's launch
+        receives ``weights``. ``grouped``: ``routing_kernels.route``'s outputs for ``ids`` when the router's launch
         already computed them and wrote ``capture`` (``Router.forward_grouped``; only for the fused path).
         ``defer_combine``: on the fused path, return the ``ExpertOutputs`` instead of their sum."""
         _capture_weights(weights_capture, weights)
@@ -307,7 +309,7 @@ class Experts(nn.Module):
         """``_forward_grouped_mm`` with the bookkeeping in two kernels: ``route`` (the expert-grouped order,
         offsets, the capture copy; or ``grouped``, from the router's launch) before the grouped GEMMs and
         ``combine`` (weights, HF-order sum; ``ExpertOutputs.combine``, or the next norm's launch) after them."""
-        routed = grouped if grouped is not None else kernels.route(ids, self.num_experts, capture)
+        routed = grouped if grouped is not None else routing_kernels.route(ids, self.num_experts, capture)
         pos, tok, offs = routed  # [T, K] grouped row of each pair, [K*T] token of each row, [E] row ends
         if ids.numel() <= self.triton_gemm_max_pairs:  # only the hit experts' weights are read
             y = fused_moe.expert_mlp(x, self.gate_up_proj, self.down_proj, pos, tok, offs)  # [K*T, H]

@@ -1,0 +1,147 @@
+"""Paged KV cache: per layer, one buffer pair of fixed-size blocks, and the budget that sizes it.
+
+Layout per layer: ``k [num_blocks, block_size, Hkv, Dk]``, ``v [num_blocks, block_size, Hkv, Dv]`` (MLA layers
+cache the compressed latent as "k" and the shared rotated key as "v", one "head"). A sequence's token at position
+p lives in block ``block_table[p // block_size]`` at offset ``p % block_size``; the flat *slot* of that token is
+``block * block_size + offset``. Which blocks a sequence owns is the block manager's business
+(block_manager.py); this module only allocates memory and says how many blocks a budget holds.
+
+The last block is never handed out: CUDA-graph padding rows write their keys there (``null_block``).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.attend import ForwardBatch, LayerKV
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Per-layer cache geometry a model asks for (MLA layers have k_dim != v_dim)."""
+
+    num_kv_heads: int
+    k_dim: int
+    v_dim: int
+
+
+def bytes_per_block(specs: list[KVSpec], block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(s.num_kv_heads * (s.k_dim + s.v_dim) for s in specs) * block_size * elem
+
+
+def blocks_for_budget(specs: list[KVSpec], block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    """Blocks that fit ``budget_bytes`` (the null block included)."""
+    return int(budget_bytes // bytes_per_block(specs, block_size, dtype))
+
+
+class KVCache:
+    def __init__(
+        self, specs: list[KVSpec], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    ):
+        if num_blocks < 2:
+            raise ValueError(f"a KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.null_block = num_blocks - 1
+        self.layers = [
+            LayerKV(
+                k=torch.zeros(num_blocks, block_size, s.num_kv_heads, s.k_dim, dtype=dtype, device=device),
+                v=torch.zeros(num_blocks, block_size, s.num_kv_heads, s.v_dim, dtype=dtype, device=device),
+            )
+            for s in specs
+        ]
+        self.nbytes = sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
+
+    @classmethod
+    def for_sequences(
+        cls, specs: list[KVSpec], num_seqs: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
+        block_size: int = 16,
+    ) -> "KVCache":
+        """A cache in which sequence s owns the fixed blocks ``sequence_blocks(s)`` (reference runs, tests)."""
+        per_seq = -(-max_len // block_size)
+        cache = cls(specs, num_seqs * per_seq + 1, block_size, dtype, device)
+        cache._per_seq = per_seq
+        return cache
+
+    def sequence_blocks(self, s: int) -> list[int]:
+        n = self._per_seq
+        return list(range(s * n, (s + 1) * n))
+
+    def __getitem__(self, layer: int) -> LayerKV:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+CPU_KV_BUDGET = 2 << 30  # CPU default: 2 GiB, or less when max_num_seqs full-length sequences need less
+
+
+def kv_cache_budget(model: torch.nn.Module, specs: list[KVSpec], settings) -> int:
+    """KV-cache bytes (``settings``: the engine's ResolvedConfig): ``kv_cache_memory_bytes`` when given; on CUDA the share ``gpu_memory_utilization`` of the
+    GPU's memory minus what is in use (weights, other processes), a profiled peak step's activations and the same
+    again for the decode graphs' pool; on CPU ``CPU_KV_BUDGET`` capped at what max_num_seqs full sequences need."""
+    if settings.kv_cache_memory_bytes:
+        return settings.kv_cache_memory_bytes
+    block_size, max_num_seqs, step_tokens = settings.block_size, settings.max_num_seqs, settings.step_tokens
+    max_model_len, gpu_memory_utilization = settings.max_model_len, settings.gpu_memory_utilization
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    if device.type != "cuda":
+        need = (max_num_seqs * -(-max_model_len // block_size) + 1) * bytes_per_block(specs, block_size, dtype)
+        return min(CPU_KV_BUDGET, need)
+    peak = profile_peak_activation(model, specs, block_size, step_tokens, max_num_seqs)
+    torch.cuda.synchronize(device)
+    # Memory this process's caching allocator holds but no tensor uses (a previous engine's KV cache, the
+    # profiling step's activations) is free for this one: hand it back before asking the driver.
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free  # weights, this process's other buffers, CUDA context, other processes
+    budget = int(total * gpu_memory_utilization) - in_use - 2 * peak
+    log.info(
+        "KV budget: %.1f GiB of %.1f GiB (utilization %.2f; in use %.1f GiB; peak step activations %.2f GiB, "
+        "reserved twice: step and graphs)",
+        budget / 2**30, total / 2**30, gpu_memory_utilization, in_use / 2**30, peak / 2**30,
+    )
+    if budget <= 0:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache: {in_use / 2**30:.1f} GiB of {total / 2**30:.1f} GiB in use and "
+            f"{2 * peak / 2**30:.1f} GiB needed for activations; raise --gpu-memory-utilization, lower "
+            f"--max-num-batched-tokens, or give --kv-cache-memory"
+        )
+    return budget
+
+
+@torch.inference_mode()
+def profile_peak_activation(
+    model: torch.nn.Module, specs: list[KVSpec], block_size: int, step_tokens: int, max_num_seqs: int
+) -> int:
+    """Peak device bytes a step of ``step_tokens`` prefill tokens allocates beyond what is allocated now
+    (activations, expert buffers, logits and sampling of ``max_num_seqs`` rows), measured by running one."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    cfg = model.config
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    cache = KVCache(specs, -(-step_tokens // block_size) + 1, block_size, dtype, device)
+    batch = ForwardBatch.build([list(range(cache.num_blocks - 1))], [0], [step_tokens], device, block_size)
+    capture = torch.zeros(step_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.int32,
+                          device=device)
+    ids = torch.randint(0, cfg.vocab_size, (step_tokens,), device=device)
+    hidden = model(ids, batch, cache, capture)
+    rows = min(max_num_seqs, step_tokens)
+    logits = model.compute_logits(hidden[:rows])
+    torch.softmax(logits, dim=-1)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base - cache.nbytes
+    del cache, batch, capture, hidden, logits
+    torch.cuda.empty_cache()
+    return max(int(peak), 0)

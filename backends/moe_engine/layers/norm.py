@@ -1,0 +1,55 @@
+"""RMSNorm as Hugging Face transformers computes it (float32 statistics, the weight applied after the cast back;
+GPT-OSS: in float32), with the residual add before it and, on the fused path, the MoE combine in its launch."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..kernels import moe_routing as routing_kernels
+from ..kernels import norm as norm_kernels
+from .experts import ExpertOutputs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, fp32_weight: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.fp32_weight = fp32_weight
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.fused = False  # kernels.py (set by MoEForCausalLM.use_fused_kernels)
+        self.within_rounding = False  # one-pass kernel, equal within float32 summation order (ditto)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.fused and self.within_rounding:
+            return norm_kernels.rms_norm(x, self.weight, self.eps, self.fp32_weight)[1]
+        if self.fused and x.is_contiguous():
+            _, squares, _ = norm_kernels.add_square(x)
+            return self._fused_tail(x, squares)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_weight:  # GPT-OSS: (weight * normed).to(input dtype), the product in float32
+            return (self.weight * x).to(dtype)
+        return self.weight * x.to(dtype)  # HF: weight * normed.to(input dtype)
+
+    def add_forward(self, x: Tensor, delta: Tensor | ExpertOutputs | None) -> tuple[Tensor, Tensor]:
+        """(x + delta, norm(x + delta)): the residual add before a norm (one kernel with it when fused; with the
+        MoE combine too when delta is a MoE layer's ``ExpertOutputs``)."""
+        if delta is None:
+            return x, self(x)
+        if isinstance(delta, ExpertOutputs):
+            if self.fused and self.within_rounding:
+                return routing_kernels.combine_rms_norm(delta.y, delta.ids, delta.pos, delta.weights, x, self.weight,
+                                                self.eps, self.fp32_weight)
+            delta = delta.combine(x.dtype)
+        if self.fused and self.within_rounding:
+            return norm_kernels.rms_norm(x, self.weight, self.eps, self.fp32_weight, delta)
+        if self.fused and x.is_contiguous() and delta.is_contiguous():
+            s, squares, _ = norm_kernels.add_square(x, delta)
+            return s, self._fused_tail(s, squares)
+        s = x + delta
+        return s, self(s)
+
+    def _fused_tail(self, x: Tensor, squares: Tensor) -> Tensor:
+        # torch's own mean over the same float32 squares: the summation order of the op-by-op path
+        return norm_kernels.rms_norm_tail(x, squares.mean(-1, keepdim=True), self.weight, self.eps, self.fp32_weight)

@@ -1,0 +1,222 @@
+"""MoE decoder-only transformer (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GPT-OSS), gpt-fast style.
+
+One forward step runs the tokens of all scheduled sequences flattened into one
+dimension T; ``ForwardBatch`` (attention.py) says which sequence and position each
+token has, and ``attend`` handles the per-sequence causal attention over the
+paged KV cache. Shapes are given in comments: T tokens, H hidden size,
+Hq/Hkv query/kv heads, D head dim, E experts, K experts per token, I expert width.
+
+Numerics follow Hugging Face transformers 5.24 operation by operation (norm in
+float32 then cast, RoPE tables cast to the model dtype, router logits in the model
+dtype, per-expert weights applied before the cast, expert outputs summed in
+ascending expert order), so that float32 runs agree with HF to rounding and bf16
+runs route the same experts for all but near-tied tokens.
+
+Module and parameter names equal HF's in-memory (v5, fused experts) names, so
+checkpoint keys map one to one (checkpoint.py).
+
+Tensor parallelism: sharding.py shrinks the modules to one rank's heads / widths / experts / vocabulary rows
+before the weights load; each decoder layer then all-reduces its attention and MLP outputs (partial sums).
+
+Architecture differences come from the config's specs, never from the name, and each
+module is built from its spec alone: the router (``cfg.router``, routing.py), the
+attention (``cfg.attention``: grouped-query, or with ``attention.mla`` DeepSeek's
+multi-head latent attention whose cache holds the compressed latent and the rotated
+shared key, expanded by ``kv_b_proj`` every step as HF does), the MoE block layout
+(``cfg.experts.block``: default / DeepSeek shared experts / GPT-OSS biased clamped
+experts), rope style and yarn (``cfg.rope``, rope.py), sinks and per-layer sliding
+windows. The experts and the ways to run them are experts.py's (which also says where
+routing capture is written). Dense layers (DeepSeek's first_k_dense_replace, Qwen's
+mlp_only_layers) are part of the layer dimension; their capture rows are never written.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..config import MoEConfig
+from ..core.kv_cache import KVCache, KVSpec
+from ..kernels import moe_routing as routing_kernels
+from ..kernels import support as kernel_support
+from ..layers.attend import ForwardBatch, LayerKV
+from ..layers.attention import Attention
+from ..layers.experts import NO_ROUTING, TRITON_GEMM_MAX_PAIRS, ExpertOutputs, Experts, LayerRouting, StepRouting
+from ..layers.mla import MLAttention
+from ..layers.moe import MLP, DeepseekMoE, GptOssMoE, MoEBlock
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding
+from ..layers.routing import Router
+
+MOE_BLOCKS: dict[str, type[nn.Module]] = {"default": MoEBlock, "deepseek": DeepseekMoE, "gpt_oss": GptOssMoE}
+
+
+ATTENTIONS: dict[str, type[nn.Module]] = {"gqa": Attention, "mla": MLAttention}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: MoEConfig, layer_idx: int):
+        super().__init__()
+        self.is_moe = layer_idx in cfg.moe_layers
+        attention = ATTENTIONS[cfg.attention.kind]
+        self.self_attn = attention(cfg.attention, cfg.rope, cfg.hidden_size, cfg.rms_norm_eps, layer_idx)
+        if self.is_moe:
+            self.mlp = MOE_BLOCKS[cfg.experts.block](cfg.router, cfg.experts, cfg.hidden_size)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
+        self.tp = None  # tensor parallelism (sharding.py): attention and MLP outputs are this rank's partial sums
+
+    def _reduce(self, partial: Tensor) -> Tensor:
+        return partial if self.tp is None else self.tp.all_reduce(partial.contiguous())
+
+    def forward(
+        self,
+        x: Tensor,  # [T, H] residual stream
+        delta: Tensor | None,  # [T, H] previous layer's output, not yet added to x (None before layer 0)
+        cos: Tensor,
+        sin: Tensor,
+        batch: ForwardBatch,
+        cache: LayerKV,
+        routing: LayerRouting,
+    ) -> tuple[Tensor, Tensor | ExpertOutputs]:  # (residual stream, this layer's MLP output to add to it)
+        # x + delta and x + attention are each added right before the norm that reads them (same values as
+        # HF's adds at the end of a layer; the fused norm does the add in its first kernel). A MoE layer's
+        # output reaches the next norm (the next layer's, or the final one: RMSNorms share their kernel
+        # settings) as ExpertOutputs when that norm's one-pass kernel can also do the combine.
+        x, normed = self.input_layernorm.add_forward(x, delta)
+        attn = self._reduce(self.self_attn(normed, cos, sin, batch, cache))
+        h, normed = self.post_attention_layernorm.add_forward(x, attn)
+        if not self.is_moe:
+            return h, self._reduce(self.mlp(normed))
+        if isinstance(self.mlp, MoEBlock) and self.tp is None:
+            norm = self.post_attention_layernorm
+            defer = norm.fused and norm.within_rounding and normed.shape[0] >= routing_kernels.COMBINE_NORM_MIN_TOKENS
+            return h, self.mlp(normed, routing, defer_combine=defer)
+        return h, self._reduce(self.mlp(normed, routing))
+
+
+class MoEModel(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
+        self.rotary_emb = RotaryEmbedding(cfg.rope)
+
+
+class MoEForCausalLM(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = MoEModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute non-persistent buffers, e.g. after building on the meta device."""
+        rot = self.model.rotary_emb
+        rot.inv_freq = rot.compute_inv_freq(device or self.device)
+
+    def kv_layout(self) -> list[KVSpec]:
+        cfg, attn = self.config, self.config.attention
+        if attn.mla is not None:  # compressed latent ("k") + shared rotated rope key ("v"), one "head"
+            return [KVSpec(1, attn.mla.kv_lora_rank, attn.mla.qk_rope_head_dim) for _ in range(cfg.num_hidden_layers)]
+        # this rank's key/value heads (all of them unless sharded)
+        return [KVSpec(layer.self_attn.num_kv_heads, attn.head_dim, attn.head_dim) for layer in self.model.layers]
+
+    def use_fused_kernels(self, enabled: bool, within_rounding: bool | None = None) -> bool:
+        """Switch the fused Triton kernels (kernels.py, bit for bit the op-by-op results; on a GPU also the expert
+        GEMMs of fused_moe.py, equal within bf16 GEMM rounding) on or off for every module that has them.
+        ``within_rounding`` (default: on a GPU) adds the fusions equal to the op-by-op path within rounding, with
+        the same expert ids: one-pass norms, the fused softmax router, one GEMM for q/k/v (kernels.py's second
+        table). Returns whether fused kernels are on: only where Triton runs for this model's device and dtype."""
+        enabled = enabled and kernel_support.available(self.device) and kernel_support.supports(self.dtype)
+        on_gpu = enabled and self.device.type == "cuda" and not kernel_support.interpreting()
+        within_rounding = enabled and (on_gpu if within_rounding is None else within_rounding)
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention)) or getattr(m, "supports_fused", False):
+                m.fused = enabled
+            if isinstance(m, (RMSNorm, Attention, Router)):
+                m.within_rounding = within_rounding
+            if isinstance(m, Attention) and within_rounding:
+                m.fuse_qkv()
+            if isinstance(m, Experts):
+                m.triton_gemm_max_pairs = TRITON_GEMM_MAX_PAIRS if on_gpu else 0
+        return enabled
+
+    def graph_unsafe_reason(self) -> str | None:
+        """Why a decode step of this model cannot be captured in a CUDA graph (a host sync inside), or None."""
+        for layer in self.model.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            reason = experts.graph_unsafe_reason(self.device, self.dtype) if experts is not None else None
+            if reason is not None:
+                return reason
+        return None
+
+    def prefill_graph_unsafe_reason(self) -> str | None:
+        """Why a step carrying prompt tokens cannot replay a CUDA graph where a decode step can (prefill_graphs.py),
+        or None: every MoE layer must take the fused path, whose grouping of a step's pairs waits for nothing (off
+        it, expert parallelism and the op-by-op forward count each expert's rows on the host)."""
+        for layer in self.model.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is not None and not (getattr(experts, "fused", False) and experts.first_expert is None):
+                return "an MoE layer is off the fused path (expert parallelism, or the op-by-op forward)"
+        return None
+
+    def param_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """dtype a parameter is loaded in when the model runs in ``dtype`` (HF's keep-in-fp32 rules):
+        DeepSeek's router weight and e_score_correction_bias always float32 (``_keep_in_fp32_modules_strict``);
+        GPT-OSS norms float32 when the model runs in float16 (``_keep_in_fp32_modules``)."""
+        cfg = self.config
+        if cfg.router.fp32 and (name.endswith(".mlp.gate.weight") or name.endswith(".e_score_correction_bias")):
+            return torch.float32
+        if cfg.norm_fp32_weight and dtype == torch.float16 and name.endswith("norm.weight"):
+            return torch.float32
+        return dtype
+
+    def forward(
+        self,
+        input_ids: Tensor,  # [T] long, tokens of all sequences flattened
+        batch: ForwardBatch,  # attention layout for this step
+        kv: KVCache | list[LayerKV],  # kv[layer] -> LayerKV
+        capture: Tensor | None = None,  # [>=T, num_hidden_layers, K] int32 step buffer (routing.ids)
+        routing: StepRouting | None = None,  # capture buffers and forced routing (experts.py)
+    ) -> Tensor:  # [T, H] final hidden states (after the final norm)
+        T = input_ids.shape[0]
+        if routing is None:
+            routing = StepRouting(ids=capture)
+        x = self.model.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.model.rotary_emb(batch.positions, x.dtype)  # [T, R] each (complex style: [T, R/2], None)
+        delta = None
+        for i, layer in enumerate(self.model.layers):
+            layer_routing = routing.layer(i, T) if layer.is_moe else NO_ROUTING
+            x, delta = layer(x, delta, cos, sin, batch, kv[i], layer_routing)
+        return self.model.norm.add_forward(x, delta)[1]
+
+    def compute_logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
+        """[N, H] -> [N, V] float32 (the matmul runs in the model dtype, as HF), into ``out`` when given."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
+
+
+@torch.inference_mode()
+def reference_forward(model: MoEForCausalLM, token_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """Whole sequence in one step on a fresh cache: (logits [T, V] float32, routed ids [T, L, K] int32)."""
+    cfg, device, T = model.config, model.device, len(token_ids)
+    cache = KVCache.for_sequences(model.kv_layout(), num_seqs=1, max_len=T, dtype=model.dtype, device=device)
+    batch = ForwardBatch.build([cache.sequence_blocks(0)], [0], [T], device, cache.block_size)
+    capture = torch.zeros(T, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.int32, device=device)
+    hidden = model(torch.tensor(token_ids, dtype=torch.long, device=device), batch, cache, capture)
+    return model.compute_logits(hidden), capture
