@@ -9,7 +9,7 @@ on the path (a tree's benchmark imports that tree's engine: running the checkout
 backends/ would time a mix). The benchmark's arguments after ``--`` go to every run. Alternating rounds is what
 makes the variants comparable: GPU clocks, temperature and the machine's other load drift over all of them alike.
 
-    PYTHONPATH=backends:. python3 loadtest/ab_real_shape.py --rounds 2 --variant base=/tmp/base \\
+    PYTHONPATH=backends:. python3 loadtest/bench/ab_real_shape.py --rounds 2 --variant base=/tmp/base \\
         --variant pdl-off=.,MOE_PDL=0 --variant new=. --out OUT -- --quick --cases a --reps 2
 
 Prints every run's decode ITL p50 / output tok/s per case as it ends, then per case and variant the medians over
@@ -29,6 +29,12 @@ import time
 from pathlib import Path
 
 METRICS = ("itl_p50_s", "tok_s", "ttft_p50_s")  # per repetition, from results.json's cases.<case>.reps
+SCRIPTS = ("loadtest/bench/bench_real_shape.py", "loadtest/bench/bench_real_shape.py")  # this layout, then older trees'
+
+
+def bench_script(tree: Path) -> Path | None:
+    """The tree's own bench_real_shape.py (an older commit has it directly in loadtest/)."""
+    return next((tree / s for s in SCRIPTS if (tree / s).is_file()), None)
 
 
 def parse_variant(text: str) -> tuple[str, Path, dict[str, str]]:
@@ -40,15 +46,15 @@ def parse_variant(text: str) -> tuple[str, Path, dict[str, str]]:
         if not eq:
             raise SystemExit(f"--variant {text!r}: {item!r} is not VAR=VALUE")
         env[var] = value
-    if not name or not (tree / "loadtest" / "bench_real_shape.py").is_file() or not (tree / "backends").is_dir():
-        raise SystemExit(f"--variant {text!r}: want NAME=DIR with DIR/backends and DIR/loadtest/bench_real_shape.py")
+    if not name or bench_script(tree) is None or not (tree / "backends").is_dir():
+        raise SystemExit(f"--variant {text!r}: want NAME=DIR with DIR/backends and DIR/{SCRIPTS[0]}")
     return name, tree, env
 
 
 def run_one(name: str, tree: Path, env: dict[str, str], bench_args: list[str], out: Path, timeout: float) -> dict:
     """One benchmark process of one variant -> {case: [rep metrics]} (empty if it failed; its log says why)."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(tree / "loadtest" / "bench_real_shape.py"), *bench_args, "--out", str(out)]
+    cmd = [sys.executable, str(bench_script(tree)), *bench_args, "--out", str(out)]
     full_env = {**os.environ, "PYTHONPATH": f"{tree / 'backends'}{os.pathsep}{tree}", **env}
     t0 = time.monotonic()
     try:

@@ -14,8 +14,8 @@ prompts as JSON-parsed lists (fresh int objects, as a server gets them), and rep
 - process / median output: ``Scheduler.process`` of that step's results, and when the median request's output
   was handed out within it
 
-    PYTHONPATH=backends:. python3 loadtest/bench_admission.py                 # ~30 s
-    PYTHONPATH=OTHER/backends:. python3 loadtest/bench_admission.py           # another tree's engine
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_admission.py                 # ~30 s
+    PYTHONPATH=OTHER/backends:. python3 loadtest/bench/bench_admission.py           # another tree's engine
 
 A tree without ``prepare_outputs`` or the id array (before 2026-12-03) is measured with what it has: its
 validation's per-token loop, and the cached rows copied in ``process``.

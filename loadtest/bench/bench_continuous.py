@@ -16,19 +16,22 @@ and how many carried prompt tokens, their mean wall time (``Engine.step()``, hos
 overlapped), and whether every request's tokens equal the other engine's (greedy: they should; bfloat16 ties
 can break differently where the kernels' tiles differ).
 
-    PYTHONPATH=backends:.:loadtest python3 loadtest/bench_continuous.py [--requests 192] [--reps 2]
-    PYTHONPATH=backends:.:loadtest python3 loadtest/bench_continuous.py --prompt-lens 512 1536   # longer prompts
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_continuous.py [--requests 192] [--reps 2]
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_continuous.py --prompt-lens 512 1536   # longer prompts
 """
 from __future__ import annotations
 
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import real_shape_model as rsm
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
+from loadtest.bench import real_shape_model as rsm  # noqa: E402
 from moe_engine.engine import Engine, EngineConfig, Request
 from moe_engine.sampling import SamplingParams
 

@@ -17,7 +17,7 @@ bit-identical but for the expert GEMMs, whose K tiles change the float32 summati
   experts      fused_moe tile configs of the gate_up and down GEMMs (BLOCK_N, BLOCK_K, stages, warps), 8 weight
                sets of 128 experts used in turn, fresh routing per call
 
-    PYTHONPATH=backends:. python3 loadtest/bench_decode_kernels.py --tokens 1,64 --out OUT   # one H200: ~4 min
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_decode_kernels.py --tokens 1,64 --out OUT   # one H200: ~4 min
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_shape_model as rsm  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
+from loadtest.bench import real_shape_model as rsm  # noqa: E402
 from moe_engine import fused_moe, kernels  # noqa: E402
 from moe_engine.fused_moe import TileConfig  # noqa: E402
 

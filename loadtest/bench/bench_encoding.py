@@ -28,8 +28,8 @@ Every decode is checked against the original array. Trials are interleaved (each
 repetition runs every method, the order rotating), medians reported; ``min`` too.
 Single process, no server: the numbers are CPU time of the codec on this machine.
 
-    .venv/bin/python loadtest/bench_encoding.py            # about 2 min on 2 cores
-    .venv/bin/python loadtest/bench_encoding.py --quick    # smaller, seconds
+    .venv/bin/python loadtest/bench/bench_encoding.py            # about 2 min on 2 cores
+    .venv/bin/python loadtest/bench/bench_encoding.py --quick    # smaller, seconds
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repo root: loadtest.* when run by path
 
 import numpy as np  # noqa: E402
 import pybase64  # noqa: E402
@@ -217,7 +217,8 @@ def main() -> None:
     md = table(results)
     print(md)
     print(f"\nload average before {tuple(round(x, 2) for x in load0)}, after {tuple(round(x, 2) for x in load1)}")
-    path = Path(args.json) if args.json else HERE / "results" / f"bench_encoding-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    stamp = f"{dt.datetime.now():%Y%m%d-%H%M%S}"
+    path = Path(args.json) if args.json else REPO / "loadtest" / "results" / f"bench_encoding-{stamp}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"command": " ".join(sys.argv), "load_before": load0, "load_after": load1,
                                 "results": results}, indent=1))

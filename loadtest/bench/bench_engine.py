@@ -24,9 +24,9 @@ matmuls on CPU are slower than fp32 and not what CPU tests run), bfloat16 on CUD
 
 Usage
 -----
-    .venv/bin/python loadtest/bench_engine.py                 # default run (CPU: about 6 min on 2 cores)
-    .venv/bin/python loadtest/bench_engine.py --quick         # smoke run, under a minute
-    .venv/bin/python loadtest/bench_engine.py --device cuda   # GPU (bf16; more layers with --layers ...)
+    .venv/bin/python loadtest/bench/bench_engine.py                 # default run (CPU: about 6 min on 2 cores)
+    .venv/bin/python loadtest/bench/bench_engine.py --quick         # smoke run, under a minute
+    .venv/bin/python loadtest/bench/bench_engine.py --device cuda   # GPU (bf16; more layers with --layers ...)
 
 Results: a markdown table on stdout, and a JSON file (every trial, medians, environment) under
 ``loadtest/results/`` (gitignored). Progress goes to stderr.
@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 SYSTEMS = ("engine+capture", "engine", "hf_generate")
 LABELS = {"engine+capture": "(a) engine, capture on", "engine": "(b) engine, capture off", "hf_generate": "(c) HF generate"}
@@ -550,7 +550,7 @@ def main(argv=None) -> int:
     env["loadavg_start"], env["loadavg_end"] = load_start, load_end
     hf = runners.get("hf_generate")
     report = {
-        "benchmark": "loadtest/bench_engine.py",
+        "benchmark": "loadtest/bench/bench_engine.py",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "timestamp_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "model": {

@@ -9,9 +9,10 @@ routing rows of 48 x 8 per token, 8192-token steps) and tiny widths (hidden 64),
 is cheap enough and the rest is what a real server's host does per step. Each timed call is wrapped; the forward
 itself is reported for scale only.
 
-    PYTHONPATH=backends:. python3 loadtest/bench_host_time.py                 # 64 x 1024 prompts, capture on and off
-    PYTHONPATH=backends:. python3 loadtest/bench_host_time.py --prompts 16 --prompt-len 2048 --modes on
-    PYTHONPATH=backends:. python3 loadtest/bench_host_time.py --prompts 32 --prompt-len 7488 --turn2 312 --layers 2
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_host_time.py   # 64 x 1024 prompts, capture on and off
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_host_time.py --prompts 16 --prompt-len 2048 --modes on
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_host_time.py \\
+        --prompts 32 --prompt-len 7488 --turn2 312 --layers 2
 
 Takes about 75 s per mode on a 2-core machine (ten 8k-token steps of 48 layers). ``--turn2 N`` then sends every
 prompt again with N new tokens (a multi-turn agent's next turn: the prompt is a prefix-cache hit) and reports that
@@ -23,11 +24,14 @@ from __future__ import annotations
 import argparse
 import collections
 import threading
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from loadtest import real_shape_model as rsm
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
+from loadtest.bench import real_shape_model as rsm  # noqa: E402
 from moe_engine import attention
 from moe_engine.engine import Engine
 from moe_engine.engine_config import EngineConfig

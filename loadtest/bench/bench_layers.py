@@ -30,9 +30,9 @@ The server runs beside this process (idle while the in-process engine is measure
 vice versa). On the 2-core machine the client threads share the CPU with the server,
 as real clients on the same host would.
 
-    .venv/bin/python loadtest/bench_layers.py                 # medium model, about 6 min
-    .venv/bin/python loadtest/bench_layers.py --model tiny    # engine cost small: overhead dominates
-    .venv/bin/python loadtest/bench_layers.py --quick
+    .venv/bin/python loadtest/bench/bench_layers.py                 # medium model, about 6 min
+    .venv/bin/python loadtest/bench/bench_layers.py --model tiny    # engine cost small: overhead dominates
+    .venv/bin/python loadtest/bench/bench_layers.py --quick
 """
 from __future__ import annotations
 
@@ -47,15 +47,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repo root: loadtest.* when run by path
 sys.path.insert(0, str(REPO / "backends"))
 
 import numpy as np  # noqa: E402
 
-from common import fetch_model_info, loadavg, resolve_model, token_prompts  # noqa: E402
+from loadtest.bench.common import fetch_model_info, loadavg, resolve_model, token_prompts  # noqa: E402
 
 
 @dataclass
@@ -227,7 +225,7 @@ class ApiLayer:
     """stream=True: /inference/v1/generate SSE; stream=False: /v1/completions with a token-id prompt."""
 
     def __init__(self, server, info, stream: bool, routed: bool | None = True, name: str | None = None):
-        from common import RoutingVerifier
+        from loadtest.bench.common import RoutingVerifier
 
         self.root = server.root_url
         self.info = info
@@ -254,7 +252,7 @@ class ApiLayer:
         s = self._session()
         t0 = time.perf_counter()
         if self.stream:
-            from common import iter_sse
+            from loadtest.bench.common import iter_sse
 
             body = {"model": self.info.id, "token_ids": list(prompt), "sampling_params": sp, "stream": True}
             out, first, last, routed = [], None, None, None
@@ -394,7 +392,7 @@ def common_args(ap):
 
 
 def setup(args):
-    from common import parse_range
+    from loadtest.bench.common import parse_range
 
     conc = [int(c) for c in args.concurrency.split(",")]
     per = dict((int(a), int(b)) for a, b in (x.split(":") for x in args.requests_per_worker.split(",")))
@@ -426,7 +424,7 @@ def main() -> None:
     conc, per, ckpt, name, lo, hi = setup(args)
     from openai_frontend.server_process import start_server
 
-    work = HERE / "results" / f"bench_layers-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    work = REPO / "loadtest" / "results" / f"bench_layers-{dt.datetime.now():%Y%m%d-%H%M%S}"
     work.mkdir(parents=True, exist_ok=True)
     load0 = loadavg()
     progress(f"load average {load0}; model {name}; starting moe-serve")

@@ -28,20 +28,20 @@ Targets: cache on: TTFT p50 of the last turn within 2x of turn 1's; prompt start
 (max / min <= 1.2); cache-on output tok/s >= 3x cache-off at the last turn (the H200 target).
 
 Modes:
-  --mode server   moe-serve on a checkpoint (default ``medium``, loadtest/common.py; CPU), two servers (cache on
+  --mode server   moe-serve on a checkpoint (default ``medium``, loadtest/bench/common.py; CPU), two servers (cache on
                   and off) started side by side, ``--endpoints generate,chat`` (``/inference/v1/generate`` with
                   token ids; ``/v1/chat/completions`` with messages, where the previous answer goes back as text),
                   streaming. The runs are interleaved turn by turn, so that the runs compared share the machine's
                   conditions.
   --mode engine   the engine's public API in-process on the Qwen3-30B-A3B shape with random weights built on the
-                  device (loadtest/real_shape_model.py); one engine (and KV cache) per run, runs one after another.
+                  device (bench/real_shape_model.py); one engine (and KV cache) per run, runs one after another.
 
 Usage:
-    .venv/bin/python loadtest/bench_multiturn.py --mode server --conversations 8 --turns 8 --user-tokens 96 \
+    .venv/bin/python loadtest/bench/bench_multiturn.py --mode server --conversations 8 --turns 8 --user-tokens 96 \
         --output-tokens 32                          # CPU, medium model: about 5 minutes (loadtest/reports/multiturn.md)
-    python loadtest/bench_multiturn.py --mode engine --device cuda --quick --out $OUT/multiturn     # H200, < 4 min
-    python loadtest/bench_multiturn.py --mode engine --device cuda --out $OUT/multiturn   # all runs: several min
-    .venv/bin/python loadtest/bench_multiturn.py --mode engine --device cpu --shape tiny --conversations 4 \
+    python loadtest/bench/bench_multiturn.py --mode engine --device cuda --quick --out $OUT/multiturn  # H200, < 4 min
+    python loadtest/bench/bench_multiturn.py --mode engine --device cuda --out $OUT/multiturn   # all runs: several min
+    .venv/bin/python loadtest/bench/bench_multiturn.py --mode engine --device cpu --shape tiny --conversations 4 \
         --turns 4 --user-tokens 32 --output-tokens 8                # CPU smoke test of the engine mode (seconds)
 --quick: runs ``on-mixed,off-mixed``, the off run only at turns 1 and the last, a 210 s budget (no turn starts after
 it; the on run starts none after 65% of it, so that the off run's replay fits).
@@ -74,10 +74,8 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repo root: loadtest.* when run by path
 sys.path.insert(0, str(REPO / "backends"))
 
 T0 = time.perf_counter()
@@ -165,7 +163,7 @@ class EngineBackend:
 
     def __init__(self, model, cfg, ecfg, step_trace: bool = False, profile: tuple[int, str] | None = None):
         from moe_engine.engine import Engine
-        from step_trace import StepTracer
+        from loadtest.bench.step_trace import StepTracer
 
         self.cfg = cfg
         self.engine = Engine(model, cfg, ecfg)
@@ -331,7 +329,7 @@ class ServerBackend:
         return [f.result(timeout=timeout) for f in futures]
 
     def _one(self, conv: Conversation, out_tokens: int, t0: float) -> Result:
-        from common import decode_routed
+        from loadtest.bench.common import decode_routed
 
         common = {"stream": True, "stream_options": {"include_usage": True}, "model": self.server.model}
         if self.endpoint == "generate":
@@ -600,7 +598,7 @@ def _play(args, runs: list[AgentRun]) -> None:
 
 
 def server_mode(args) -> tuple[list[dict], str]:
-    from common import resolve_model
+    from loadtest.bench.common import resolve_model
 
     from openai_frontend.server_process import start_server
     from openai_frontend.tokenizer import Tokenizer
@@ -660,7 +658,7 @@ def server_mode(args) -> tuple[list[dict], str]:
 def engine_mode(args) -> tuple[list[dict], str]:
     import torch
 
-    import real_shape_model as rsm
+    from loadtest.bench import real_shape_model as rsm
     from moe_engine.engine import EngineConfig
 
     device = torch.device(args.device)
@@ -745,7 +743,8 @@ def parse_args(argv=None):
     # A live run leaves a third of the budget to the cache-off replay that follows it.
     args.off_follows = any(r.startswith("off") for r in args.run_list)
     args.live_deadline = T0 + 0.65 * budget if budget > 0 else float("inf")
-    args.out = Path(args.out) if args.out else HERE / "results" / f"multiturn-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    stamp = f"{dt.datetime.now():%Y%m%d-%H%M%S}"
+    args.out = Path(args.out) if args.out else REPO / "loadtest" / "results" / f"multiturn-{stamp}"
     args.out.mkdir(parents=True, exist_ok=True)
     return args
 

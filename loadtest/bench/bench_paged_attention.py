@@ -15,14 +15,14 @@ blocks handed out from a shuffled free list (block tables not contiguous).
   head attending together (no repeated K/V), prefill causal with ``enable_gqa`` (or repeated K/V if refused).
   Both prefill chunkings do the same work as one causal 16 x 8192 SDPA call, which is the SDPA figure.
 
-    .venv/bin/python loadtest/bench_paged_attention.py            # the full table (~1-2 min)
-    .venv/bin/python loadtest/bench_paged_attention.py --quick    # fewer shapes and reps (< 1 min)
-    .venv/bin/python loadtest/bench_paged_attention.py --check    # max error, kernel vs reference, same shapes
-    .venv/bin/python loadtest/bench_paged_attention.py --sweep    # decode: every split count; prefill: tile configs
-    .venv/bin/python loadtest/bench_paged_attention.py --sweep --cases prefill --reps 10
-    .venv/bin/python loadtest/bench_paged_attention.py --cases prefill --sdpa-backends  # + cuDNN, efficient
-    .venv/bin/python loadtest/bench_paged_attention.py --cases dense  # the engine's dense prefill per length
-    .venv/bin/python loadtest/bench_paged_attention.py --cases layers  # short decodes, 48 layers per graph
+    .venv/bin/python loadtest/bench/bench_paged_attention.py            # the full table (~1-2 min)
+    .venv/bin/python loadtest/bench/bench_paged_attention.py --quick    # fewer shapes and reps (< 1 min)
+    .venv/bin/python loadtest/bench/bench_paged_attention.py --check    # max error, kernel vs reference, same shapes
+    .venv/bin/python loadtest/bench/bench_paged_attention.py --sweep  # decode: every split count; prefill: tile configs
+    .venv/bin/python loadtest/bench/bench_paged_attention.py --sweep --cases prefill --reps 10
+    .venv/bin/python loadtest/bench/bench_paged_attention.py --cases prefill --sdpa-backends  # + cuDNN, efficient
+    .venv/bin/python loadtest/bench/bench_paged_attention.py --cases dense  # the engine's dense prefill per length
+    .venv/bin/python loadtest/bench/bench_paged_attention.py --cases layers  # short decodes, 48 layers per graph
 
 ``--check`` exits 1 if an error exceeds 2% of the reference's largest magnitude. ``--smoke`` runs tiny shapes
 on the CPU under Triton's interpreter (tests the script, measures nothing).
@@ -39,7 +39,7 @@ from pathlib import Path
 if "--smoke" in sys.argv:  # the interpreter is chosen when Triton kernels are defined, so before imports
     os.environ["TRITON_INTERPRET"] = "1"
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "backends"))
 
 import torch  # noqa: E402
@@ -47,8 +47,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from moe_engine import paged_attention as pa  # noqa: E402
 
-sys.path.insert(0, str(REPO / "loadtest"))
-import real_shape_model as rsm  # noqa: E402
+sys.path.insert(0, str(REPO))  # the repo root: loadtest.* when run by path
+from loadtest.bench import real_shape_model as rsm  # noqa: E402
 
 HQ, HKV, D = 32, 4, 128
 G = HQ // HKV
@@ -299,7 +299,7 @@ def _prefill(bm: int, tn: int, warps: int, stages: int) -> pa.KernelConfig:
     return pa.KernelConfig(prefill_block_m=bm, prefill_tile_n=tn, prefill_num_warps=warps, prefill_num_stages=stages)
 
 
-PREFILL_CONFIGS = [  # --sweep: (label, config); run23_attention_sweep.txt swept 57 such configs on an H200
+PREFILL_CONFIGS = [  # --sweep: (label, config); tune/sweep_prefill_tiles.py sweeps 57 such configs
     ("default", pa.DEFAULT_CONFIG),
     ("bm128 tn64 w8 s2 (before run23)", _prefill(128, 64, 8, 2)),
     ("bm256 tn64 w8 s3", _prefill(256, 64, 8, 3)),

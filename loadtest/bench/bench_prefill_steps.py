@@ -5,19 +5,18 @@ step costs its host time whatever the GPU does. Steps of 1 x 64 up to 27 x 300 n
 after 7,488 cached ones (a multi-turn turn), each timed from ``Engine.step()`` to a device sync (the median of 3),
 after a warm-up that compiles every size; one step of each kind under cProfile (host functions by own time) and one
 under torch.profiler (host ops, device time). Random bf16 weights built on the GPU (real_shape_model.py); ~1 minute
-on an H200 (``loadtest/reports/real_shape/run23_prefill_host_time.txt``).
+on an H200 (this script without flags).
 
 ``--host``: per step size (1 x 128 up to 8 x 1024 = case b's prefill step and 27 x 300), the host's time to issue
 the model's forward (``model.forward`` returns once every kernel is queued) against the forward's GPU span (CUDA
 events around it) and the step's wall: issue time >= span means the step waits for the host. Steps of more than 512
 tokens include the waits of the expert grouping's sort (a stable argsort of more than 4,096 keys waits for the GPU,
-once per MoE layer), so there the issue time is an upper bound (H200:
-``reports/real_shape/run57_prefill_count_vs_sort.txt``, its "sort" rows; H100: ``run51_*``).
+once per MoE layer), so there the issue time is an upper bound (``--host``, its "sort" rows).
 
-    PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py
-    PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py --device cpu    # the tiny shape: a smoke test
-    PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py --host          # issue time vs GPU span
-    PYTHONPATH=backends:. python3 loadtest/bench_prefill_steps.py --graphs        # eager vs prefill graphs
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_prefill_steps.py
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_prefill_steps.py --device cpu    # the tiny shape: a smoke test
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_prefill_steps.py --host          # issue time vs GPU span
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_prefill_steps.py --graphs        # eager vs prefill graphs
 
 ``--graphs``: two engines on the one model (8 GiB of KV cache each, overlapped decode off so that a step is one
 forward): every step eager (``max_cudagraph_capture_size=0``) against the default, which replays prefill-step CUDA
@@ -35,11 +34,14 @@ import io
 import pstats
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import real_shape_model as rsm
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
+from loadtest.bench import real_shape_model as rsm  # noqa: E402
 from moe_engine.engine import Engine, EngineConfig, Request
 from moe_engine.sampling import SamplingParams
 

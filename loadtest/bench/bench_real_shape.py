@@ -30,9 +30,9 @@ Random weights: ``--init balanced`` (default) keeps the routing near uniform; ev
 warm-up of case b reports what the weights routed.
 
 Usage:
-    python loadtest/bench_real_shape.py --quick --out $OUT/bench          # H200, about 5 minutes (paged engine)
-    python loadtest/bench_real_shape.py --cases c --profile c:prefill     # profile: kernel time per op class
-    .venv/bin/python loadtest/bench_real_shape.py --shape tiny --device cpu --scale 0.05 --quick   # CPU, <1 min
+    python loadtest/bench/bench_real_shape.py --quick --out $OUT/bench          # H200, about 5 minutes (paged engine)
+    python loadtest/bench/bench_real_shape.py --cases c --profile c:prefill     # profile: kernel time per op class
+    .venv/bin/python loadtest/bench/bench_real_shape.py --shape tiny --device cpu --scale 0.05 --quick   # CPU, <1 min
 Without --quick (5 repetitions of a, 3 of b and c, 2 of HF after a full-length HF warm-up) a run takes 10+
 minutes: split it with --cases (``--cases hf`` alone also runs the engine side of the comparison).
 
@@ -66,11 +66,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "backends"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_shape_model as rsm  # noqa: E402
-import step_trace  # noqa: E402
+sys.path.insert(0, str(REPO))  # the repo root: loadtest.* when run by path
+from loadtest.bench import real_shape_model as rsm  # noqa: E402
+from loadtest.bench import step_trace  # noqa: E402
 from moe_engine import kernels  # noqa: E402
 
 CASES = ("a", "b", "e", "c", "d", "hf")  # run order: engines of one size together, HF last (after freeing)
@@ -870,7 +870,8 @@ def main(argv=None) -> int:
         from moe_engine import attention
         attention.DENSE_PREFILL_MIN_TOKENS = args.dense_prefill_min
     ctx = Ctx(args)
-    ctx.results = {"benchmark": "loadtest/bench_real_shape.py", "command": " ".join(["bench_real_shape.py", *(argv or sys.argv[1:])]),
+    ctx.results = {"benchmark": "loadtest/bench/bench_real_shape.py",
+                   "command": " ".join(["bench_real_shape.py", *(argv or sys.argv[1:])]),
                    "timestamp_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                    "environment": environment(ctx.device, ctx.dtype), "shape": {"name": args.shape, "config": ctx.raw},
                    "sizes": ctx.sizes, "engine_groups": ctx.groups, "reps": ctx.reps, "cases": {}}

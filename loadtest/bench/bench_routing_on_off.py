@@ -29,10 +29,10 @@ prompts of a benchmark would otherwise favour the plain variant):
   scoring     ``max_tokens: 1`` plain  vs  + ``prompt_logprobs: 0``  vs  + ``prompt_logprobs: 5``
               (completions only; requests/s is the figure: one output token each)
 
-    .venv/bin/python loadtest/bench_routing_on_off.py                 # medium model, ~12 min
-    .venv/bin/python loadtest/bench_routing_on_off.py --modes replay,weights,scoring   # issue 19 only
-    .venv/bin/python loadtest/bench_routing_on_off.py --model deep    # 48 layers, top-8: big payloads
-    .venv/bin/python loadtest/bench_routing_on_off.py --quick
+    .venv/bin/python loadtest/bench/bench_routing_on_off.py                 # medium model, ~12 min
+    .venv/bin/python loadtest/bench/bench_routing_on_off.py --modes replay,weights,scoring   # issue 19 only
+    .venv/bin/python loadtest/bench/bench_routing_on_off.py --model deep    # 48 layers, top-8: big payloads
+    .venv/bin/python loadtest/bench/bench_routing_on_off.py --quick
 """
 from __future__ import annotations
 
@@ -46,16 +46,14 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
 
 import numpy as np  # noqa: E402
-from bench_layers import (  # noqa: E402
+
+from loadtest.bench.bench_layers import (  # noqa: E402
     REPO, ApiLayer, common_args, medians, progress, run_interleaved, server_flags, setup, table, timing, trial,
 )
-from common import decode_routed, fetch_model_info, iter_sse, loadavg, token_prompts  # noqa: E402
-
-sys.path.insert(0, str(REPO))
+from loadtest.bench.common import decode_routed, fetch_model_info, iter_sse, loadavg, token_prompts  # noqa: E402
 
 MODES = ("routing", "replay", "weights", "scoring")
 
@@ -171,7 +169,7 @@ def main() -> None:
         ap.error(f"unknown modes {sorted(set(modes) - set(MODES))}")
     conc, per, ckpt, name, lo, hi = setup(args)
 
-    work = HERE / "results" / f"bench_routing_on_off-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    work = REPO / "loadtest" / "results" / f"bench_routing_on_off-{dt.datetime.now():%Y%m%d-%H%M%S}"
     work.mkdir(parents=True, exist_ok=True)
     load0 = loadavg()
     out = {"command": " ".join(sys.argv), "load_before": load0, "per_worker": per}

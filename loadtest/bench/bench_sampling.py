@@ -27,8 +27,8 @@ Checks on every case (reported, never silent): greedy tokens equal torch.argmax;
 the exact kept set (threshold from a full sort); the graph's tokens equal the eager call's (same seeds and
 draw indices, so the same noise).
 
-    .venv/bin/python loadtest/bench_sampling.py            # about 2-3 minutes on an H200
-    .venv/bin/python loadtest/bench_sampling.py --quick    # N in {1, 64}, 10 repetitions: under a minute
+    .venv/bin/python loadtest/bench/bench_sampling.py            # about 2-3 minutes on an H200
+    .venv/bin/python loadtest/bench/bench_sampling.py --quick    # N in {1, 64}, 10 repetitions: under a minute
 
 A markdown table on stdout; a JSON file under loadtest/results/.
 """
@@ -42,8 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "backends"))
 
 import torch  # noqa: E402
@@ -235,7 +234,7 @@ def main() -> None:
         graph = "n/a" if r["graph_us"] is None else f"{r['graph_us']:.0f}"
         print(f"| {r['N']} | {r['mix']} | {r['old_us']:.0f} | {r['new_us']:.0f} | {graph} | "
               f"{r['old_us'] / r['new_us']:.1f}x | {r['checks']} |")
-    out = HERE / "results" / f"bench_sampling-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    out = REPO / "loadtest" / "results" / f"bench_sampling-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     progress(f"wrote {out}")

@@ -6,10 +6,10 @@ each step size T: both ways of computing ``x @ W.T`` over 48 different weights (
 from HBM, not L2) captured in one CUDA graph, replayed ``--reps`` times; the median time per GEMM and the weight
 bytes over it. Also the largest difference from a float32 reference and the share of outputs equal to cuBLAS's.
 
-    PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --out OUT      # one H200: ~1 minute
-    PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --sweep --tokens 1,2,4   # + tile / warps configs
-    PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --moe-gemm --tokens 16,32,64   # + one-expert GEMM
-    PYTHONPATH=backends:. python3 loadtest/bench_small_linear.py --cublaslt --tokens 16,64,128  # + cuBLASLt
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_small_linear.py --out OUT      # one H200: ~1 minute
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_small_linear.py --sweep --tokens 1,2,4   # + tile / warps configs
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_small_linear.py --moe-gemm --tokens 16,32,64  # + one-expert GEMM
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_small_linear.py --cublaslt --tokens 16,64,128  # + cuBLASLt
 
 --cublaslt also times F.linear with torch's preferred BLAS library set to cuBLASLt (its own heuristics, no split-K
 by cuBLAS's rules), with the share of its outputs equal to cuBLAS's.
@@ -17,7 +17,7 @@ by cuBLAS's rules), with the share of its outputs equal to cuBLAS's.
 --moe-gemm also times the expert GEMM kernel (``fused_moe.down_proj``) with one expert holding every token: the
 projection as a plain Triton GEMM, over a grid of tile configs (row tile = the step's tokens, column tile, K tile,
 stages, TMA weight loads), the best three per (projection, T) printed against cuBLAS. At 16-64 tokens cuBLAS reads
-o_proj at ~1.7 TB/s with a split-K pass and a reduction launch (run72_splitk_linear_not_kept.txt).
+o_proj at ~1.7 TB/s with a split-K pass and a reduction launch (probe_splitk_linear.py, in git at 4080248).
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_shape_model as rsm  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
+from loadtest.bench import real_shape_model as rsm  # noqa: E402
 from moe_engine import fused_moe, kernels  # noqa: E402
 
 SHAPES = {"router": (128, 2048), "qkv": (5120, 2048), "o": (2048, 4096)}  # name: (N outputs, H inputs)

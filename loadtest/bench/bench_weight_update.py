@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Weight update benchmark (issue 20): an in-place update of a running engine vs restarting moe-serve.
 
-CPU mode (default; the medium load-test model, loadtest/common.py): a real moe-serve on checkpoint A, and
+CPU mode (default; the medium load-test model, loadtest/bench/common.py): a real moe-serve on checkpoint A, and
   restart      launch to /health = 200, and SIGTERM to exit (what a restart costs, twice each)
   disk         POST /update_weights_from_disk, alternating B and A (B: A's tensors with noise, same shapes)
   broadcast    /init_weights_update_group + /update_weights_from_distributed with a trainer process (this script,
@@ -10,7 +10,7 @@ CPU mode (default; the medium load-test model, loadtest/common.py): a real moe-s
 After each update a greedy request checks the new weights serve (its weight_version is the one just set).
 
 GPU mode (--device cuda; the real shape, Qwen3-30B-A3B: 48 layers, 128 experts top-8, 30.5 B parameters, random
-bf16 weights built on the GPU as loadtest/bench_real_shape.py does; no 61 GB checkpoint: the machine's disk is 64 GB)
+bf16 weights built on the GPU as bench_real_shape.py does; no 61 GB checkpoint: the machine's disk is 64 GB)
 drives the engine in-process (no server), through the same control channel the server uses:
   broadcast    update_weights_from_distributed of all 61 GB from a trainer process on a second GPU over NCCL
                (two rounds: the first includes NCCL's connection set-up), checked by checksums of a few tensors.
@@ -26,8 +26,8 @@ A short greedy generation before and after the updates shows the engine serves (
 in-place update stay valid: same addresses).
 
 Usage:
-    .venv/bin/python loadtest/bench_weight_update.py                      # CPU, about 2 minutes
-    python loadtest/bench_weight_update.py --device cuda --out $OUT/wu    # H200 (x2 for NCCL), under 4 minutes
+    .venv/bin/python loadtest/bench/bench_weight_update.py                      # CPU, about 2 minutes
+    python loadtest/bench/bench_weight_update.py --device cuda --out $OUT/wu    # H200 (x2 for NCCL), under 4 minutes
 Results: a markdown table on stdout and results.json in --out (default loadtest/results/weight_update-<time>/).
 """
 from __future__ import annotations
@@ -43,9 +43,9 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "backends"))
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # the repo root: loadtest.* when run by path
 T0 = time.perf_counter()
 GROUP = "weight_update_group"
 
@@ -154,7 +154,7 @@ def checksums(params: dict) -> dict:
 
 
 def post(url: str, path: str, body: dict | None = None) -> dict:
-    from loadtest.common import http_json
+    from loadtest.bench.common import http_json
 
     t = time.perf_counter()
     out = http_json(url + path, body if body is not None else {}, timeout=600)
@@ -168,7 +168,7 @@ def cpu_mode(args) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from loadtest.common import http_json, resolve_model
+    from loadtest.bench.common import http_json, resolve_model
     from openai_frontend.server_process import start_server
 
     a_path, name = resolve_model("medium")

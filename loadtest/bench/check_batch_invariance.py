@@ -8,7 +8,7 @@ together (chunked prefill, batched decode), with the server's EngineConfig, and 
 outputs are compared: tokens, and per (row, layer) whether the k ids differ in slot order
 only or as a set.
 
-    .venv/bin/python loadtest/check_batch_invariance.py --model medium [--greedy]
+    .venv/bin/python loadtest/bench/check_batch_invariance.py --model medium [--greedy]
 """
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ import random
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "backends"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repo root: loadtest.* when run by path
+sys.path.insert(0, str(REPO / "backends"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from common import resolve_model  # noqa: E402
+from loadtest.bench.common import resolve_model  # noqa: E402
 
 
 def main() -> None:

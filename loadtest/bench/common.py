@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pybase64
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHECKPOINTS = REPO / "loadtest" / "results" / "checkpoints"
 
 # The load-test model: Mixtral-style, 8 layers, 32 experts, top-4 (a checkpoint

@@ -4,10 +4,10 @@ prefix cache off (a third argument ``cache``: on, the engine's default, every re
 registered); the median of 3 trials after a warm-up.
 
     git archive <rev> backends | tar -x -C /tmp/old
-    PYTHONPATH=/tmp/old/backends .venv/bin/python loadtest/cpu_engine_ab.py 16 old [cache]
-    PYTHONPATH=backends .venv/bin/python loadtest/cpu_engine_ab.py 16 new [cache]
+    PYTHONPATH=/tmp/old/backends .venv/bin/python loadtest/bench/cpu_engine_ab.py 16 old [cache]
+    PYTHONPATH=backends .venv/bin/python loadtest/bench/cpu_engine_ab.py 16 new [cache]
 
-(run ``loadtest/bench_engine.py`` once first: it writes the checkpoint.)
+(run ``loadtest/bench/bench_engine.py`` once first: it writes the checkpoint.)
 """
 import glob
 import os
@@ -21,7 +21,7 @@ from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
 from moe_engine.engine import Engine, EngineConfig, Request
 from moe_engine.sampling import SamplingParams
-path = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "results/checkpoints/olmoe-*")))[0]
+path = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "results", "checkpoints", "olmoe-*")))[0]
 cfg = load_config(path); model = load_model(path, dtype="float32", progress=False)
 kw = dict(max_num_seqs=16, max_model_len=256)
 import dataclasses

@@ -4,8 +4,8 @@ Builds ``MoEForCausalLM`` on the ``meta`` device from a model's config.json (no 
 with ``moe_engine.sharding.shard_model`` exactly as ``--tensor-parallel-size N`` does, and reports each rank's
 weight bytes (the largest rank) and its paged-KV bytes per token; then what is left of a GPU for the KV cache.
 
-    .venv/bin/python loadtest/parallel_memory.py                        # the README's table
-    .venv/bin/python loadtest/parallel_memory.py --config path/config.json --tp 2 4 8
+    .venv/bin/python loadtest/bench/parallel_memory.py                        # the README's table
+    .venv/bin/python loadtest/bench/parallel_memory.py --config path/config.json --tp 2 4 8
 
 Built-in configs: Qwen3-235B-A22B and DeepSeek-V3 (config.json values of the Hub releases; DeepSeek-V3 in bf16,
 as its community bf16 conversion: the Hub's FP8 weights are not read by this loader), Qwen3-30B-A3B.

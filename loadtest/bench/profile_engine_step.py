@@ -12,7 +12,7 @@ off) hold the same C sequences and their decode steps alternate, so both see the
 reports the median step time of each and the median of the per-pair ratios.
 
 Usage (see loadtest/README.md):
-    .venv/bin/python loadtest/profile_engine_step.py --device cuda --concurrency 16
+    .venv/bin/python loadtest/bench/profile_engine_step.py --device cuda --concurrency 16
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_engine  # noqa: E402  (the benchmark's checkpoint and shape flags)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
+from loadtest.bench import bench_engine  # noqa: E402  (the benchmark's checkpoint and shape flags)
 
 
 def main() -> int:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Faults under load: kill or stop the backend while clients keep sending, and check that nothing hangs.
 
-    .venv/bin/python loadtest/fault_injection.py                          # 3 faults, one of each kind
-    .venv/bin/python loadtest/fault_injection.py --faults kill-stub,stop-stub,kill-triton,stop-triton --every 40
+    .venv/bin/python loadtest/load/fault_injection.py                          # 3 faults, one of each kind
+    .venv/bin/python loadtest/load/fault_injection.py --faults kill-stub,stop-stub,kill-triton,stop-triton --every 40
 
 Starts its own moe-serve (Triton private, ``--max-backend-restarts`` high enough for every fault) on the
 embedded tiny model and runs ``--concurrency`` closed-loop clients of mixed requests (traffic.py). Every
@@ -28,13 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
 
 import psutil  # noqa: E402
 
-from traffic import Traffic  # noqa: E402
+from loadtest.load.traffic import Traffic  # noqa: E402
 
 FAULTS = {
     "kill-stub": ("triton_python_backend_stub", signal.SIGKILL),

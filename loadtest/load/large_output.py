@@ -7,7 +7,7 @@ top-k), starts `moe-serve` on it, and sends the request twice: over Triton gRPC
 (non-streaming) and over the OpenAI-compatible /inference/v1/generate. It checks
 shapes and that both paths return the same ids, and prints times and sizes.
 
-    .venv/bin/python loadtest/large_output.py [--tokens 32768] [--layers 48]
+    .venv/bin/python loadtest/load/large_output.py [--tokens 32768] [--layers 48]
 
 On the 2-core CPU machine the 32k prefill itself takes about 6 minutes; the
 transport adds seconds.

@@ -40,21 +40,21 @@ Options (also env vars): ``--max-tokens`` (64), ``--prompt-tokens`` (64-192),
 ``--no-consistency``, ``--request-log FILE`` (a CSV row per request, written at
 the end), ``--verify-report FILE`` (JSON: responses verified, failures by reason).
 
-    .venv/bin/locust -f loadtest/locustfile.py --headless -u 32 -r 32 -t 60s --host http://127.0.0.1:9000
+    .venv/bin/locust -f loadtest/load/locustfile.py --headless -u 32 -r 32 -t 60s --host http://127.0.0.1:9000
 """
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
 
 from locust import HttpUser, constant, events, task  # noqa: E402
 
-from common import (  # noqa: E402
+from loadtest.bench.common import (  # noqa: E402
     RoutingVerifier, VerifyError, fetch_model_info, iter_sse, parse_range, text_prompts, token_prompts,
 )
 

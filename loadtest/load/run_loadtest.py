@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """One-command load test: start moe-serve, run locust headless, scrape /metrics, plot, stop, summarise.
 
-    .venv/bin/python loadtest/run_loadtest.py --users 32 --duration 60s          # = make loadtest
-    .venv/bin/python loadtest/run_loadtest.py --users 1,4,16,32,64 --duration 30s  # concurrency scan
+    .venv/bin/python loadtest/load/run_loadtest.py --users 32 --duration 60s          # = make loadtest
+    .venv/bin/python loadtest/load/run_loadtest.py --users 1,4,16,32,64 --duration 30s  # concurrency scan
 
 Defaults: --users 32, --duration 60s, --model medium (Mixtral-style, 8 layers, 32
 experts, top-4, built once under loadtest/results/checkpoints/), 64 output tokens
@@ -10,7 +10,7 @@ per request, prompts of 64-192 tokens, server flags as moe-serve's defaults
 (--max-num-seqs 64) except --num-threads 1. ``--host URL`` tests a server that is already running
 (no start/stop, no process sampling).
 
-For each user count it runs ``locust -f loadtest/locustfile.py --headless -u N
+For each user count it runs ``locust -f loadtest/load/locustfile.py --headless -u N
 -r N -t DURATION --csv --csv-full-history --json-file --html`` (closed loop: N
 requests always in flight; in-flight requests are allowed to finish at the end,
 so no client disconnects), and meanwhile samples every 2 s the RSS and CPU of
@@ -45,13 +45,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO))
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO))  # the repo root: loadtest.* when run by path
 
 import numpy as np  # noqa: E402
 
-from common import (  # noqa: E402
+from loadtest.bench.common import (  # noqa: E402
     ProcSampler, cpu_split, expert_counts, fetch_model_info, http_json, loadavg, parse_prom, percentile,
     prom_value, resolve_model, scrape, text_prompts, token_prompts, top_processes, write_csv,
 )
@@ -519,7 +518,7 @@ def main() -> int:
     parse_duration(args.duration)
 
     ts = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) if args.out else HERE / "results" / (ts + (f"-{args.tag}" if args.tag else ""))
+    out = Path(args.out) if args.out else REPO / "loadtest" / "results" / (ts + (f"-{args.tag}" if args.tag else ""))
     out.mkdir(parents=True, exist_ok=True)
     meta = {"timestamp": ts, "users": users, "duration": args.duration, "max_tokens": args.max_tokens,
             "prompt_tokens": args.prompt_tokens, "temperature": args.temperature,
@@ -563,7 +562,7 @@ def main() -> int:
 
 def reanalyze(args, out: Path):
     """Recompute summary and plots of a finished run from its files (after a fix in the analysis)."""
-    from common import ModelInfo
+    from loadtest.bench.common import ModelInfo
 
     old = json.loads((out / "summary.json").read_text())
     meta = old["meta"]

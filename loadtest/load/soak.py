@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Soak with overload and disconnect waves: nothing hangs, only the documented statuses, memory stays flat.
 
-    .venv/bin/python loadtest/soak.py --duration 600                     # the long run
-    .venv/bin/python loadtest/soak.py --duration 120 --overload-every 40 --disconnect-every 30   # a short one
+    .venv/bin/python loadtest/load/soak.py --duration 600                     # the long run
+    .venv/bin/python loadtest/load/soak.py --duration 120 --overload-every 40 --disconnect-every 30   # a short one
 
 Starts its own moe-serve (as users get it: Triton private) on the embedded tiny model with small limits
 (``--max-num-seqs 16 --max-pending-requests 32``) so that a burst of ``--overload-factor`` (10) times the
@@ -28,12 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
 
-from common import ProcSampler  # noqa: E402
-from traffic import Traffic, metric  # noqa: E402
+from loadtest.bench.common import ProcSampler  # noqa: E402
+from loadtest.load.traffic import Traffic, metric  # noqa: E402
 
 RUNNING = 'moe_engine_requests{model="moe",state="running",version="1"}'
 

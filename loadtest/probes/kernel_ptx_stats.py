@@ -7,8 +7,8 @@ small". This compiles ``backends/moe_engine/kernels.py``'s kernels for sm_90 (Tr
 in the triton wheel) at the real shape's sizes (Qwen3-30B-A3B: 128 experts top-8, 32/4 heads of 128, hidden 2048)
 and counts, per num_warps:
 
-    PYTHONPATH=backends:. python3 loadtest/kernel_ptx_stats.py            # every kernel below, 1 and 4 warps
-    PYTHONPATH=backends:. python3 loadtest/kernel_ptx_stats.py --warps 1,2,4,8 --kernels softmax_topk
+    PYTHONPATH=backends:. python3 loadtest/probes/kernel_ptx_stats.py            # every kernel below, 1 and 4 warps
+    PYTHONPATH=backends:. python3 loadtest/probes/kernel_ptx_stats.py --warps 1,2,4,8 --kernels softmax_topk
 
 Counts, not times: time them on the GPU (`bench_real_shape.py --profile b`).
 

@@ -12,18 +12,22 @@ multi-turn agent's turn-16 step (27 chunks of ~303 queries over ~7,500 cached ke
     (which also returns the log-sum-exp a split into cached + causal parts needs), and the causal square part;
   * the paged kernel on the same step, and the gather of the cached K/V into the padded layout, for scale.
 
-    PYTHONPATH=backends:. python3 loadtest/probe_cudnn_padded.py
+    PYTHONPATH=backends:. python3 loadtest/probes/probe_cudnn_padded.py
 """
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe_engine import paged_attention as pa
-from sweep_prefill_tiles import median_ms  # CUDA-event timing, median of 10 (loadtest/ is on the script's path)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
+from loadtest.tune.sweep_prefill_tiles import median_ms  # noqa: E402  (CUDA-event timing, median of 10)
 
 HQ, HKV, D, BS = 32, 4, 128, 16
 SCALE = D**-0.5

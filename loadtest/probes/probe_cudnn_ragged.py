@@ -10,10 +10,10 @@ step's sequences packed, grouped-query heads without repeated K/V) for what the 
   * time per call on a multi-turn turn-16 step (27 x 303 queries over 7,500 cached keys), on repeated calls with new
     lengths, new maxima and new batch sizes (does it rebuild its cuDNN graph?); the paged kernel and the gather of
     the cached K/V into a contiguous buffer on the same step, for scale.
-torch 2.11 (``loadtest/reports/real_shape/run23_cudnn_ragged_probe.txt``): correct, natural-log LSE, top-left
+torch 2.11 on an H200 (this probe, no flags): correct, natural-log LSE, top-left
 causal only, and ~74 ms per call whatever the shapes (its graph is rebuilt each call): not usable yet.
 
-    PYTHONPATH=backends:. python3 loadtest/probe_cudnn_ragged.py
+    PYTHONPATH=backends:. python3 loadtest/probes/probe_cudnn_ragged.py
 """
 from __future__ import annotations
 

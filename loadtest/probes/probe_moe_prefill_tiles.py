@@ -8,12 +8,14 @@ Each config is timed per call (median, ``bench_fused_moe.time_per_call``) on the
 prefill token counts and its output compared with the table config's (share of equal elements: only the GEMM's
 float32 summation order may differ).
 
-    PYTHONPATH=backends:.:loadtest python3 loadtest/probe_moe_prefill_tiles.py [--tokens 8192 2048] [--tma]
+    PYTHONPATH=backends:. python3 loadtest/probes/probe_moe_prefill_tiles.py [--tokens 8192 2048] [--tma]
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -21,7 +23,8 @@ import torch
 from moe_engine import fused_moe, kernels
 from moe_engine.fused_moe import TileConfig
 
-import bench_fused_moe as bfm
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
+from loadtest.tune import bench_fused_moe as bfm  # noqa: E402
 
 GATE_UP = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
     (256, 64, 64, 1, 16, 3), (256, 64, 64, 8, 16, 3), (256, 64, 32, 1, 16, 4), (256, 64, 128, 1, 16, 2),

@@ -2,7 +2,7 @@
 
 The engine's ``_attn_2d_kernel`` gathers each K/V tile key by key through the block table (pointer loads, 16-key
 blocks) and runs at ~340 TFLOP/s on a multi-turn turn-16 step (27 chunks of 303 queries over ~7,500 cached keys);
-cuDNN's Hopper kernel ran the same step's cached part at ~495 TFLOP/s (``real_shape/run59_cudnn_padded_probe.txt``).
+cuDNN's Hopper kernel ran the same step's cached part at ~495 TFLOP/s (``probes/probe_cudnn_padded.py``).
 Hopper's TMA copies a whole [keys, dims] box into shared memory asynchronously, but only a box of rows that are
 contiguous in one tensor. This probe (run 86, which made the engine's TMA path; since then it times that path
 itself, through ``KernelConfig``) compares:
@@ -16,20 +16,23 @@ over a sweep of query rows, key tiles, warps and stages. Unmasked key tiles (all
 come through the descriptors, diagonal tiles by masked pointer loads (keys past a sequence are never read);
 outputs are compared with the baseline's. Timing: CUDA events, median of ``--reps``.
 
-    PYTHONPATH=backends:.:loadtest python3 loadtest/probe_prefill_attention_tma.py
-    TRITON_INTERPRET=1 PYTHONPATH=backends:.:loadtest python3 loadtest/probe_prefill_attention_tma.py --check-cpu
+    PYTHONPATH=backends:. python3 loadtest/probes/probe_prefill_attention_tma.py
+    TRITON_INTERPRET=1 PYTHONPATH=backends:. python3 loadtest/probes/probe_prefill_attention_tma.py --check-cpu
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 import triton
 
 from moe_engine import paged_attention as pa
-from probe_prefill_attention_variants import step  # a paged step: 16-key blocks in random order, random q/k/v
-from sweep_prefill_tiles import median_ms  # CUDA-event timing, median of reps (loadtest/ is on the script's path)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
+from loadtest.probes.probe_prefill_attention_variants import step  # noqa: E402  (a paged step)
+from loadtest.tune.sweep_prefill_tiles import median_ms  # noqa: E402  (CUDA-event timing, median of reps)
 
 HQ, HKV, D = 32, 4, 128
 SHAPES = {  # name: (sequences, new tokens each, cached tokens each)

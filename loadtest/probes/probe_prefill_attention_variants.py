@@ -14,14 +14,15 @@ power of two) has three switches:
 Each variant's output is compared with the engine kernel's (max |difference|) and timed with CUDA events (median
 of ``--reps``) on the shapes of ``sweep_prefill_tiles.py`` plus (b)'s prefill (8 x 1,024 from position 0).
 
-    PYTHONPATH=backends:.:loadtest python3 loadtest/probe_prefill_attention_variants.py
-    TRITON_INTERPRET=1 PYTHONPATH=backends:.:loadtest python3 loadtest/probe_prefill_attention_variants.py --check-cpu
+    PYTHONPATH=backends:. python3 loadtest/probes/probe_prefill_attention_variants.py
+    TRITON_INTERPRET=1 PYTHONPATH=backends:. python3 loadtest/probes/probe_prefill_attention_variants.py --check-cpu
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -29,7 +30,9 @@ import triton.language as tl
 
 from moe_engine import paged_attention as pa
 from moe_engine.paged_attention import _find_seq
-from sweep_prefill_tiles import median_ms
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
+from loadtest.tune.sweep_prefill_tiles import median_ms  # noqa: E402
 
 HQ, HKV, D, BLOCK = 32, 4, 128, 16
 SHAPES = {  # name: (sequences, new tokens each, cached tokens each)

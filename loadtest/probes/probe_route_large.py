@@ -7,7 +7,7 @@ For each step size: 48 calls (one per layer, fresh ids each) issued back to back
 timed with CUDA events around the 48 (the sort's waits included), median of ``--reps``; the counting also replayed
 from one CUDA graph of the 48 calls. Every call's outputs are checked against the sort's.
 
-    PYTHONPATH=backends:. python3 loadtest/probe_route_large.py --out OUT      # one H200: ~20 s
+    PYTHONPATH=backends:. python3 loadtest/probes/probe_route_large.py --out OUT      # one H200: ~20 s
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
 from moe_engine import kernels  # noqa: E402
-from sweep_prefill_tiles import median_ms  # noqa: E402  (CUDA-event timing, median of reps)
+from loadtest.tune.sweep_prefill_tiles import median_ms  # noqa: E402  (CUDA-event timing, median of reps)
 
 E, K, L = 128, 8, 48  # Qwen3-30B-A3B: experts, top-k, layers
 

@@ -23,10 +23,10 @@ Columns: hit = distinct experts per call (mean); GB/s = weight bytes of the hit 
 per second; %HBM = that over --hbm-tbps (4.3 TB/s: what this H200 copies); TFLOP/s = 2 x T*K x 3HI / time (no
 padding counted); %peak over --peak-tflops (989: H200 bf16 dense).
 
-    .venv/bin/python loadtest/bench_fused_moe.py                # table for T in 1 .. 16384 (~3 min)
-    .venv/bin/python loadtest/bench_fused_moe.py --quick        # T in 1, 16, 256, 4096 (< 2 min)
-    .venv/bin/python loadtest/bench_fused_moe.py --check        # + error vs torch at these shapes
-    .venv/bin/python loadtest/bench_fused_moe.py --tune         # sweep tile configs per bucket (< 6 min), write JSON
+    .venv/bin/python loadtest/tune/bench_fused_moe.py                # table for T in 1 .. 16384 (~3 min)
+    .venv/bin/python loadtest/tune/bench_fused_moe.py --quick        # T in 1, 16, 256, 4096 (< 2 min)
+    .venv/bin/python loadtest/tune/bench_fused_moe.py --check        # + error vs torch at these shapes
+    .venv/bin/python loadtest/tune/bench_fused_moe.py --tune  # sweep tile configs per bucket (< 6 min), write JSON
 
 ``--tune`` times each GEMM (gate_up, down) alone per bucket of T*K on a representative T: the best tile shape
 (BLOCK_M x BLOCK_N) with the current table's other parameters, then coordinate descent from it (TMA loads or
@@ -49,7 +49,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "backends"))
 
 from moe_engine import fused_moe, kernels  # noqa: E402

@@ -8,20 +8,23 @@ layer = replay / 48 (median of ``--reps``); GB/s = the K/V bytes a layer reads /
 compared with the engine's (max |difference|; splits and key tiles change the summation order, so within bf16
 rounding, not to the bit).
 
-    PYTHONPATH=backends:.:loadtest python3 loadtest/sweep_decode_tiles.py [--shapes 64x1152,32x7900] [--budget 400]
+    PYTHONPATH=backends:. python3 loadtest/tune/sweep_decode_tiles.py [--shapes 64x1152,32x7900] [--budget 400]
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from moe_engine import paged_attention as pa
 
-import real_shape_model as rsm
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
+from loadtest.bench import real_shape_model as rsm  # noqa: E402
 
 HQ, HKV, D, LAYERS = 32, 4, 128, 48
 SHAPES = ((64, 1152), (32, 7900), (16, 2048), (1, 384))

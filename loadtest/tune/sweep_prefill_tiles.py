@@ -5,9 +5,9 @@ agent's turn-16 step (27 x 303 new tokens, each over 7,500 cached keys), 16 x 8k
 4 x 2k chunks over 6k cached keys. Each config's output is compared with the pre-sweep tiles' (max |difference|:
 0 when only the query tile changes, since every row's arithmetic is the same) and timed with CUDA events (median of
 10). The defaults of ``paged_attention.KernelConfig`` come from this sweep
-(``loadtest/reports/real_shape/run23_attention_sweep.txt``: 57 configs, ~4.5 minutes on an H200).
+(57 configs, ~4.5 minutes on an H200: this script with its defaults).
 
-    PYTHONPATH=backends:. python3 loadtest/sweep_prefill_tiles.py [--budget 400]
+    PYTHONPATH=backends:. python3 loadtest/tune/sweep_prefill_tiles.py [--budget 400]
 """
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ neighbours): the batch-1 tiles the tuner picked alone took 2.89-2.90 ms per deco
 48-layer graph picked 2.81-2.82 (run 80). This writes the variant; the engine reads it through
 $MOE_FUSED_MOE_CONFIGS, so ``ab_real_shape.py`` can alternate variants in one run:
 
-    python3 loadtest/tile_table_variant.py --bucket 2-8 --kernel down --config 16,128,64,1,4,3,1 --out /tmp/down128.json
-    PYTHONPATH=backends:. python3 loadtest/ab_real_shape.py --rounds 2 --variant table=. \\
+    python3 loadtest/tune/tile_table_variant.py --bucket 2-8 --kernel down --config 16,128,64,1,4,3,1 \\
+        --out /tmp/down128.json
+    PYTHONPATH=backends:. python3 loadtest/bench/ab_real_shape.py --rounds 2 --variant table=. \\
         --variant down128=.,MOE_FUSED_MOE_CONFIGS=/tmp/down128.json -- --quick --cases a --reps 3
 
 --config: BLOCK_M,BLOCK_N,BLOCK_K,GROUP_M,num_warps,num_stages[,tma]. The table is the one the engine would read
@@ -22,7 +23,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "backends"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends"))
 
 from moe_engine import fused_moe  # noqa: E402
 from moe_engine.fused_moe import TileConfig  # noqa: E402
