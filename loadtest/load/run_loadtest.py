@@ -496,7 +496,7 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--num-threads", type=int, default=1,
                     help="engine torch threads (default 1: on 2 cores, torch's default of 2 threads gave 1.5x less "
-                         "throughput, see loadtest/README.md; 0 = torch's default)")
+                         "throughput, see loadtest/reports/loadtest.md; 0 = torch's default)")
     ap.add_argument("--server-args", default="", help="more moe-serve flags, quoted")
     ap.add_argument("--host", default="", help="test this running server instead of starting one")
     ap.add_argument("--triton-metrics-url", default="", help="with --host: Triton's /metrics URL (optional)")
