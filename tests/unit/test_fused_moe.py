@@ -303,9 +303,9 @@ def test_a_table_tuned_before_the_large_bucket_was_split_still_serves_large_step
 
 
 def test_the_committed_h200_table_is_the_one_in_use_for_its_shape():
-    """fused_moe_configs.json (tuned on the H200 by bench_fused_moe.py --tune) parses, and every bucket it tunes
-    replaces the default for the Qwen3-30B-A3B shape on that GPU (a broken file would fall back to the defaults
-    with only a warning)."""
+    """fused_moe_configs.json (tuned on the H200 by loadtest/tune/bench_fused_moe.py --tune) parses, and every
+    bucket it tunes replaces the default for the Qwen3-30B-A3B shape on that GPU (a broken file would fall back to
+    the defaults with only a warning)."""
     entry = next(t for t in json.loads(fused_moe.CONFIG_FILE.read_text())["tables"] if t["device"] == "NVIDIA H200")
     key = fused_moe.table_key("NVIDIA H200", 128, 2048, 768, torch.bfloat16)
     assert {k: entry[k] for k in key} == key and entry["buckets"]
