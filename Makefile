@@ -36,7 +36,7 @@ test: $(STAMP)
 
 # Starts moe-serve, runs locust headless, scrapes /metrics, plots; results in loadtest/results/<timestamp>/.
 loadtest: $(STAMP)
-	$(BIN)/python loadtest/run_loadtest.py --users $(USERS) --duration $(DURATION) $(LOADTEST_ARGS)
+	$(BIN)/python loadtest/load/run_loadtest.py --users $(USERS) --duration $(DURATION) $(LOADTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

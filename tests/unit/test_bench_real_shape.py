@@ -1,4 +1,4 @@
-"""loadtest/bench_real_shape.py on the CPU: the whole script on the tiny shape (every case, the profile, the
+"""loadtest/bench/bench_real_shape.py on the CPU: the whole script on the tiny shape (every case, the profile, the
 report files), and the parts of real_shape_model.py its numbers rest on (weight bytes per token, identical
 random weights in the engine and in transformers, routing of the random inits, the profile's busy time).
 
@@ -15,15 +15,15 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "loadtest"))
-import real_shape_model as rsm  # noqa: E402
+sys.path.insert(0, str(REPO))
+from loadtest.bench import real_shape_model as rsm  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("real_shape")
-    cmd = [sys.executable, str(REPO / "loadtest" / "bench_real_shape.py"), "--shape", "tiny", "--device", "cpu",
-           "--scale", "0.05", "--quick", "--reps", "2", "--warmup-tokens", "4", "--d-stall-s", "5",
+    cmd = [sys.executable, str(REPO / "loadtest" / "bench" / "bench_real_shape.py"), "--shape", "tiny",
+           "--device", "cpu", "--scale", "0.05", "--quick", "--reps", "2", "--warmup-tokens", "4", "--d-stall-s", "5",
            "--cases", "a,b,c,d,e,hf", "--profile", "b", "--step-trace", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -266,8 +266,8 @@ def test_tile_table_from_json_overrides_only_its_own_shape(tmp_path, monkeypatch
 
 
 def test_a_table_variant_changes_one_config_and_keeps_the_rest(tmp_path):
-    """loadtest/tile_table_variant.py: the shipped H200 table with one bucket's down config replaced, read back by
-    the engine's loader exactly so; every other config as shipped."""
+    """loadtest/tune/tile_table_variant.py: the shipped H200 table with one bucket's down config replaced, read back
+    by the engine's loader exactly so; every other config as shipped."""
     import subprocess
     import sys
     from pathlib import Path
@@ -275,8 +275,8 @@ def test_a_table_variant_changes_one_config_and_keeps_the_rest(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "variant.json"
     env = {k: v for k, v in os.environ.items() if k != fused_moe.CONFIG_ENV}
-    done = subprocess.run([sys.executable, str(repo / "loadtest/tile_table_variant.py"), "--bucket", "2-8", "--kernel",
-                           "down", "--config", "16,128,64,1,4,3,1", "--out", str(out)],
+    done = subprocess.run([sys.executable, str(repo / "loadtest/tune/tile_table_variant.py"), "--bucket", "2-8",
+                           "--kernel", "down", "--config", "16,128,64,1,4,3,1", "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     shipped = fused_moe._table("NVIDIA H200", 128, 2048, 768, torch.bfloat16, str(fused_moe.CONFIG_FILE))
@@ -305,9 +305,9 @@ def test_a_table_tuned_before_the_large_bucket_was_split_still_serves_large_step
 
 
 def test_the_committed_h200_table_is_the_one_in_use_for_its_shape():
-    """fused_moe_configs.json (tuned on the H200 by bench_fused_moe.py --tune) parses, and every bucket it tunes
-    replaces the default for the Qwen3-30B-A3B shape on that GPU (a broken file would fall back to the defaults
-    with only a warning)."""
+    """fused_moe_configs.json (tuned on the H200 by loadtest/tune/bench_fused_moe.py --tune) parses, and every
+    bucket it tunes replaces the default for the Qwen3-30B-A3B shape on that GPU (a broken file would fall back to
+    the defaults with only a warning)."""
     entry = next(t for t in json.loads(fused_moe.CONFIG_FILE.read_text())["tables"] if t["device"] == "NVIDIA H200")
     key = fused_moe.table_key("NVIDIA H200", 128, 2048, 768, torch.bfloat16)
     assert {k: entry[k] for k in key} == key and entry["buckets"]
@@ -319,7 +319,7 @@ def test_the_committed_h200_table_is_the_one_in_use_for_its_shape():
 HOPPER_COMPILE = r"""
 import json, sys
 import torch
-from kernel_ptx_stats import compile_moe_gemm  # loadtest/: the launch the engine makes, compiled for sm_90
+from loadtest.probes.kernel_ptx_stats import compile_moe_gemm  # the launch the engine makes, compiled for sm_90
 from moe_engine.kernels import fused_moe as fm
 
 out = {}
@@ -348,7 +348,7 @@ def test_default_tiles_compile_for_hopper_within_its_shared_memory(tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([str(repo / "backends"), str(repo / "loadtest")]),
+    env.update(PYTHONPATH=os.pathsep.join([str(repo / "backends"), str(repo)]),
                TRITON_CACHE_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, "2-8", "513-2048", ">16384"], env=env,
                           capture_output=True, text=True, timeout=300)

@@ -1,0 +1,1 @@
+"""Benchmarks of the engine and the API, with their common module."""

@@ -1,0 +1,1 @@
+"""Load tests: locust, soak, traffic, fault injection, large outputs."""

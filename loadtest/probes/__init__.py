@@ -1,0 +1,1 @@
+"""One-off probes of kernels and library paths."""

@@ -1,0 +1,1 @@
+"""Tuners: tile sweeps and the fused-MoE tile tuner."""
