@@ -183,7 +183,7 @@ class TritonPythonModel:
             torch.set_num_threads(int(num_threads))
         elif device == "cpu":
             # Leave a core to tritonserver, the API and the response thread: on a 2-core host one engine
-            # thread gave 1.5x the throughput of torch's default two (loadtest/README.md).
+            # thread gave 1.5x the throughput of torch's default two (loadtest/reports/loadtest.md)
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
         log.info("loading %s (dtype=%s, device=%s)", checkpoint, dtype, device)
         t0 = time.monotonic()

@@ -7,25 +7,26 @@ metadata (which layers are MoE, expert count, top-k) without loading PyTorch.
 layers, which of them are MoE, dtype, special tokens, norms, the dense MLP)
 and one frozen spec per concern, each read by the module that implements it:
 
-- ``rope: RopeSpec``            rope.py (``RotaryEmbedding``; yarn values derived there)
-- ``attention: AttentionSpec``  model.py's ``Attention``; with ``mla: MLASpec`` DeepSeek's ``MLAttention``
-- ``router: RouterSpec``        routing.py (``make_router``)
-- ``experts: ExpertsSpec``      model.py's MoE blocks and experts; checkpoint.py (expert key layout)
+- ``rope: RopeSpec``            layers/rotary.py (``RotaryEmbedding``; yarn values derived there)
+- ``attention: AttentionSpec``  layers/attention.py's ``Attention``; with ``mla: MLASpec`` layers/mla.py's
+                                ``MLAttention``
+- ``router: RouterSpec``        layers/routing.py (``make_router``)
+- ``experts: ExpertsSpec``      layers/moe.py's MoE blocks, layers/experts.py; checkpoint.py (expert key layout)
 
 Architecture differences the model needs are plain spec fields (router kind,
-q/k norm, shared expert sizes, per-layer sliding windows, ...), so that model.py
-never branches on the architecture's name.
+q/k norm, shared expert sizes, per-layer sliding windows, ...), so that the
+decoder (models/decoder.py) never branches on the architecture's name.
 
-Each supported ``model_type`` has a parser in ``configs/`` (one file per family)
+Each supported ``model_type`` has a parser in ``models/`` (one file per family)
 that reads that architecture's keys, with the defaults of transformers 5.24's
 config class, and returns the keyword arguments of ``MoEConfig`` and its specs as
 nested dicts; ``config_from_dict`` builds and checks the dataclasses. (The parsers
-return dicts so that ``configs/`` never imports this module: no import cycle.)
+return dicts so that ``models/`` never imports this module: no import cycle.)
 
-Adding an architecture: write ``configs/<family>.py`` (its ``parse(raw)``),
-register it in ``configs/__init__.py``'s ``PARSERS``, add its router to routing.py
-if none fits, its MoE block to model.py's ``MOE_BLOCKS`` and its key layout to
-checkpoint.py. DeepSeek-V2/V3 (MLA attention, grouped routers, dense first layers)
+Adding an architecture (docs/design/adding_a_model.md): write ``models/<family>.py``
+(its ``parse(raw)``), register it in ``models/__init__.py``'s ``PARSERS``, add its
+router to layers/routing.py if none fits, its MoE block to layers/moe.py and
+models/decoder.py's ``MOE_BLOCKS``, and its key layout to checkpoint.py. DeepSeek-V2/V3 (MLA attention, grouped routers, dense first layers)
 and GPT-OSS (sinks, alternating sliding windows, biased clamped experts, MXFP4)
 show every option.
 """
@@ -96,13 +97,13 @@ class AttentionSpec:
 
     @property
     def kind(self) -> str:
-        """model.py's ``ATTENTIONS`` key: "gqa" (grouped-query) or "mla"."""
+        """models/decoder.py's ``ATTENTIONS`` key: "gqa" (grouped-query) or "mla"."""
         return "gqa" if self.mla is None else "mla"
 
 
 @dataclass(frozen=True)
 class RouterSpec:
-    kind: str  # routing.py ROUTERS key
+    kind: str  # layers/routing.py ROUTERS key
     num_experts: int
     top_k: int
     norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1

@@ -24,7 +24,7 @@ before it finish first (requests submitted after it wait until it is done) or ab
 weights after ``continue_generation``, as SGLang's in_place pause). Every weight change bumps the weights epoch,
 which the scheduler puts in the prefix-cache key of every sequence it admits: blocks (and routing rows) computed
 under other weights never match a later request, whether or not the cache is flushed. The operations are
-``engine.lifecycle``'s (lifecycle.py), the weight loading weights.py's.
+``engine.lifecycle``'s (rl/lifecycle.py), the weight loading rl/weights.py's.
 """
 from __future__ import annotations
 
@@ -105,10 +105,10 @@ class Engine:
                  parallel=None):
         """``parallel``: with tensor parallelism, the RankPool (ranks.py) of the other ranks; ``model`` is then
         rank 0's shard."""
-        self.model, self.cfg = model, cfg
+        self.model, self.cfg, self.engine_config = model, cfg, engine_cfg or EngineConfig()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.settings = s = (engine_cfg or EngineConfig()).resolve(cfg, self.device, self.dtype)
+        self.settings = s = self.engine_config.resolve(cfg, self.device, self.dtype)
         if s.max_model_len > cfg.max_position_embeddings:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings %d", s.max_model_len,
                         cfg.max_position_embeddings)

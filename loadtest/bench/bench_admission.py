@@ -27,13 +27,14 @@ import json
 import random
 import statistics
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
-from moe_engine.block_manager import BlockManager
-from moe_engine.sampling import SamplingParams, make_state
-from moe_engine.scheduler import Scheduler, StepResult
-from moe_engine.sequence import Request, Sequence
+from moe_engine.core.block_manager import BlockManager
+from moe_engine.core.sampling import SamplingParams, make_state
+from moe_engine.core.scheduler import Scheduler, StepResult
+from moe_engine.core.sequence import Request, Sequence
 
 try:
     from moe_engine.engine import _id_array
@@ -54,8 +55,9 @@ def validate(prompt: list[int], vocab: int) -> np.ndarray | None:
 def one_round(bm: BlockManager, args, rng: random.Random, rnd: int) -> dict[str, float]:
     L, K, V = args.layers, args.top_k, args.vocab
     sp = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
-    sch = Scheduler(bm, args.conversations, args.step_tokens, args.history + args.new + args.output_tokens + 16,
-                    frozenset([0]), True)
+    settings = SimpleNamespace(max_num_seqs=args.conversations, step_tokens=args.step_tokens,  # what Scheduler reads
+                               max_model_len=args.history + args.new + args.output_tokens + 16, keep_routing_rows=True)
+    sch = Scheduler(bm, settings, frozenset([0]))
     # The histories, as earlier turns left them: computed, registered with their rows, freed (cached).
     hist = [[rng.randrange(V) for _ in range(args.history)] for _ in range(args.conversations)]
     for i, h in enumerate(hist):

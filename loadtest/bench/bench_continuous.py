@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
 from loadtest.bench import real_shape_model as rsm  # noqa: E402
 from moe_engine.engine import Engine, EngineConfig, Request
-from moe_engine.sampling import SamplingParams
+from moe_engine.core.sampling import SamplingParams
 
 
 def workload(requests: int, vocab: int, seed: int, prompt_lens: tuple[int, int]) -> list[tuple[list[int], int]]:

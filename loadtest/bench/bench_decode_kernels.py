@@ -8,10 +8,10 @@ layer, so nothing is served from L2 that would not be in the engine), replayed `
 call. Each variant's output is compared with the default's (the knobs change the split of the work, not the math:
 bit-identical but for the expert GEMMs, whose K tiles change the float32 summation order; >= 99% equal counts).
 
-  combine      columns per program (kernels.COMBINE_BLOCK)
+  combine      columns per program (routing_kernels.COMBINE_BLOCK)
   combine_norm a MoE layer's combine and the next residual add + norm as two launches (combine, rms_norm) or one
-               (combine_rms_norm, what the decoder runs from kernels.COMBINE_NORM_MIN_TOKENS tokens)
-  qk_norm_rope heads per program (kernels.QK_HEADS_BLOCKS by step size), per-head norms summed in-kernel, k/v stored
+               (combine_rms_norm, what the decoder runs from routing_kernels.COMBINE_NORM_MIN_TOKENS tokens)
+  qk_norm_rope heads per program (rotary_kernels.QK_HEADS_BLOCKS by step size), per-head norms summed in-kernel, k/v stored
   route        pairs per program
   rms_norm     warps (residual add + norm of a [T, 2048] row)
   experts      fused_moe tile configs of the gate_up and down GEMMs (BLOCK_N, BLOCK_K, stages, warps), 8 weight
@@ -34,8 +34,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
 from loadtest.bench import real_shape_model as rsm  # noqa: E402
-from moe_engine import fused_moe, kernels  # noqa: E402
-from moe_engine.fused_moe import TileConfig  # noqa: E402
+from moe_engine.kernels import fused_moe  # noqa: E402
+from moe_engine.kernels import moe_routing as routing_kernels  # noqa: E402
+from moe_engine.kernels import norm as norm_kernels  # noqa: E402
+from moe_engine.kernels import rotary as rotary_kernels  # noqa: E402
+from moe_engine.kernels.fused_moe import TileConfig  # noqa: E402
 
 H, HQ, HK, D, E, K, I, L = 2048, 32, 4, 128, 128, 8, 768, 48  # Qwen3-30B-A3B; L layers per graph
 
@@ -125,23 +128,23 @@ def main() -> None:
         if "combine" in which:
             ys = [rnd(P, H) for _ in range(L)]
             rts = [routing(T) for _ in range(L)]
-            rows_of = [kernels.route(ids, E)[0] for ids, _ in rts]  # each pair's grouped row
+            rows_of = [routing_kernels.route(ids, E)[0] for ids, _ in rts]  # each pair's grouped row
 
             def combine_calls(block):
-                return layer_calls(lambda i: kernels.combine(ys[i], rts[i][0], rows_of[i], rts[i][1], dt,
+                return layer_calls(lambda i: routing_kernels.combine(ys[i], rts[i][0], rows_of[i], rts[i][1], dt,
                                                              block=block))
             sweep("combine", T, (1024, 2048, 512, 256, 128), combine_calls, args.reps, rows, t0)
         if "combine_norm" in which:
             ys, xs, w = [rnd(P, H) for _ in range(L)], [rnd(T, H) for _ in range(L)], rnd(H)
             rts = [routing(T) for _ in range(L)]
-            rows_of = [kernels.route(ids, E)[0] for ids, _ in rts]
+            rows_of = [routing_kernels.route(ids, E)[0] for ids, _ in rts]
 
             def combine_norm_calls(launches):
                 def one(i):
                     ids, wts = rts[i]
                     if launches == "one":
-                        return kernels.combine_rms_norm(ys[i], ids, rows_of[i], wts, xs[i], w, 1e-6, False)
-                    return kernels.rms_norm(xs[i], w, 1e-6, False, kernels.combine(ys[i], ids, rows_of[i], wts, dt))
+                        return routing_kernels.combine_rms_norm(ys[i], ids, rows_of[i], wts, xs[i], w, 1e-6, False)
+                    return norm_kernels.rms_norm(xs[i], w, 1e-6, False, routing_kernels.combine(ys[i], ids, rows_of[i], wts, dt))
                 return layer_calls(one)
             sweep("combine_norm", T, ("two", "one"), combine_norm_calls, args.reps, rows, t0)
             del ys, xs
@@ -155,7 +158,7 @@ def main() -> None:
             slots = torch.randperm(blocks * 16, device=dev, generator=g)[:T]
 
             def qk_calls(hpp):
-                return layer_calls(lambda i: kernels.qk_norm_rope(  # (q, k): no copy timed with the kernel
+                return layer_calls(lambda i: rotary_kernels.qk_norm_rope(  # (q, k): no copy timed with the kernel
                     qs[i], ks[i], cos, sin, D, "head", q_weight=qw, k_weight=kw, eps=1e-6,
                     kv_cache=(vs[i], cache_k, cache_v, slots), heads_per_program=hpp))
             sweep("qk_norm_rope", T, (64, 16, 8, 4, 2, 1), qk_calls, args.reps, rows, t0)
@@ -165,17 +168,17 @@ def main() -> None:
 
             def route_calls(bi):
                 return layer_calls(lambda i: torch.cat(
-                    [t.reshape(-1).long() for t in kernels.route(rts[i][0], E, cap, block_i=bi)]))
+                    [t.reshape(-1).long() for t in routing_kernels.route(rts[i][0], E, cap, block_i=bi)]))
             sweep("route", T, (16, 8, 4, 32), route_calls, args.reps, rows, t0)
         if "rms_norm" in which:
             xs, ds, w = [rnd(T, H) for _ in range(L)], [rnd(T, H) for _ in range(L)], rnd(H)
 
             def norm_calls(warps):
-                return layer_calls(lambda i: kernels.rms_norm(xs[i], w, 1e-6, False, ds[i], num_warps=warps)[1])
+                return layer_calls(lambda i: norm_kernels.rms_norm(xs[i], w, 1e-6, False, ds[i], num_warps=warps)[1])
             sweep("rms_norm", T, (4, 1, 2, 8, 16), norm_calls, args.reps, rows, t0)
         if "experts" in which and str(T) in args.expert_tokens.split(","):
             xs = [rnd(T, H) for _ in range(L)]
-            routed = [kernels.route(routing(T)[0], E) for _ in range(L)]
+            routed = [routing_kernels.route(routing(T)[0], E) for _ in range(L)]
             default = fused_moe.tile_configs(P, dev, E, H, I, dt)
             hs = [fused_moe.gate_up_swiglu(xs[i], sets[i % len(sets)][0], routed[i][1], routed[i][2], default[0])
                   for i in range(L)]

@@ -164,7 +164,7 @@ class EngineRunner:
 
     def run(self, prompts: list[list[int]], output_len: int) -> dict:
         from moe_engine.engine import Request
-        from moe_engine.sampling import SamplingParams
+        from moe_engine.core.sampling import SamplingParams
 
         n = len(prompts)
         done = threading.Event()

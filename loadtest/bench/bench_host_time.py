@@ -32,11 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
 from loadtest.bench import real_shape_model as rsm  # noqa: E402
-from moe_engine import attention
+from moe_engine.layers import attend
 from moe_engine.engine import Engine
 from moe_engine.engine_config import EngineConfig
-from moe_engine.sampling import SamplingParams
-from moe_engine.sequence import Request
+from moe_engine.core.sampling import SamplingParams
+from moe_engine.core.sequence import Request
 
 
 def timed(totals: dict, counts: collections.Counter, label: str, f):
@@ -59,8 +59,8 @@ def run(capture: bool, prompts: int, prompt_len: int, step_tokens: int, seed: in
     model, cfg = rsm.build_engine_model(raw, torch.device("cpu"), torch.float32, seed=seed)
     totals: dict[str, float] = collections.defaultdict(float)
     counts: collections.Counter = collections.Counter()
-    build = attention.ForwardBatch.build.__func__
-    attention.ForwardBatch.build = classmethod(timed(totals, counts, "ForwardBatch.build", build))
+    build = attend.ForwardBatch.build.__func__
+    attend.ForwardBatch.build = classmethod(timed(totals, counts, "ForwardBatch.build", build))
     try:
         eng = Engine(model, cfg, EngineConfig(max_num_seqs=prompts, max_model_len=prompt_len + turn2 + 64,
                                               max_num_batched_tokens=step_tokens, enable_prefix_caching=True,
@@ -100,7 +100,7 @@ def run(capture: bool, prompts: int, prompt_len: int, step_tokens: int, seed: in
             while not done.is_set():
                 eng.step()
     finally:
-        attention.ForwardBatch.build = classmethod(build)
+        attend.ForwardBatch.build = classmethod(build)
     return {k: (totals[k] * 1e3 / counts[k], counts[k]) for k in totals}
 
 

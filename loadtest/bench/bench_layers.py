@@ -103,7 +103,7 @@ class EngineLayer:
 
     def one(self, prompt, seed, max_tokens, temperature) -> Result:
         from moe_engine.engine import Request
-        from moe_engine.sampling import SamplingParams
+        from moe_engine.core.sampling import SamplingParams
 
         done = threading.Event()
         st = {"first": None, "last": None, "n": 0, "rows": [], "err": None}

@@ -217,7 +217,7 @@ class EngineBackend:
 
     def run_turn(self, convs: list[Conversation], out_tokens: int, timeout: float) -> list[Result]:
         from moe_engine.engine import Request
-        from moe_engine.sampling import SamplingParams
+        from moe_engine.core.sampling import SamplingParams
 
         results = [Result(prompt_tokens=len(c.prompt)) for c in convs]
         parts: list[list] = [[] for _ in convs]

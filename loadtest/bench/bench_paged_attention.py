@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "backends"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from moe_engine import paged_attention as pa  # noqa: E402
+from moe_engine.kernels import paged_attention as pa  # noqa: E402
 
 sys.path.insert(0, str(REPO))  # the repo root: loadtest.* when run by path
 from loadtest.bench import real_shape_model as rsm  # noqa: E402
@@ -423,7 +423,7 @@ def dense_case(device, dtype) -> None:
     and of the host's part alone (the call returning, no sync), for cuDNN-first and FlashAttention-only."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from moe_engine.attention import dense_causal
+    from moe_engine.layers.attend import dense_causal
 
     g = torch.Generator(device=device).manual_seed(4)
     for label, backends in (("cudnn first", None), ("flash only", [SDPBackend.FLASH_ATTENTION])):

@@ -71,7 +71,7 @@ sys.path.insert(0, str(REPO / "backends"))
 sys.path.insert(0, str(REPO))  # the repo root: loadtest.* when run by path
 from loadtest.bench import real_shape_model as rsm  # noqa: E402
 from loadtest.bench import step_trace  # noqa: E402
-from moe_engine import kernels  # noqa: E402
+from moe_engine.kernels import support as kernel_support  # noqa: E402
 
 CASES = ("a", "b", "e", "c", "d", "hf")  # run order: engines of one size together, HF last (after freeing)
 # name -> (count, prompt, output) at scale 1
@@ -164,7 +164,7 @@ class Batch:
 
     def __init__(self, engine, prompts: list[list[int]], out_len: int, capture: bool, tag: str, watch=None):
         from moe_engine.engine import Request
-        from moe_engine.sampling import SamplingParams
+        from moe_engine.core.sampling import SamplingParams
 
         n = len(prompts)
         self.engine, self.prompts, self.out_len, self.capture, self.n = engine, prompts, out_len, capture, n
@@ -569,7 +569,7 @@ def profile_case(ctx) -> None:
     ctx.current.update(summ)
     log(f"profile {case}:{phase}: {n_steps} steps ({summ['trace_steps']} with kernels in the trace), wall "
         f"{summ['wall_per_step_ms']:.2f} ms/step, device busy {summ['busy_per_step_ms']:.2f} ms/step" + (f"; lm_head alone at {n} rows {lm_alone * 1e3:.3f} ms" if lm_alone else ""))
-    if cuda and kernels.pdl(ctx.device):
+    if cuda and kernel_support.pdl(ctx.device):
         log("  (programmatic dependent launch on: a kernel starts before its predecessor ends and waits for it, so "
             "the per-kernel times below include that wait and add up to more than the busy time; MOE_PDL=0 for "
             "each kernel's own time)")
@@ -867,8 +867,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s %(levelname)s: %(message)s")
     logging.getLogger("moe_engine").setLevel(logging.INFO)  # the engine's own line: KV cache, graphs, kernels
     if args.dense_prefill_min is not None:
-        from moe_engine import attention
-        attention.DENSE_PREFILL_MIN_TOKENS = args.dense_prefill_min
+        from moe_engine.layers import attend
+        attend.DENSE_PREFILL_MIN_TOKENS = args.dense_prefill_min
     ctx = Ctx(args)
     ctx.results = {"benchmark": "loadtest/bench/bench_real_shape.py",
                    "command": " ".join(["bench_real_shape.py", *(argv or sys.argv[1:])]),

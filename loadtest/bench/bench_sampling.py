@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO / "backends"))
 
 import torch  # noqa: E402
 
-from moe_engine.sampling import Sampler, SamplingParams, compute_logprobs, make_state  # noqa: E402
+from moe_engine.core.sampling import Sampler, SamplingParams, compute_logprobs, make_state  # noqa: E402
 
 V = 151_936
 DEVICE = "cuda"

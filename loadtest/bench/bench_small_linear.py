@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""kernels.small_linear against cuBLAS (F.linear) for the dense GEMMs of a decode step of a few tokens.
+"""linear_kernels.small_linear against cuBLAS (F.linear) for the dense GEMMs of a decode step of a few tokens.
 
 For each projection of the real shape (Qwen3-30B-A3B: router 128 x 2048, q/k/v 5120 x 2048, o 2048 x 4096) and
 each step size T: both ways of computing ``x @ W.T`` over 48 different weights (one per layer, so the weights come
@@ -33,7 +33,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
 from loadtest.bench import real_shape_model as rsm  # noqa: E402
-from moe_engine import fused_moe, kernels  # noqa: E402
+from moe_engine.kernels import fused_moe  # noqa: E402
+from moe_engine.kernels import small_linear as linear_kernels  # noqa: E402
+from moe_engine.kernels import support as kernel_support  # noqa: E402
 
 SHAPES = {"router": (128, 2048), "qkv": (5120, 2048), "o": (2048, 4096)}  # name: (N outputs, H inputs)
 
@@ -45,7 +47,7 @@ def graph_time(fn, xs, ws, reps: int) -> float:
 
 def moe_gemm_configs(T: int, N: int) -> list[fused_moe.TileConfig]:
     """Tile configs for a one-expert GEMM of T rows: one row tile (16-64 rows), column tiles that divide N."""
-    bm = max(16, kernels._pow2(T))
+    bm = max(16, kernel_support._pow2(T))
     return [fused_moe.TileConfig(bm, bn, bk, 1, 4, stages, tma)
             for bn in (16, 32, 64, 128) if N % bn == 0 and N // bn >= 4
             for bk in (64, 128) for stages in (3, 5) for tma in (0, 1)]
@@ -83,9 +85,9 @@ def main() -> None:
         for T in (int(t) for t in args.tokens.split(",")):
             xs = [torch.randn(T, H, device=dev, generator=g).to(dt) for _ in range(args.layers)]
             t_cublas = graph_time(F.linear, xs, ws, args.reps)
-            t_small = graph_time(kernels.small_linear, xs, ws, args.reps)
+            t_small = graph_time(linear_kernels.small_linear, xs, ws, args.reps)
             ref = F.linear(xs[0].float(), ws[0].float())
-            ours, theirs = kernels.small_linear(xs[0], ws[0]), F.linear(xs[0], ws[0])
+            ours, theirs = linear_kernels.small_linear(xs[0], ws[0]), F.linear(xs[0], ws[0])
             gb = N * H * 2 / 1e9
             row = dict(name=name, N=N, H=H, T=T, cublas_us=t_cublas * 1e6, small_us=t_small * 1e6,
                        cublas_tbps=gb / t_cublas / 1e3, small_tbps=gb / t_small / 1e3,
@@ -112,7 +114,7 @@ def main() -> None:
                     for warps in (2, 4, 8, 16):
                         if tile < H or tile // H > 64:
                             continue
-                        fn = lambda x, w, _t=tile, _w=warps: kernels.small_linear(x, w, tile=_t, num_warps=_w)
+                        fn = lambda x, w, _t=tile, _w=warps: linear_kernels.small_linear(x, w, tile=_t, num_warps=_w)
                         row["sweep"][f"tile {tile} warps {warps}"] = graph_time(fn, xs, ws, args.reps) * 1e6
                 best = min(row["sweep"], key=row["sweep"].get)
                 print(f"    sweep: best {best} {row['sweep'][best]:.2f} us; " + ", ".join(

@@ -94,7 +94,7 @@ def trainer(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from moe_engine.weights import init_update_process_group
+    from moe_engine.rl.weights import init_update_process_group
 
     if args.checkpoint:  # CPU: the checkpoint's tensors by their (Hub) names, over gloo, with the HTTP calls
         from safetensors.torch import load_file
@@ -248,7 +248,7 @@ def build_model(raw: dict, device, seed: int, layers: int | None = None):
     import torch
 
     from moe_engine.config import config_from_dict
-    from moe_engine.model import MoEForCausalLM
+    from moe_engine.models.decoder import MoEForCausalLM
 
     cfg = config_from_dict({**raw, **({"num_hidden_layers": layers} if layers else {})})
     with torch.device("meta"):
@@ -291,8 +291,8 @@ def gpu_mode(args) -> dict:
 
     from moe_engine.config import config_from_dict
     from moe_engine.engine import Engine, EngineConfig, Request
-    from moe_engine.sampling import SamplingParams
-    from moe_engine.weights import check_checkpoint, load_checkpoint
+    from moe_engine.core.sampling import SamplingParams
+    from moe_engine.rl.weights import check_checkpoint, load_checkpoint
 
     raw = SIMULATED if args.simulate else QWEN3_30B_A3B
     dev = torch.device("cpu" if args.simulate else "cuda:0")
@@ -318,7 +318,7 @@ def gpu_mode(args) -> dict:
     ecfg = EngineConfig(kv_cache_memory_bytes=4 << 30, max_num_seqs=16, max_model_len=4096,
                         enable_prefix_caching=True, enforce_eager=args.eager, fused_kernels=args.fused)
     res["engine_init_s"], engine = timed(Engine, model, cfg, ecfg)
-    engine.weight_version = "random-1"
+    engine.lifecycle.weight_version = "random-1"
     engine.start()
 
     def generate(tag: str) -> None:

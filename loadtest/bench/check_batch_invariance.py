@@ -38,7 +38,7 @@ def main() -> None:
     from moe_engine.checkpoint import load_model
     from moe_engine.config import load_config
     from moe_engine.engine import Engine, EngineConfig, Request
-    from moe_engine.sampling import SamplingParams
+    from moe_engine.core.sampling import SamplingParams
     from moe_engine.tiny import ensure_tiny_checkpoint
 
     path, name = resolve_model(args.model)

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
 from moe_engine.engine import Engine, EngineConfig, Request
-from moe_engine.sampling import SamplingParams
+from moe_engine.core.sampling import SamplingParams
 path = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "results", "checkpoints", "olmoe-*")))[0]
 cfg = load_config(path); model = load_model(path, dtype="float32", progress=False)
 kw = dict(max_num_seqs=16, max_model_len=256)

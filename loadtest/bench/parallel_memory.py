@@ -19,8 +19,8 @@ from types import SimpleNamespace
 import torch
 
 from moe_engine.config import config_from_dict
-from moe_engine.model import MoEForCausalLM
-from moe_engine.sharding import shard_model
+from moe_engine.models.decoder import MoEForCausalLM
+from moe_engine.distributed.sharding import shard_model
 
 QWEN3_235B = {
     "model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,

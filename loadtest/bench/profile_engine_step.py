@@ -22,6 +22,7 @@ import pstats
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -52,7 +53,7 @@ def main() -> int:
     from moe_engine.checkpoint import load_model
     from moe_engine.config import load_config
     from moe_engine.engine import Engine, EngineConfig, Request
-    from moe_engine.sampling import SamplingParams
+    from moe_engine.core.sampling import SamplingParams
 
     path = bench_engine.ensure_checkpoint(shape)
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
@@ -100,7 +101,7 @@ def main() -> int:
             t0 = time.perf_counter()
             if not engine.step():
                 break
-            if cuda and not engine.overlap:  # with overlap a step's GPU work runs into the next call
+            if cuda and not engine.settings.async_scheduling:  # with overlap a step's GPU work runs into the next call
                 torch.cuda.synchronize()
             out.append((decode_only, time.perf_counter() - t0))
             if profiler is not None:
@@ -114,8 +115,8 @@ def main() -> int:
     pre = [t for d, t in timed if not d]
     dec = [t for d, t in timed if d]
     print(f"{args.concurrency} sequences, prompt {args.prompt_len}, output {args.output_len}, {args.device} {dtype}, "
-          f"capture {'off' if args.no_capture else 'on'}, graphs {'on' if engine.graphs is not None else 'off'}, "
-          f"overlap {'on' if engine.overlap else 'off'}, fused kernels {'on' if engine.fused else 'off'}")
+          f"capture {'off' if args.no_capture else 'on'}, graphs {'on' if engine.runner.graphs is not None else 'off'}, "
+          f"overlap {'on' if engine.settings.async_scheduling else 'off'}, fused kernels {'on' if engine.settings.fused_kernels else 'off'}")
     print(f"steps with prefill: {len(pre)}, total {sum(pre) * 1e3:.1f} ms, median {statistics.median(pre) * 1e3:.2f} ms")
     print(f"decode-only steps: {len(dec)}, total {sum(dec) * 1e3:.1f} ms, median {statistics.median(dec) * 1e3:.3f} ms")
     print(f"=> {args.concurrency * args.output_len / sum(t for _, t in timed):.0f} output tok/s (steps only)")
@@ -146,9 +147,9 @@ def main() -> int:
 
 def paired_capture(args, cfg, model, on, cuda: bool) -> int:
     from moe_engine.engine import Engine, EngineConfig, Request
-    from moe_engine.sampling import SamplingParams
+    from moe_engine.core.sampling import SamplingParams
 
-    off = Engine(model, cfg, EngineConfig(**{**on.ecfg.__dict__, "enable_routed_experts": False}))
+    off = Engine(model, cfg, replace(on.engine_config, enable_routed_experts=False))
     max_tokens = args.pairs + 8
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.concurrency)]

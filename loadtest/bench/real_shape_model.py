@@ -166,7 +166,7 @@ def build_engine_model(raw: dict, device: torch.device, dtype: torch.dtype, seed
                        log: Log | None = None):
     """(moe_engine MoEForCausalLM with random weights on ``device``, its MoEConfig)."""
     from moe_engine.config import config_from_dict
-    from moe_engine.model import MoEForCausalLM
+    from moe_engine.models.decoder import MoEForCausalLM
 
     cfg = config_from_dict(raw)
     with torch.device("meta"):

@@ -3,7 +3,7 @@ spills per program, for a choice of num_warps.
 
 Decode steps are latency-bound: a kernel whose program runs a chain of reductions pays for every cross-warp
 reduction with shared memory and a barrier, which no profile of a single run tells apart from "the kernel is
-small". This compiles ``backends/moe_engine/kernels.py``'s kernels for sm_90 (Triton's own compiler and ptxas, both
+small". This compiles the kernels of ``backends/moe_engine/kernels/`` for sm_90 (Triton's own compiler and ptxas, both
 in the triton wheel) at the real shape's sizes (Qwen3-30B-A3B: 128 experts top-8, 32/4 heads of 128, hidden 2048)
 and counts, per num_warps:
 
@@ -31,8 +31,11 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for real (the tests' interpr
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from moe_engine.kernels import moe_routing as routing_kernels  # noqa: E402
+from moe_engine.kernels import norm as norm_kernels  # noqa: E402
+from moe_engine.kernels import rotary as rotary_kernels  # noqa: E402
+from moe_engine.kernels import small_linear as linear_kernels  # noqa: E402
 
-from moe_engine import kernels as K  # noqa: E402
 
 E, TOPK, HQ, HK, D, HIDDEN = 128, 8, 32, 4, 128, 2048
 
@@ -84,10 +87,12 @@ KERNELS = {  # name: (kernel, signature, constexprs)
 KERNELS["softmax_topk_route"] = (KERNELS["softmax_topk"][0], KERNELS["softmax_topk"][1],
                                  {**KERNELS["softmax_topk"][2], "GROUP": True, "CAPTURE": True})
 
+KERNEL_MODULES = (norm_kernels, rotary_kernels, routing_kernels, linear_kernels)
+
 
 def stats(kernel_name: str, num_warps: int) -> dict:
     attr, signature, constexprs = KERNELS[kernel_name]
-    src = ASTSource(fn=getattr(K, attr), signature=signature, constexprs=constexprs)
+    src = ASTSource(fn=next(getattr(m, attr) for m in KERNEL_MODULES if hasattr(m, attr)), signature=signature, constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "enable_fp_fusion": False})
     ptx = compiled.asm["ptx"]
@@ -116,7 +121,7 @@ def compile_moe_gemm(cfg, gate_up: bool, N: int = 768, K: int = HIDDEN):
     """fused_moe's expert GEMM compiled for sm_90 as the engine launches it (bf16, PDL, TMA where the config asks
     and the shape allows) for ``cfg`` (a fused_moe.TileConfig); gate_up: N = expert width, K = hidden (down: the
     other way round). -> (the compiled kernel, whether it loads through TMA)."""
-    from moe_engine import fused_moe as FM
+    from moe_engine.kernels import fused_moe as FM
 
     tma = bool(cfg.tma) and N % cfg.BLOCK_N == 0
     consts = dict(s_wk=1, GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
@@ -141,7 +146,7 @@ def moe_footprints(bucket: str) -> None:
     """The bucket's gate_up and down launches at the real shape, compiled for sm_90 as the engine launches them."""
     import torch
 
-    from moe_engine import fused_moe as FM
+    from moe_engine.kernels import fused_moe as FM
 
     table = FM._table("NVIDIA H200", E, HIDDEN, 768, torch.bfloat16, str(FM.config_path()))
     print(f"expert GEMMs of bucket {bucket} from {FM.config_path()} (sm_90: 227 KB shared memory, 64K registers, "

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from moe_engine import paged_attention as pa
+from moe_engine.kernels import paged_attention as pa
 
 HQ, HKV, D = 32, 4, 128
 SCALE = D**-0.5

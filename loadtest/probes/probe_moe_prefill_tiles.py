@@ -20,8 +20,9 @@ from types import SimpleNamespace
 
 import torch
 
-from moe_engine import fused_moe, kernels
-from moe_engine.fused_moe import TileConfig
+from moe_engine.kernels import fused_moe
+from moe_engine.kernels import moe_routing as routing_kernels
+from moe_engine.kernels.fused_moe import TileConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
 from loadtest.tune import bench_fused_moe as bfm  # noqa: E402
@@ -62,7 +63,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; E 128 H 2048 I 768 top-8 bf16", flush=True)
     for T in a.tokens:
         case = bfm.Case(args, layers, T, seed=T)
-        routed = [kernels.route(ids, 128) for ids, _ in case.routing]
+        routed = [routing_kernels.route(ids, 128) for ids, _ in case.routing]
         start = fused_moe.tile_configs(case.P, args.device, 128, 2048, 768, torch.bfloat16)
         h_ref = [fused_moe.gate_up_swiglu(case.x, case.layer[g].gate_up_proj, routed[g][1], routed[g][2], start[0])
                  for g in range(case.G)]

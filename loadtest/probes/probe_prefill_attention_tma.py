@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import triton
 
-from moe_engine import paged_attention as pa
+from moe_engine.kernels import paged_attention as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
 from loadtest.probes.probe_prefill_attention_variants import step  # noqa: E402  (a paged step)

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_engine import paged_attention as pa
-from moe_engine.paged_attention import _find_seq
+from moe_engine.kernels import paged_attention as pa
+from moe_engine.kernels.paged_attention import _find_seq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
 from loadtest.tune.sweep_prefill_tiles import median_ms  # noqa: E402

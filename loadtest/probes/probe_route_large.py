@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A prefill step's expert grouping at the real shape: ``kernels.route``'s per-chunk counting (two launches, no
+"""A prefill step's expert grouping at the real shape: ``routing_kernels.route``'s per-chunk counting (two launches, no
 host sync) against the torch path it replaced (a stable sort of the pairs, which waits for the GPU, or above 4,096
 and up to 16,384 pairs a cumulative sum over an [E, pairs] one-hot table).
 
@@ -19,14 +19,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
-from moe_engine import kernels  # noqa: E402
+from moe_engine.kernels import moe_routing as routing_kernels  # noqa: E402
 from loadtest.tune.sweep_prefill_tiles import median_ms  # noqa: E402  (CUDA-event timing, median of reps)
 
 E, K, L = 128, 8, 48  # Qwen3-30B-A3B: experts, top-k, layers
 
 
 def torch_grouping(ids: torch.Tensor, num_experts: int):
-    """The grouping the fused experts used above kernels.ROUTE_MAX_PAIRS until this probe's change (experts.py
+    """The grouping the fused experts used above routing_kernels.ROUTE_MAX_PAIRS until this probe's change (experts.py
     ``group_pairs`` at c6591ba): counting up to 16,384 pairs, torch's stable sort above."""
     T, K_ = ids.shape
     flat = ids.t().reshape(-1)
@@ -61,11 +61,11 @@ def main() -> None:
         ids = [torch.rand(T, E, device=dev, generator=g).argsort(dim=1)[:, :K].contiguous() for _ in range(L)]
         caps = [torch.empty(T, K, dtype=torch.int32, device=dev) for _ in range(L)]
         for i in range(L):  # the same grouping, and the capture rows
-            new, old = kernels.route(ids[i], E, caps[i]), torch_grouping(ids[i], E)
+            new, old = routing_kernels.route(ids[i], E, caps[i]), torch_grouping(ids[i], E)
             assert all(torch.equal(a, b) for a, b in zip(new, old)) and torch.equal(caps[i], ids[i].int()), T
 
         def run_new():
-            return [kernels.route(ids[i], E, caps[i]) for i in range(L)]
+            return [routing_kernels.route(ids[i], E, caps[i]) for i in range(L)]
 
         def run_old():
             return [(caps[i].copy_(ids[i]), torch_grouping(ids[i], E)) for i in range(L)]

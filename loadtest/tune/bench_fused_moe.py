@@ -52,9 +52,11 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "backends"))
 
-from moe_engine import fused_moe, kernels  # noqa: E402
-from moe_engine.fused_moe import TileConfig  # noqa: E402
-from moe_engine.experts import _GMM, Experts  # noqa: E402
+from moe_engine.kernels import fused_moe  # noqa: E402
+from moe_engine.kernels import moe_routing as routing_kernels  # noqa: E402
+from moe_engine.kernels import support as kernel_support  # noqa: E402
+from moe_engine.kernels.fused_moe import TileConfig  # noqa: E402
+from moe_engine.layers.experts import _GMM, Experts  # noqa: E402
 
 ALL_T = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 QUICK_T = (1, 16, 256, 4096)
@@ -131,9 +133,9 @@ def router_like(T: int, E: int, K: int, popularity: torch.Tensor, gen: torch.Gen
 
 def fused_layer(ex: Experts, x, ids, weights, capture):
     """What replaces the two grouped GEMMs of Experts._forward_fused."""
-    pos, tok, offs = kernels.route(ids, ex.num_experts, capture)
+    pos, tok, offs = routing_kernels.route(ids, ex.num_experts, capture)
     y = fused_moe.expert_mlp(x, ex.gate_up_proj, ex.down_proj, pos, tok, offs)
-    return kernels.combine(y, ids, pos, weights, x.dtype)
+    return routing_kernels.combine(y, ids, pos, weights, x.dtype)
 
 
 def grouped_mm_layer(ex: Experts, x, ids, weights, capture):
@@ -204,7 +206,7 @@ class Case:
 
     def gemm_calls(self):
         """fused_moe.expert_mlp alone, on routings grouped beforehand."""
-        routed = [kernels.route(ids, ex.num_experts, None) for ex, (ids, _) in zip(self.layer, self.routing)]
+        routed = [routing_kernels.route(ids, ex.num_experts, None) for ex, (ids, _) in zip(self.layer, self.routing)]
         return [lambda g=g: fused_moe.expert_mlp(self.x, self.layer[g].gate_up_proj, self.layer[g].down_proj,
                                                  *routed[g]) for g in range(self.G)]
 
@@ -267,7 +269,7 @@ def check(args, layers, tokens) -> None:
         case = Case(args, layers, T, seed=1000 + T)
         ex, x, (ids, w) = case.layer[0], case.x, case.routing[0]
         cap_f, cap_t = torch.full_like(case.capture[0], -1), torch.full_like(case.capture[0], -1)
-        pos, tok, offs = kernels.route(ids, ex.num_experts, cap_f)
+        pos, tok, offs = routing_kernels.route(ids, ex.num_experts, cap_f)
         y = fused_moe.expert_mlp(x, ex.gate_up_proj, ex.down_proj, pos, tok, offs)
         g_cfg = fused_moe.tile_configs(case.P, args.device, args.experts, args.hidden, args.inter, x.dtype)[0]
         h = fused_moe.gate_up_swiglu(x, ex.gate_up_proj, tok, offs, g_cfg)
@@ -283,7 +285,7 @@ def check(args, layers, tokens) -> None:
             start = end
         del dh
         d = (y.float() - y_ref.float()).abs()
-        out = kernels.combine(y, ids, pos, w, x.dtype)
+        out = routing_kernels.combine(y, ids, pos, w, x.dtype)
         out_ref = grouped_mm_layer(ex, x, ids, w, cap_t)
         od = (out.float() - out_ref.float()).abs()
         print(f"{T:>6} {(h == h_ref).float().mean().item():>7.2%} {d.max().item():>9.2g} "
@@ -313,7 +315,7 @@ def tune(args, layers, budget: float, out_path: Path) -> None:
         T = TUNE_T[bucket]
         slice_end = t_start + budget * sum(shares[: i + 1]) / sum(shares)  # what one leaves goes to the next
         case = Case(args, layers, T, seed=7 + T)
-        routed = [kernels.route(ids, args.experts, None) for ids, _ in case.routing]
+        routed = [routing_kernels.route(ids, args.experts, None) for ids, _ in case.routing]
         start = fused_moe.tile_configs(case.P, args.device, args.experts, args.hidden, args.inter, torch.bfloat16)
         # outputs of the starting configs: every candidate must reproduce them (but for GEMM-order roundings)
         h_ref = [fused_moe.gate_up_swiglu(case.x, case.layer[g].gate_up_proj, routed[g][1], routed[g][2], start[0])
@@ -411,10 +413,10 @@ def _descend(bucket, gate_up, calls, outs, refs, start: TileConfig, deadline: fl
 
 def main() -> int:
     args = parse_args()
-    if args.device.type == "cuda" and (not torch.cuda.is_available() or kernels.interpreting()):
+    if args.device.type == "cuda" and (not torch.cuda.is_available() or kernel_support.interpreting()):
         print("bench_fused_moe: needs a CUDA GPU and TRITON_INTERPRET unset", file=sys.stderr)
         return 2
-    if not kernels.available(args.device):
+    if not kernel_support.available(args.device):
         print(f"bench_fused_moe: no Triton for {args.device} (CPU: set TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     tokens = tuple(args.tokens or (QUICK_T if args.quick else ALL_T))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from moe_engine import paged_attention as pa
+from moe_engine.kernels import paged_attention as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: loadtest.* when run by path
 from loadtest.bench import real_shape_model as rsm  # noqa: E402

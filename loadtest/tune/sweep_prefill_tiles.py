@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from moe_engine import paged_attention as pa
+from moe_engine.kernels import paged_attention as pa
 
 HQ, HKV, D, BLOCK = 32, 4, 128, 16
 SHAPES = {  # name: (sequences, new tokens each, cached tokens each)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends"))
 
-from moe_engine import fused_moe  # noqa: E402
-from moe_engine.fused_moe import TileConfig  # noqa: E402
+from moe_engine.kernels import fused_moe  # noqa: E402
+from moe_engine.kernels.fused_moe import TileConfig  # noqa: E402
 
 
 def main() -> int:

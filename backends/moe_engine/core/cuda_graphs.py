@@ -26,9 +26,9 @@ replays one graph at any context, and one sequence at most six. Every one of the
 starts (``capture_all``, largest batch first), with the routing capture and, where steps may run without it
 (routed experts on, prefix cache off), also without: the first capture of a batch size compiles its kernels'
 specialisations (1-3 s on an H200 at the Qwen3-30B-A3B shape), and any later one costs a step 70-175 ms there
-(runs 95-98 of the real-shape benchmark: one such capture in half of the 64 x (1024 + 256) repetitions, -1.7% of
-their throughput, when the batch shrank at contexts no earlier step had reached). After a release and resume of
-GPU memory (lifecycle.py) the graphs are captured again when first needed. Without the kernels the
+(``loadtest/bench/bench_real_shape.py --step-trace``: one such capture in half of the 64 x (1024 + 256)
+repetitions, -1.7% of their throughput, when the batch shrank at contexts no earlier step had reached). After a
+release and resume of GPU memory (rl/lifecycle.py) the graphs are captured again when first needed. Without the kernels the
 reference attention gathers a bucket's keys: one graph per key bucket, the shortest captured at start, the others
 when first reached. Graphs that also hand out the routing weights are captured when a request first asks for them.
 Graphs share one memory pool and write their logits into one buffer: they never run concurrently, and a step's

@@ -1,7 +1,7 @@
 """CUDA graphs for prefill and mixed steps of up to a few thousand tokens.
 
 An eager step launches every kernel from Python: at the Qwen3-30B-A3B shape ~1,650 launches, 35-65 ms of host
-time for a step of 128 to 2,000 new tokens whose GPU work is shorter (``loadtest/bench_prefill_steps.py --host``).
+time for a step of 128 to 2,000 new tokens whose GPU work is shorter (``loadtest/bench/bench_prefill_steps.py --host``).
 Such steps are common in serving: a short prompt alone, a multi-turn agent's new turn after its cached history,
 prompts admitted while other sequences decode (continuous batching: a step after sequences end). A step that
 carries prompt tokens, at most ``max_tokens`` of them in all, replays a graph captured for its token bucket instead

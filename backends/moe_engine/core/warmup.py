@@ -56,11 +56,10 @@ def warm_dense_prefill(runner, max_tokens: int) -> None:
 
 
 @torch.inference_mode()
-@torch.inference_mode()
 def warm_prefill(runner, max_num_seqs: int) -> None:
     """Run the prefill steps of ``prefill_warm_shapes`` on throwaway inputs, so that their kernels compile now
     and not inside the first requests of each shape (on an H200 0.9-1.2 s per new class at the real shape,
-    multiturn trace of run 23). Each step is sequences of one token and one longer chunk last, all from
+    ``loadtest/bench/bench_multiturn.py --step-trace``). Each step is sequences of one token and one longer chunk last, all from
     position 0, reading and writing only the null block; routing is captured as a serving step would."""
     from .runner import StepInputs  # (the runner module builds runners through this one)
 

@@ -26,7 +26,7 @@ tile return at once. The grid is an upper bound on the tile count, cdiv(P, BLOCK
 column tiles. An expert with no rows has no tile: its weights are never read (a grouped GEMM over all E
 experts, as torch's, visits every group).
 
-Numerics: the op-by-op torch path, rounding for rounding (as kernels.py: ``_round`` rounds float32 to the model
+Numerics: the op-by-op torch path, rounding for rounding (as support.py: ``_round`` rounds float32 to the model
 dtype with integer ops, which the interpreter gets right too): GEMM outputs accumulated in float32 and rounded
 to the model dtype; silu as torch's CUDA kernel computes it on a bf16/fp16 tensor (upcast, x / (1 + exp(-x))
 with libdevice's expf, the CUDA math library's, not Triton's approximate exp, and an IEEE division; round);
@@ -40,7 +40,7 @@ wants smaller row tiles than 131072, and 16384 pairs, a 2,048-token step replaye
 than 65536), separately for the two GEMMs. Defaults derive from vLLM's
 tuned tables for this shape on Hopper (E=128, N=768, NVIDIA_H200 / H100_80GB_HBM3; vLLM's BLOCK_SIZE_N counts
 the 2I gate_up columns, ours counts h columns, so gate_up's BLOCK_N is half of vLLM's). A JSON file written by
-``loadtest/bench_fused_moe.py --tune`` overrides them for a (device, E, H, I, dtype): ``fused_moe_configs.json``
+``loadtest/tune/bench_fused_moe.py --tune`` overrides them for a (device, E, H, I, dtype): ``fused_moe_configs.json``
 beside this module, or the path in $MOE_FUSED_MOE_CONFIGS. A config's ``tma`` loads the weight tiles (and down's
 rows of h) through TMA descriptors on Hopper: the same sums; on the H200 it serves the decode buckets and down
 (batch-1 down 11.3 -> 9.7 us per layer), not gate_up's prefill tiles (its rows of x are gathered by token).
@@ -52,7 +52,7 @@ wave; down's TMA tiles of 128 columns give 128 programs of 192 KB, which TMA's b
 256-deep K tiles) keep streaming. That is why there is no split-K variant: it would only add parallelism, which the
 column tiles already give, at the price of a float32 reduction pass before the SwiGLU. The H200 table's batch-1
 tiles were chosen by timing them inside a 48-layer CUDA graph, where they beat the ones that were fastest alone
-(loadtest/reports/real_shape_h200.md, runs 77-80).
+(``loadtest/tune/tile_table_variant.py`` with ``loadtest/bench/ab_real_shape.py -- --cases a``).
 """
 from __future__ import annotations
 

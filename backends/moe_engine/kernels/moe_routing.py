@@ -13,28 +13,24 @@ from .support import _DT, _launch, _pow2, pdl, triton
 # to this many pairs (decode batches; 4096 = 512 tokens x top-8); larger steps (prefill) count per chunk of pairs.
 ROUTE_MAX_PAIRS = 4096
 
-# Launch granularity of latency-bound kernels (more, smaller programs finish sooner when a step has few tokens):
-# columns per program of ``combine``, heads per program of ``qk_norm_rope`` (per-head or no norm). On the H200 at
-# the real shape (loadtest/bench_decode_kernels.py, 48 calls per CUDA graph; run31_decode_kernels.txt): combine
-# 2.85 -> 1.81 us at 1 token, 5.52 -> 3.54 us at 64 (1024 -> 256 columns); qk_norm_rope 4.39 -> 3.35 us at 1
-# token, 6.11 -> 5.52 us at 64 (all 32 q heads in one program -> 4 heads per program); since ``_round`` is the
-# hardware conversion, 8 heads (run79_round_kernels_new.txt, run81_qk_heads_1token.txt): 3.14 -> 2.88 us at 64
-# tokens, 1.52 -> 1.48 at 1 (a batch-1 decode 2.82 -> 2.81 ms, run81_ab_a_qk8.txt).
+# Columns per program of ``combine`` in small steps: this latency-bound kernel finishes sooner in more, smaller
+# programs when a step has few tokens. On the H200 at the real shape (48 calls per CUDA graph,
+# ``loadtest/bench/bench_decode_kernels.py --kernels combine``): 1024 -> 256 columns 2.85 -> 1.81 us at 1 token,
+# 5.52 -> 3.54 us at 64.
 COMBINE_BLOCK = 256
 
 # Larger steps are the other way round: a program per 256 columns of each of hundreds or thousands of tokens spends
 # its time starting. combine's columns per program by step size, (fewest tokens, columns), first match; the same
-# benchmark (run43_combine_large_T.txt, run44_combine_mid_T.txt): 256 -> 512 columns 7.27 -> 6.57 us at 128 tokens,
-# 9.73 -> 8.47 at 256, 14.7 -> 12.1 at 512; 512 -> 1024 21.6 -> 20.3 at 1,024; 256 -> 1024 46.5 -> 30.9 at 2,048,
-# 162 -> 100 at 8,192; with the hardware rounding, 1024 -> 2048 columns 82.2 -> 78.3 us at 8,192
-# (run79_round_kernels_new.txt).
+# benchmark with ``--tokens 128,256,512,1024,2048,8192``: 256 -> 512 columns 7.27 -> 6.57 us at 128 tokens, 9.73 ->
+# 8.47 at 256, 14.7 -> 12.1 at 512; 512 -> 1024 21.6 -> 20.3 at 1,024; 256 -> 1024 46.5 -> 30.9 at 2,048; 1024 ->
+# 2048 82.2 -> 78.3 us at 8,192.
 COMBINE_BLOCKS = ((8192, 2048), (1024, 1024), (128, 512), (0, COMBINE_BLOCK))
 
 # Steps of at least this many tokens run a MoE layer's combine in the next norm's launch (combine_rms_norm: one
 # program per token's whole row, the [T, H] combine output never stored); smaller ones keep combine's narrower
 # programs and the norm's own launch. H200, 48 layers per CUDA graph, us per layer two launches -> one
-# (reports/real_shape/run97_combine_norm.txt): 1 token 2.33 -> 2.65, 64: 7.07 -> 8.58, 256: 9.32 -> 9.77,
-# 1,024: 20.6 -> 16.5, 8,192: 111.6 -> 94.6.
+# (``loadtest/bench/bench_decode_kernels.py --kernels combine_norm``): 1 token 2.33 -> 2.65, 64: 7.07 -> 8.58,
+# 256: 9.32 -> 9.77, 1,024: 20.6 -> 16.5, 8,192: 111.6 -> 94.6.
 COMBINE_NORM_MIN_TOKENS = 512
 
 
@@ -309,7 +305,7 @@ def _softmax_topk(logits, top_k, renorm, weights_dtype, forced_mask, forced_ids,
             GROUP=group, CAPTURE=capture is not None, PDL=pdl(logits.device),
             # One warp: a token's ~3K + 3 reductions over its E logits run one after another, and across 4 warps
             # each one goes through shared memory and barriers (sm_90 PTX, E=128, K=8: 74 bar.sync with 4 warps, none
-            # with 1; `loadtest/kernel_ptx_stats.py`). The ids are the same either way (chosen with max/min); the
+            # with 1; `loadtest/probes/kernel_ptx_stats.py`). The ids are the same either way (chosen with max/min); the
             # weights' float32 sums may round differently (this router is the within-rounding one).
             num_warps=1,
         )

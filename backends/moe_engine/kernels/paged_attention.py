@@ -8,7 +8,7 @@ sequence lives at block ``block_tables[b, p // block_size]``, offset ``p % block
 A step's T query tokens are B sequences' chunks concatenated (``cu_seqlens_q [B+1]`` offsets). Sequence b has
 ``seq_lens[b]`` keys in the cache after ``store_kv`` wrote this step's k/v, and its q_len queries are its LAST
 q_len positions: query i sits at ``seq_lens[b] - q_len + i`` and attends the keys at positions <= its own; with a
-sliding window W only the W most recent of them (itself included), as HF's and attention.py's masks. Sinks
+sliding window W only the W most recent of them (itself included), as HF's and layers/attend.py's masks. Sinks
 (GPT-OSS): one logit per query head joins the softmax denominator and carries no value.
 
 ``paged_attention`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) runs one of two kernels, picked from host ints:
@@ -33,8 +33,8 @@ entry is only read for positions < seq_len. Results agree with the reference wit
 bit-exact: another summation order); ``store_kv`` is an exact copy.
 
 ``paged_attention_reference`` is the op-by-op torch path (CPU engine, tests, ``--check`` of the benchmark):
-it gathers each sequence's blocks and computes exactly as attention.py's ``attend_cached`` (same mask, SDPA
-in the model dtype, HF-eager sinks), so a CPU engine on it keeps the HF parity of attention.py. It reads
+it gathers each sequence's blocks and computes exactly as layers/attend.py's ``attend_cached`` (same mask, SDPA
+in the model dtype, HF-eager sinks), so a CPU engine on it keeps the HF parity of layers/attend.py. It reads
 host copies of ``cu_seqlens_q`` / ``seq_lens`` and is therefore not capturable.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ class KernelConfig:
     tiles to cover many tiles with short sequences.
 
     The prefill defaults were swept on an H200 (Qwen3-30B-A3B's 32/4 heads of 128, bf16; 57 configs,
-    ``loadtest/reports/real_shape/run23_attention_sweep.txt``): 256 rows (32 tokens x 8 heads) on 16 warps with
+    ``loadtest/tune/sweep_prefill_tiles.py``): 256 rows (32 tokens x 8 heads) on 16 warps with
     3 stages beat the earlier 128 rows / 8 warps / 2 stages by 21-23% on 27 x 303 queries over 7.5k cached keys
     (multi-turn), 16 x 8k prompts and 4 x 2k chunks over 6k cached keys. The key tile stays at 64, so every row's
     arithmetic, and its result, is what the earlier tiles gave to the bit (the query tile only groups rows).
@@ -86,11 +86,11 @@ class KernelConfig:
     K tiles: the prefill kernel loads them as rows (each key's dims contiguous, as the cache holds them) and
     transposes them for the dot; with the softmax scale inside the exponent (one FMA per score) that is 3-14%
     faster on the same shapes (27 x 303 over 7.5k: 3.02 -> 2.93 ms per layer; 4 x 2k over 6k 2.53 -> 2.35;
-    8 x 1k prompts 0.331 -> 0.291; 16 x 8k 21.3 -> 19.9; ``real_shape/run67_*``, ``run68_*``). Decode keeps
-    them loaded transposed: rows were 2% slower for 64 x 1,152 keys and 16% for 32 x 7,900
-    (``loadtest/sweep_decode_tiles.py``). A decode step that is not split walks 128-key tiles: 41.7 against 45.3 us
-    per layer for 64 sequences x 1,152 keys (the same step in two splits of 64-key tiles, the rule before), 17.8
-    against 20.9 us for 32 x 512 unsplit, 4.8 against 5.1 us for 1 x 128 (``run29_attention_layers.txt``)."""
+    8 x 1k prompts 0.331 -> 0.291; 16 x 8k 21.3 -> 19.9; ``loadtest/bench/bench_paged_attention.py --sweep --cases
+    prefill``). Decode keeps them loaded transposed: rows were 2% slower for 64 x 1,152 keys and 16% for 32 x 7,900
+    (``loadtest/tune/sweep_decode_tiles.py``). A decode step that is not split walks 128-key tiles: 41.7 against
+    45.3 us per layer for 64 sequences x 1,152 keys (the same step in two splits of 64-key tiles), 17.8 against
+    20.9 us for 32 x 512 unsplit, 4.8 against 5.1 us for 1 x 128 (``bench_paged_attention.py --cases layers``)."""
 
     prefill_block_m: int = 256  # query rows (tokens x G heads) per program when some sequence has > 1 query
     prefill_tile_n: int = 64  # keys per iteration, prefill
@@ -101,7 +101,7 @@ class KernelConfig:
     # tile, 64: ``--block-size 64``), with their own launch: one warpgroup of 4 warps over 128 rows (16 tokens x
     # 8 heads) with 3 stages ran 27 x 303 queries over 7.5k cached keys in 2.14 ms per layer (478 TFLOP/s)
     # against the pointer kernel's 2.98 ms (1.39x), 4 x 2k over 6k in 1.98 against 2.51 (1.27x); the wider
-    # launches gained nothing through TMA (``real_shape/run86_prefill_attention_tma.txt``).
+    # launches gained nothing through TMA (``loadtest/probes/probe_prefill_attention_tma.py``).
     prefill_tma: bool = True
     prefill_tma_block_m: int = 128
     prefill_tma_num_warps: int = 4
@@ -125,12 +125,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     (enough for two waves) that covers max_seq_len in ranges of 64 keys (one key tile), at most 64; no split up
     to 128 keys. From one wave the 2-D kernel's 128-key tiles are faster (x 1,152 keys, us per layer unsplit
     against two splits of 64-key tiles: 64 sequences 41.8 / 45.1, 48: 34.7 / 42.7;
-    ``real_shape/run67_decode_sweep.txt``, ``run69_decode_rule.txt``), while 32 sequences (0.97 waves) over 1,024
-    or 2,048 keys still gain from splits (``run29_attention_layers.txt``). The 2-D
+    ``loadtest/tune/sweep_decode_tiles.py``), while 32 sequences (0.97 waves) over 1,024 or 2,048 keys still gain
+    from splits (``loadtest/bench/bench_paged_attention.py --cases layers``). The 2-D
     kernel walks a sequence's keys one tile after another, so at a few hundred keys a handful of programs is
     latency-bound: a batch-1 decode over 384 keys takes 11.3 us per layer unsplit and 6.8 us in 8 splits, 512
-    keys 15.9 vs 7.2 us (H200, 48 layers per CUDA graph; ``loadtest/reports/real_shape/run28_*``; the earlier
-    rule kept 512 keys per split and never split these). Under CUDA graphs pass the largest ``max_seq_len`` a
+    keys 15.9 vs 7.2 us (H200, 48 layers per CUDA graph, the same benchmark). Under CUDA graphs pass the largest ``max_seq_len`` a
     graph replays with (e.g. its key bucket): the kernel sizes each sequence's ranges from its own length, and
     splits beyond a short sequence's keys do no work."""
     if max_seq_len <= 2 * SPLIT_MIN_KEYS:
@@ -477,7 +476,7 @@ def _check_triton(device: torch.device) -> None:
 def _launch(kernel, grid, *args, num_warps: int | None = None, num_stages: int | None = None, **meta):
     if interpreting() or num_warps is None:
         return kernel[grid](*args, **meta)
-    if meta.get("PDL"):  # programmatic dependent launch: kernels.py says what it does
+    if meta.get("PDL"):  # programmatic dependent launch: support.py says what it does
         meta["launch_pdl"] = True
     return kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **meta)
 
@@ -623,7 +622,7 @@ def default_block_size(use_kernels: bool, device: torch.device, dtype: torch.dty
     through TMA (these kernels on a Hopper or later GPU, a 16-bit dtype, head dims powers of two): a 64-key tile is
     one block; elsewhere 16 (vLLM's default), the finer prefix-cache granularity. On an H200 at the real shape the
     multi-turn turn-16 step takes 223 ms of GPU time with 64-key blocks against 242 with 16, and a prompt's
-    admission hashes a quarter of the blocks (``reports/multiturn.md``, run 87)."""
+    admission hashes a quarter of the blocks (``loadtest/bench/bench_multiturn.py``; loadtest/reports/multiturn.md)."""
     if use_kernels and _tma_capable(device, dtype, head_dims):
         return max(64, DEFAULT_CONFIG.prefill_tile_n)
     return 16
@@ -750,7 +749,7 @@ def _dense(
     scale: float,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:  # [n, Hq, Lq, Dv]
-    """attention.py's ``attend_cached`` arithmetic: SDPA in the model dtype, or HF eager with sinks."""
+    """layers/attend.py's ``attend_cached`` arithmetic: SDPA in the model dtype, or HF eager with sinks."""
     Hq, Hkv = q.shape[1], keys.shape[1]
     if Hkv != Hq:
         keys = keys.repeat_interleave(Hq // Hkv, dim=1)
@@ -786,7 +785,7 @@ def paged_attention_reference(
 ) -> torch.Tensor:  # [T, Hq, Dv]
     """``paged_attention`` op by op: per group of sequences (single-query ones, then the others, so that
     decode rows are not padded to a prefill chunk), gather the blocks into [n, Hkv, Lk, D], pad queries to
-    [n, Hq, Lq, Dk], mask as attention.py does, and run ``_dense``. Stale cache contents past a sequence's
+    [n, Hq, Lq, Dk], mask as layers/attend.py does, and run ``_dense``. Stale cache contents past a sequence's
     length are zeroed before use (they may be anything, NaN included). Rows of padding tokens are zero.
     ``max_query_len`` / ``max_seq_len`` are not needed (host copies give the exact lengths)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sinks, sliding_window)

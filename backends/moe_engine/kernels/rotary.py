@@ -8,10 +8,12 @@ import torch
 
 from .support import _DT, _launch, _pow2, pdl, triton
 
+# Heads per program of ``qk_norm_rope`` (per-head or no norm), by step size, (fewest tokens, heads), first match:
+# more, smaller programs finish this latency-bound kernel sooner. On the H200 at the real shape (48 calls per CUDA
+# graph, ``loadtest/bench/bench_decode_kernels.py --kernels qk``): all 32 q heads in one program -> 8 heads per
+# program 4.39 -> 1.48 us at 1 token, 6.11 -> 2.88 us at 64; at 8,192 tokens 8 heads 56.5 us, 16 heads 60.7, 4 heads
+# 92.6.
 QK_HEADS_PER_PROGRAM = 8
-
-# qk_norm_rope's heads per program by step size (same benchmark): 8 heads at every size (run71_qk_heads.txt, before
-# the hardware rounding: 8 from 1,024 tokens; run79: 56.5 us at 8,192 tokens, 16 heads 60.7, 4 heads 92.6).
 QK_HEADS_BLOCKS = ((0, QK_HEADS_PER_PROGRAM),)
 
 

@@ -1,4 +1,4 @@
-"""Triton kernels of the batched sampler (sampling.py): per-row filter thresholds (top-k / top-p, exact, with a
+"""Triton kernels of the batched sampler (core/sampling.py): per-row filter thresholds (top-k / top-p, exact, with a
 bisection for nuclei past the candidates), the Gumbel race over the vocabulary split across programs (Philox noise
 keyed by (seed, draw, token)), and a row-wise logsumexp. CUDA; CPU tensors under TRITON_INTERPRET=1 in tests.
 """

@@ -10,12 +10,12 @@ from .support import _DT, _launch, _pow2, interpreting, pdl, triton
 
 # small_linear: a weight slice of at most this many elements per program (64 float32 registers per thread at 4
 # warps). Each token is one more pass over the slice, so it pays only for the first few tokens of a step; where it
-# beats cuBLAS on the H200 (loadtest/bench_small_linear.py, real-shape widths; a GEMM of 48 weights replayed in a
+# beats cuBLAS on the H200 (``loadtest/bench/bench_small_linear.py``, real-shape widths; a GEMM of 48 weights replayed in a
 # CUDA graph): the router (128 x 2048) up to 4 tokens (4.9 -> 2.0 us at 1, 3.5 us at 4), o_proj (2048 x 4096)
 # at 1 token (9.5 -> 7.7 us: cuBLAS splits it over K and adds a reduction launch). The fused q/k/v (5120 x 2048)
 # alone is no faster (8.5 vs 8.3 us at 1 token), but in the forward, under programmatic dependent launch, its
 # weight loads start while the norm before it runs: a batch-1 decode step 3.04 -> 2.99 ms
-# (reports/real_shape/run35_a_ab.txt, alternated twice).
+# (``loadtest/bench/ab_real_shape.py -- --cases a``, alternated twice).
 _SMALL_LINEAR_TILE = 8192
 ROUTER_SMALL_LINEAR_TOKENS = 4
 O_PROJ_SMALL_LINEAR_TOKENS = 1
@@ -60,7 +60,7 @@ def small_linear_fits(T: int, H: int, max_tokens: int) -> bool:
 
 def small_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    tile: int = _SMALL_LINEAR_TILE, num_warps: int = 4,  # loadtest/bench_small_linear.py --sweep tries others
+    tile: int = _SMALL_LINEAR_TILE, num_warps: int = 4,  # bench_small_linear.py --sweep tries others
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for a step of a few tokens (``decode_linear`` says which): x [T, H], weight [N, H]
     -> [T, N] in x's dtype, each output a float32 sum in this kernel's order (equal to cuBLAS's within float32

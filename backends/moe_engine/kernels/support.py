@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the GPU forward: bit-identical to the op-by-op path in model.py, or (the second
+"""Fused Triton kernels for the GPU forward: bit-identical to the op-by-op path in layers/, or (the second
 table) equal to it within float32 summation order.
 
 A decode step of a small MoE model is a few hundred tiny kernels (an RMSNorm alone is eight: cast,
@@ -28,10 +28,10 @@ kernel                      replaces                                            
 ==========================  =================================================================  ==========
 
 With only the kernels above, a batch-1 decode step at real model widths is ~23 launches per layer, most of them
-latency-bound (a few microseconds each for kilobytes of data; loadtest/reports/real_shape_h200.md). The kernels below sum inside the kernel, in their own
-order, so their results equal the op-by-op path's within float32 rounding instead of bit for bit; the expert ids
+latency-bound (a few microseconds each for kilobytes of data; ``loadtest/bench/bench_real_shape.py --profile a``).
+The kernels below sum inside the kernel, in their own order, so their results equal the op-by-op path's within float32 rounding instead of bit for bit; the expert ids
 they choose are the same (a router chooses on its logits, whose order rounding does not change). The model uses
-them on GPUs unless ``--exact-kernels`` asks for the bit-identical set only (model.py ``use_fused_kernels``):
+them on GPUs unless ``--exact-kernels`` asks for the bit-identical set only (``MoEForCausalLM.use_fused_kernels``):
 
 ==========================  =================================================================  ==========
 kernel                      replaces                                                           launches
@@ -90,8 +90,8 @@ def supports(dtype: torch.dtype) -> bool:
 # before it in the stream is still finishing; it waits (``_await_inputs``) before touching anything an earlier
 # kernel writes or reads, so results are unchanged, but its launch, its programs' start and any reads of
 # constant data (small_linear's weights) overlap the previous kernel's tail. A batch-1 decode step is ~12
-# launches per layer of a few microseconds each (loadtest/reports/real_shape_h200.md), which is what it
-# shortens. MOE_PDL=0 in the environment turns it off (read at import).
+# launches per layer of a few microseconds each (``loadtest/bench/bench_real_shape.py --profile a``), which is
+# what it shortens. MOE_PDL=0 in the environment turns it off (read at import).
 PDL_ENV = "MOE_PDL"
 _PDL_ON = os.environ.get(PDL_ENV, "1") != "0"
 

@@ -14,7 +14,7 @@ Two implementations of the same attention:
 - the reference (every device; what CPU serving and the parity tests run): gathers each sequence's blocks into a
   dense [B, Hkv, Lk, D] tensor and runs torch's SDPA with a mask, operation by operation as Hugging Face does, so
   that float32 agrees with transformers to rounding and bfloat16 bit for bit;
-- on CUDA with the fused kernels on, the Triton kernels of paged_attention.py: they read only the blocks a
+- on CUDA with the fused kernels on, the Triton kernels of kernels/paged_attention.py: they read only the blocks a
   sequence owns, grouped-query heads share each K/V tile, long decode contexts are split over several programs
   (equal to the reference within the rounding of a different summation order). Prompts that a step prefills from
   position 0 at its end, from the first of at least ``DENSE_PREFILL_MIN_TOKENS`` tokens on, need no cache read:
@@ -198,7 +198,7 @@ class ForwardBatch:
 def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: ForwardBatch) -> None:
     """Write this step's k [T, Hkv, Dk] / v [T, Hkv, Dv] into the cache at each token's slot (the fused rotary,
     ``rotary_kernels.qk_norm_rope`` with ``kv_cache``, writes them itself and skips this)."""
-    if batch.use_kernels:  # one kernel (kernels.py) instead of two index_puts and their copies
+    if batch.use_kernels:  # one kernel (kernels/rotary.py) instead of two index_puts and their copies
         rotary_kernels.store_kv(k, v, cache.k, cache.v, batch.slot_mapping)
         return
     nb, bs = cache.k.shape[0], cache.k.shape[1]

@@ -39,7 +39,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.num_kv_heads * D, norm_eps)
         self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if spec.sinks else None
         self.eps = norm_eps
-        self.fused = False  # kernels.py (set by MoEForCausalLM.use_fused_kernels)
+        self.fused = False  # kernels/rotary.py, small_linear.py (set by MoEForCausalLM.use_fused_kernels)
         # one GEMM for q/k/v and norms summed in-kernel: equal within rounding (set by use_fused_kernels)
         self.within_rounding = False
         # Tensor parallelism (sharding.py): this rank's heads; a full-width q/k norm gathers every head first.
@@ -48,7 +48,7 @@ class Attention(nn.Module):
 
     @property
     def dense_prefill_shape(self) -> tuple[int, int, int, int] | None:
-        """(Hq, Hkv, Dk, Dv) of this rank's heads if attention.py may run a prompt's prefill through dense causal
+        """(Hq, Hkv, Dk, Dv) of this rank's heads if attend.py may run a prompt's prefill through dense causal
         SDPA (no window, no sinks); None otherwise. The runner warms cuDNN's plans for these shapes."""
         if self.sliding_window is not None or self.sinks is not None:
             return None

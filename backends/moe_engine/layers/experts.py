@@ -1,10 +1,10 @@
 """Routed experts: the expert modules, the ways to run them, and the one place that writes routing capture.
 
 Where routed experts flow (data-path order):
-1. ``runner.py`` owns the step's capture buffer ``[step_tokens, num_hidden_layers, top_k]`` int32 (preallocated,
+1. ``core/runner.py`` owns the step's capture buffer ``[step_tokens, num_hidden_layers, top_k]`` int32 (preallocated,
    a fixed address for CUDA graphs) and passes it to the model's forward when the step captures.
-2. ``MoEForCausalLM.forward`` (model.py) hands each MoE layer its slice ``capture[:T, layer]`` ([T, K], a view);
-   the MoE block passes it on with the router's ids (routing.py).
+2. ``MoEForCausalLM.forward`` (models/decoder.py) hands each MoE layer its slice ``capture[:T, layer]`` ([T, K], a view);
+   the MoE block passes it on with the router's ids (layers/routing.py).
 3. Here, each experts module writes exactly the ids it then uses into that slice: on the fused path inside
    ``routing_kernels.route`` (the kernel that groups (token, slot) pairs by expert, so capture adds no launch; for a
    one-token step the router's own launch does that grouping and the copy, ``Router.forward_grouped``), otherwise
@@ -12,8 +12,8 @@ Where routed experts flow (data-path order):
    the expert outputs by (float32, a second buffer). Dense layers get no slice and their rows stay 0. Forced
    routing (replay) reaches the router through the same per-layer ``LayerRouting``: the ids captured for a forced
    token are the forced ids, because those are the ids the forward used.
-4. ``runner.py`` copies the step's first T rows to the host with its sampled tokens (one transfer), and
-   ``scheduler.py`` slices them per request (rows of prefix-cache hits come from the block manager).
+4. ``core/runner.py`` copies the step's first T rows to the host with its sampled tokens (one transfer), and
+   ``core/scheduler.py`` slices them per request (rows of prefix-cache hits come from the block manager).
 
 Execution paths, one per situation, numerically the same as Hugging Face transformers' per-expert loop (rows of
 each expert in HF's order, the routing weight applied before the cast, outputs summed one by one in ascending
@@ -106,7 +106,7 @@ GATHER_MAX_SLOTS = 8  # on CUDA; on CPU the copies cost more than the grouped pa
 GATHER_MAX_BYTES = 256 << 20  # ... and only while the gathered weight copies stay this small
 
 # Fused path on CUDA: steps of up to this many (token, slot) pairs run fused_moe.py's Triton GEMMs, larger ones
-# torch's grouped GEMM (chosen by measurement on the H200, loadtest/bench_fused_moe.py). The environment variable
+# torch's grouped GEMM (chosen by measurement on the H200, loadtest/tune/bench_fused_moe.py). The environment variable
 # overrides it for benchmarks (0: always torch's).
 TRITON_GEMM_MAX_PAIRS = int(os.environ.get("MOE_TRITON_GEMM_MAX_PAIRS", sys.maxsize))
 

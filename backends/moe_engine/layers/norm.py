@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fp32_weight = fp32_weight
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.fused = False  # kernels.py (set by MoEForCausalLM.use_fused_kernels)
+        self.fused = False  # kernels/norm.py (set by MoEForCausalLM.use_fused_kernels)
         self.within_rounding = False  # one-pass kernel, equal within float32 summation order (ditto)
 
     def forward(self, x: Tensor) -> Tensor:

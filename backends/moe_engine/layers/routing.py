@@ -22,7 +22,7 @@ over those k values in the model dtype.
 
 Each router is built from the config's ``RouterSpec`` (config.py) and the hidden
 size alone. Adding an architecture: subclass ``Router``, register it in
-``ROUTERS`` and set ``router.kind`` in its config parser (configs/).
+``ROUTERS`` and set ``router.kind`` in its config parser (models/).
 """
 from __future__ import annotations
 

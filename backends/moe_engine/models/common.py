@@ -65,7 +65,7 @@ def rope(
     style: str = "half",
 ) -> dict:
     """``RopeSpec`` fields from rope_parameters (transformers v5) or legacy rope_theta + rope_scaling; ``dim`` =
-    rotary dims per head. yarn keys get the defaults of transformers' ``_compute_yarn_parameters`` (rope.py
+    rotary dims per head. yarn keys get the defaults of transformers' ``_compute_yarn_parameters`` (layers/rotary.py
     derives the correction range and attention factor from them)."""
     params = rope_params(raw) or dict(default_params or {})
     theta = params.get("rope_theta", raw.get("rope_theta", default_theta))

@@ -1,7 +1,7 @@
 """MoE decoder-only transformer (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GPT-OSS), gpt-fast style.
 
 One forward step runs the tokens of all scheduled sequences flattened into one
-dimension T; ``ForwardBatch`` (attention.py) says which sequence and position each
+dimension T; ``ForwardBatch`` (layers/attend.py) says which sequence and position each
 token has, and ``attend`` handles the per-sequence causal attention over the
 paged KV cache. Shapes are given in comments: T tokens, H hidden size,
 Hq/Hkv query/kv heads, D head dim, E experts, K experts per token, I expert width.
@@ -19,13 +19,13 @@ Tensor parallelism: sharding.py shrinks the modules to one rank's heads / widths
 before the weights load; each decoder layer then all-reduces its attention and MLP outputs (partial sums).
 
 Architecture differences come from the config's specs, never from the name, and each
-module is built from its spec alone: the router (``cfg.router``, routing.py), the
+module is built from its spec alone: the router (``cfg.router``, layers/routing.py), the
 attention (``cfg.attention``: grouped-query, or with ``attention.mla`` DeepSeek's
 multi-head latent attention whose cache holds the compressed latent and the rotated
 shared key, expanded by ``kv_b_proj`` every step as HF does), the MoE block layout
 (``cfg.experts.block``: default / DeepSeek shared experts / GPT-OSS biased clamped
-experts), rope style and yarn (``cfg.rope``, rope.py), sinks and per-layer sliding
-windows. The experts and the ways to run them are experts.py's (which also says where
+experts), rope style and yarn (``cfg.rope``, layers/rotary.py), sinks and per-layer sliding
+windows. The experts and the ways to run them are layers/experts.py's (which also says where
 routing capture is written). Dense layers (DeepSeek's first_k_dense_replace, Qwen's
 mlp_only_layers) are part of the layer dimension; their capture rows are never written.
 """
@@ -137,10 +137,10 @@ class MoEForCausalLM(nn.Module):
         return [KVSpec(layer.self_attn.num_kv_heads, attn.head_dim, attn.head_dim) for layer in self.model.layers]
 
     def use_fused_kernels(self, enabled: bool, within_rounding: bool | None = None) -> bool:
-        """Switch the fused Triton kernels (kernels.py, bit for bit the op-by-op results; on a GPU also the expert
+        """Switch the fused Triton kernels (kernels/, bit for bit the op-by-op results; on a GPU also the expert
         GEMMs of fused_moe.py, equal within bf16 GEMM rounding) on or off for every module that has them.
         ``within_rounding`` (default: on a GPU) adds the fusions equal to the op-by-op path within rounding, with
-        the same expert ids: one-pass norms, the fused softmax router, one GEMM for q/k/v (kernels.py's second
+        the same expert ids: one-pass norms, the fused softmax router, one GEMM for q/k/v (kernels/support.py's second
         table). Returns whether fused kernels are on: only where Triton runs for this model's device and dtype."""
         enabled = enabled and kernel_support.available(self.device) and kernel_support.supports(self.dtype)
         on_gpu = enabled and self.device.type == "cuda" and not kernel_support.interpreting()
@@ -192,7 +192,7 @@ class MoEForCausalLM(nn.Module):
         batch: ForwardBatch,  # attention layout for this step
         kv: KVCache | list[LayerKV],  # kv[layer] -> LayerKV
         capture: Tensor | None = None,  # [>=T, num_hidden_layers, K] int32 step buffer (routing.ids)
-        routing: StepRouting | None = None,  # capture buffers and forced routing (experts.py)
+        routing: StepRouting | None = None,  # capture buffers and forced routing (layers/experts.py)
     ) -> Tensor:  # [T, H] final hidden states (after the final norm)
         T = input_ids.shape[0]
         if routing is None:

@@ -1,6 +1,6 @@
 """DeepSeek-V2 / V3 (transformers 5.24 ``modeling_deepseek_v2/v3``): MLA attention, first_k_dense_replace
 dense layers, shared experts, fp32 router (V2 softmax greedy / group_limited_greedy, V3 sigmoid with
-e_score_correction_bias and groups). The softmax scale's yarn mscale is derived in rope.py."""
+e_score_correction_bias and groups). The softmax scale's yarn mscale is derived in layers/rotary.py."""
 from __future__ import annotations
 
 from .common import UnsupportedModelError, common, num_experts, top_k
