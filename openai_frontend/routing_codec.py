@@ -31,17 +31,6 @@ import numpy as np
 import pybase64
 
 
-def expert_id_dtype(num_experts: int) -> np.dtype:
-    """uint8 if every expert id fits in a byte (<= 256 experts), else uint16 (as vLLM)."""
-    if num_experts <= 0:
-        raise ValueError("num_experts must be positive")
-    if num_experts <= 256:
-        return np.dtype(np.uint8)
-    if num_experts <= 65536:
-        return np.dtype(np.uint16)
-    raise ValueError(f"num_experts={num_experts} does not fit in uint16")
-
-
 def npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
     """The ``.npy`` v1.0 header np.save writes for a C-ordered array (64-byte aligned)."""
     buf = io.BytesIO()

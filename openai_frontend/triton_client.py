@@ -30,7 +30,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-from .routing_codec import expert_id_dtype
+from moe_engine.config import routed_experts_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class ModelInfo:
     def from_metadata(cls, meta: dict[str, Any]) -> ModelInfo:
         num_layers = int(meta["num_hidden_layers"])
         num_experts = int(meta["num_experts"])
-        dtype = str(meta.get("routed_experts_dtype") or expert_id_dtype(num_experts).name)
+        dtype = str(meta.get("routed_experts_dtype") or routed_experts_dtype(num_experts))
         if dtype not in ("uint8", "uint16"):
             raise ValueError(f"unsupported routed_experts_dtype {dtype!r}")
         return cls(

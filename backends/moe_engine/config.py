@@ -46,6 +46,16 @@ __all__ = [
 ]
 
 
+
+def routed_experts_dtype(num_experts: int) -> str:
+    """The dtype of expert ids everywhere they are stored or sent (the block manager's cached rows, the wire):
+    uint8 when every id fits in a byte (<= 256 experts), else uint16 (as vLLM)."""
+    if num_experts <= 0:
+        raise ValueError("num_experts must be positive")
+    if num_experts > 65536:
+        raise ValueError(f"num_experts={num_experts} does not fit in uint16")
+    return "uint8" if num_experts <= 256 else "uint16"
+
 @dataclass(frozen=True)
 class RopeSpec:
     """Rotary position embedding as config.json states it (transformers' defaults filled in). rope.py derives
@@ -172,7 +182,7 @@ class MoEConfig:
 
     @property
     def routed_experts_dtype(self) -> str:
-        return "uint8" if self.num_experts <= 256 else "uint16"
+        return routed_experts_dtype(self.num_experts)
 
     def metadata(self) -> dict:
         """What a client needs to interpret routed experts arrays (JSON-able)."""

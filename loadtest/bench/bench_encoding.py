@@ -51,7 +51,8 @@ sys.path.insert(0, str(REPO))  # the repo root: loadtest.* when run by path
 import numpy as np  # noqa: E402
 import pybase64  # noqa: E402
 
-from openai_frontend.routing_codec import RoutedExpertsAccumulator, expert_id_dtype  # noqa: E402
+from moe_engine.config import routed_experts_dtype  # noqa: E402
+from openai_frontend.routing_codec import RoutedExpertsAccumulator  # noqa: E402
 
 
 def chunks_of(arr16: np.ndarray, prefill_chunk: int, decode_rows: int) -> list[np.ndarray]:
@@ -114,7 +115,7 @@ def timed(fn, *a):
 
 
 def run_case(label, tokens, L, K, num_experts, reps, json_reps, prefill_chunk, rng, progress):
-    dtype = expert_id_dtype(num_experts)
+    dtype = np.dtype(routed_experts_dtype(num_experts))
     # Random ids (the codecs' cost does not depend on the values).
     arr16 = rng.integers(0, num_experts, (tokens, L, K)).astype(np.uint16)
     ref = arr16.astype(dtype)

@@ -112,7 +112,7 @@ def fetch_model_info(root_url: str, api_key: str | None = None) -> ModelInfo:
         moe_layers=tuple(card.get("moe_layers") or range(int(card["num_hidden_layers"]))),
         num_experts=int(card["num_experts"]),
         top_k=int(card.get("num_experts_per_tok") or card["top_k"]),
-        dtype=str(card.get("routed_experts_dtype") or ("uint8" if int(card["num_experts"]) <= 256 else "uint16")),
+        dtype=str(card["routed_experts_dtype"]),
         vocab_size=int(card["vocab_size"]),
         max_model_len=int(card["max_model_len"]),
         routed_experts_enabled=bool(card.get("routed_experts_enabled", True)),

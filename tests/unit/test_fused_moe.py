@@ -285,23 +285,25 @@ def test_a_table_variant_changes_one_config_and_keeps_the_rest(tmp_path):
     assert {b: c for b, c in variant.items() if b != "2-8"} == {b: c for b, c in shipped.items() if b != "2-8"}
 
 
-def test_a_table_tuned_before_the_large_bucket_was_split_still_serves_large_steps(tmp_path, monkeypatch):
-    """A JSON written when the largest bucket was ">8192" keeps tuning every step above 8,192 pairs; a bucket name
-    this version does not know is reported, not silently dropped."""
+def test_a_bucket_the_table_does_not_know_is_reported_and_the_others_serve(tmp_path, monkeypatch):
+    """A tuned JSON with a bucket name this version does not know (">8192", say, from a table tuned before that
+    bucket was split) reports it, not silently dropped; its known buckets still serve, the others keep the
+    defaults."""
     import warnings
 
     path = tmp_path / "configs.json"
     tuned = (TileConfig(64, 64, 64, 8, 4, 3), TileConfig(128, 256, 64, 1, 8, 4))
     key = fused_moe.table_key(fused_moe.device_name(DEVICE), 128, 2048, 768, torch.bfloat16)
     entry = dict(key, buckets={">8192": {"gate_up": dataclasses.asdict(tuned[0]), "down": dataclasses.asdict(tuned[1])},
-                               "4-7": {"gate_up": dataclasses.asdict(tuned[1]), "down": dataclasses.asdict(tuned[0])}})
+                               ">16384": {"gate_up": dataclasses.asdict(tuned[0]), "down": dataclasses.asdict(tuned[1])}})
     path.write_text(json.dumps({"tables": [entry]}))
     monkeypatch.setenv(fused_moe.CONFIG_ENV, str(path))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert fused_moe.tile_configs(16384, DEVICE, 128, 2048, 768, torch.bfloat16) == tuned
         assert fused_moe.tile_configs(65536, DEVICE, 128, 2048, 768, torch.bfloat16) == tuned
-    assert any("'4-7'" in str(w.message) for w in caught)
+        assert fused_moe.tile_configs(16384, DEVICE, 128, 2048, 768, torch.bfloat16) == fused_moe.DEFAULT_CONFIGS[
+            fused_moe.bucket_of(16384)]
+    assert any("'>8192'" in str(w.message) for w in caught)
 
 
 def test_the_committed_h200_table_is_the_one_in_use_for_its_shape():

@@ -27,6 +27,7 @@ import torch
 from moe_engine.checkpoint import load_model
 from moe_engine.core.kv_cache import KVCache
 from moe_engine.layers.attend import ForwardBatch
+from moe_engine.layers.experts import StepRouting
 from moe_engine.models.decoder import reference_forward
 
 from .hf_checkpoints import (
@@ -85,7 +86,7 @@ def test_float32_logits_and_routing_match_hf(arch, checkpoints, record_property)
     flat = torch.tensor(seqs[0] + seqs[1])
     capture = torch.zeros(len(flat) + 5, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.int32)
     with torch.inference_mode():
-        batched_logits = model.compute_logits(model(flat, batch, cache, capture))
+        batched_logits = model.compute_logits(model(flat, batch, cache, StepRouting(ids=capture)))
     offsets = [0, len(seqs[0]), len(flat)]
 
     total = agree = ordered = 0
@@ -142,7 +143,7 @@ def test_greedy_generation_matches_hf(arch, checkpoints):
     with torch.inference_mode():
         while len(tokens) < new:
             batch = ForwardBatch.build([cache.sequence_blocks(1)], [context], [len(step_ids)], "cpu", 4)
-            hidden = model(torch.tensor(step_ids), batch, cache, capture[context:])
+            hidden = model(torch.tensor(step_ids), batch, cache, StepRouting(ids=capture[context:]))
             logits = model.compute_logits(hidden[batch.last_token_index])  # [1, V]
             context += len(step_ids)
             tokens.append(int(logits.argmax(-1)))
@@ -215,7 +216,7 @@ def test_capture_off_changes_nothing(checkpoints):
         cache = KVCache.for_sequences(model.kv_layout(), 1, 12, model.dtype, "cpu")
         batch = ForwardBatch.build([cache.sequence_blocks(0)], [0], [12], "cpu", cache.block_size)
         with torch.inference_mode():
-            outs.append(model(ids, batch, cache, capture))
+            outs.append(model(ids, batch, cache, StepRouting(ids=capture)))
     assert torch.equal(outs[0], outs[1])
 
     experts = model.model.layers[0].mlp.experts

@@ -8,11 +8,11 @@ import numpy as np
 import pybase64
 import pytest
 
+from moe_engine.config import routed_experts_dtype
 from openai_frontend.routing_codec import (
     RoutedExpertsAccumulator,
     decode_routed_experts,
     encode_npy_b64,
-    expert_id_dtype,
     npy_header,
 )
 
@@ -27,14 +27,14 @@ def vllm_encode(arr: np.ndarray) -> str:
 @pytest.mark.parametrize("num_experts,dtype", [(1, np.uint8), (8, np.uint8), (256, np.uint8), (257, np.uint16),
                                                (512, np.uint16), (65536, np.uint16)])
 def test_dtype_choice_matches_vllm(num_experts, dtype):
-    assert expert_id_dtype(num_experts) == np.dtype(dtype)
+    assert np.dtype(routed_experts_dtype(num_experts)) == np.dtype(dtype)
 
 
 def test_dtype_rejects_nonsense():
     with pytest.raises(ValueError):
-        expert_id_dtype(0)
+        routed_experts_dtype(0)
     with pytest.raises(ValueError):
-        expert_id_dtype(65537)
+        routed_experts_dtype(65537)
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
@@ -73,7 +73,7 @@ def test_accumulator_concatenates_and_casts_to_uint8():
 
 
 def test_accumulator_keeps_uint16_for_many_experts():
-    acc = RoutedExpertsAccumulator(num_layers=2, top_k=4, dtype=expert_id_dtype(512))
+    acc = RoutedExpertsAccumulator(num_layers=2, top_k=4, dtype=np.dtype(routed_experts_dtype(512)))
     chunk = np.array([[[0, 300, 511, 257]] * 2], dtype=np.uint16)
     acc.add(chunk)
     acc.add(chunk)

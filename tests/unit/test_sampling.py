@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from moe_engine.core import sampling
-from moe_engine.core.sampling import Sampler, SamplingParams, compute_logprobs, make_state, sample
+from moe_engine.core.sampling import Sampler, SamplingParams, compute_logprobs, make_state
 from moe_engine.kernels import sampling as sampling_kernels
 
 DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
@@ -238,16 +238,18 @@ def test_prepare_writes_fixed_buffers_and_pads_with_greedy_rows():
     assert huge.kind == "sample" and huge.host["top_k"][0] == 0 and huge.host["temperature"][0] > 0
 
 
-def test_the_engine_api_reproduces_seeded_requests():
-    """``sample(logits, states)``: each state's draws count up, so two requests with one seed draw the same
-    sequence beside different companions; requests without a seed get different random seeds."""
+def test_seeded_requests_draw_the_same_tokens_beside_any_companions():
+    """A draw is keyed by (seed, output index): two requests with one seed draw the same sequence whether they
+    share their steps with other requests or run alone; requests without a seed get different random seeds."""
     x = torch.zeros(3, 64)
+    s = Sampler(64, DEVICE, max_rows=4)
     a, b = make_state(SamplingParams(seed=42, top_p=0.95)), make_state(SamplingParams(seed=42, top_p=0.95))
     first, second = [], []
-    for _ in range(6):
-        first.append(sample(x.to(DEVICE), [make_state(SamplingParams()), a, make_state(SamplingParams())])[1].item())
-        second.append(sample(x[:1].to(DEVICE), [b])[0].item())
-    assert first == second and len(set(first)) > 1 and a.draws == 6
+    for draw in range(6):
+        crowd = [make_state(SamplingParams()), a, make_state(SamplingParams())]
+        first.append(s.sample(x.to(DEVICE), s.prepare(crowd, [draw + 3, draw, 0]))[1].item())
+        second.append(s.sample(x[:1].to(DEVICE), s.prepare([b], [draw]))[0].item())
+    assert first == second and len(set(first)) > 1
     assert make_state(SamplingParams()).seed != make_state(SamplingParams()).seed
 
 

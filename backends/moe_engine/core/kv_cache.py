@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layers.attend import ForwardBatch, LayerKV
+from ..layers.experts import StepRouting
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def profile_peak_activation(
     capture = torch.zeros(step_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.int32,
                           device=device)
     ids = torch.randint(0, cfg.vocab_size, (step_tokens,), device=device)
-    hidden = model(ids, batch, cache, capture)
+    hidden = model(ids, batch, cache, StepRouting(ids=capture))
     rows = min(max_num_seqs, step_tokens)
     logits = model.compute_logits(hidden[:rows])
     torch.softmax(logits, dim=-1)

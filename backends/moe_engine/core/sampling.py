@@ -101,7 +101,6 @@ class SamplingState:
 
     params: SamplingParams
     seed: int = 0  # the request's seed, or a random one; 64-bit, stored as a signed int64
-    draws: int = 0  # draws made through the legacy ``sample(logits, states)`` (its draw index)
     record: bytes = field(default=b"", repr=False)  # this request's row of a batch (_RECORD)
 
 
@@ -386,23 +385,6 @@ def _sample_torch(logits: torch.Tensor, batch: SamplingBatch, candidates: int) -
         score.masked_fill_(xs < lo[:, None], float("-inf"))
     out[idx] = torch.argmax(score, dim=-1)
     return out
-
-
-# ---- the engine's current API, kept as thin wrappers -------------------------------------------------------
-_legacy: dict[tuple[str, int], Sampler] = {}
-
-
-def sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """logits [N, V] float32 -> next tokens [N] long (on the logits' device). Each state's draw index is the
-    number of draws made for it through this function."""
-    key = (str(logits.device), logits.shape[1])
-    sampler = _legacy.get(key)
-    if sampler is None:
-        sampler = _legacy[key] = Sampler(logits.shape[1], logits.device, max_rows=max(len(states), 64))
-    batch = sampler.prepare(states, [st.draws for st in states])
-    for st in states:
-        st.draws += 1
-    return sampler.sample(logits, batch)
 
 
 def compute_logprobs(

@@ -124,10 +124,6 @@ DEFAULT_CONFIGS: dict[str, tuple[TileConfig, TileConfig]] = {
 }
 
 
-# buckets of earlier versions -> the buckets that now cover their pairs
-_LEGACY_BUCKETS = {">8192": ("8193-16384", ">16384")}
-
-
 def bucket_of(pairs: int) -> str:
     for name, top in BUCKETS:
         if top is None or pairs <= top:
@@ -170,14 +166,11 @@ def _table(device: str, E: int, H: int, I: int, dtype: torch.dtype, path: str) -
                     buckets = entry.get("buckets", {})
                     for name, pair in buckets.items():
                         configs = (TileConfig.from_dict(pair["gate_up"]), TileConfig.from_dict(pair["down"]))
-                        # a table tuned before ">8192" was split keeps serving both halves, unless it has them
-                        names = [n for n in _LEGACY_BUCKETS.get(name, (name,)) if n == name or n not in buckets]
-                        for n in names:
-                            if n in table:
-                                table[n] = configs
-                            else:
-                                warnings.warn(f"fused_moe: bucket {n!r} in {p} is not one of {list(table)}; ignored",
-                                              stacklevel=2)
+                        if name in table:
+                            table[name] = configs
+                        else:
+                            warnings.warn(f"fused_moe: bucket {name!r} in {p} is not one of {list(table)}; ignored",
+                                          stacklevel=2)
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
             warnings.warn(f"fused_moe: ignoring tile configs in {p} ({err!r}); using the defaults", stacklevel=2)
             return dict(DEFAULT_CONFIGS)

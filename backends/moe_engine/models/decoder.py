@@ -191,12 +191,10 @@ class MoEForCausalLM(nn.Module):
         input_ids: Tensor,  # [T] long, tokens of all sequences flattened
         batch: ForwardBatch,  # attention layout for this step
         kv: KVCache | list[LayerKV],  # kv[layer] -> LayerKV
-        capture: Tensor | None = None,  # [>=T, num_hidden_layers, K] int32 step buffer (routing.ids)
         routing: StepRouting | None = None,  # capture buffers and forced routing (layers/experts.py)
     ) -> Tensor:  # [T, H] final hidden states (after the final norm)
         T = input_ids.shape[0]
-        if routing is None:
-            routing = StepRouting(ids=capture)
+        routing = routing or StepRouting()
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.model.rotary_emb(batch.positions, x.dtype)  # [T, R] each (complex style: [T, R/2], None)
         delta = None
@@ -218,5 +216,5 @@ def reference_forward(model: MoEForCausalLM, token_ids: list[int]) -> tuple[Tens
     cache = KVCache.for_sequences(model.kv_layout(), num_seqs=1, max_len=T, dtype=model.dtype, device=device)
     batch = ForwardBatch.build([cache.sequence_blocks(0)], [0], [T], device, cache.block_size)
     capture = torch.zeros(T, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.int32, device=device)
-    hidden = model(torch.tensor(token_ids, dtype=torch.long, device=device), batch, cache, capture)
+    hidden = model(torch.tensor(token_ids, dtype=torch.long, device=device), batch, cache, StepRouting(ids=capture))
     return model.compute_logits(hidden), capture
