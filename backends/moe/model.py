@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from moe_engine.core.runner import freeze_start_up_objects
+from moe_engine.core.warmup import freeze_start_up_objects
 from moe_engine.core.sampling import SamplingParams
 from moe_engine.engine import Engine, EngineConfig, Request, RequestOutput
 from moe_engine.errors import EngineError, EngineOverloadedError, EngineStoppedError, InvalidRequestError

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 METRICS = ("itl_p50_s", "tok_s", "ttft_p50_s")  # per repetition, from results.json's cases.<case>.reps
-SCRIPTS = ("loadtest/bench/bench_real_shape.py", "loadtest/bench/bench_real_shape.py")  # this layout, then older trees'
+SCRIPTS = ("loadtest/bench/bench_real_shape.py", "loadtest/bench_real_shape.py")  # this layout, then older trees'
 
 
 def bench_script(tree: Path) -> Path | None:
