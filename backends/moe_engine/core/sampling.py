@@ -126,7 +126,7 @@ def make_state(params: SamplingParams, device: torch.device | str | None = None)
         0,
         seed,
     )], dtype=_RECORD).tobytes()
-    return SamplingState(params, seed, 0, record)
+    return SamplingState(params, seed, record)
 
 
 def _mix64(z: int) -> int:
