@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         kw["help"] = kw.get("help", "") + f" [env {env}]"
         p.add_argument(flag, **kw)
 
+    _add_model_and_api_flags(add)
+    EngineConfig.add_cli_args(add)  # one flag per engine setting, with the help written beside the field
+    _add_serving_flags(add)
+    _add_triton_flags(add)
+    return p
+
+
+def _add_model_and_api_flags(add) -> None:
     add("--model", default=None, help="Hugging Face checkpoint directory (default: the embedded tiny MoE model)")
     add("--served-model-name", default=None, help="model name in the API (default: the checkpoint's folder name)")
     add("--host", default="127.0.0.1", help="API bind address")
@@ -79,86 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--api-key-file", default=None, help="file whose first line is the API key")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights dtype")
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="engine device")
-    add("--max-num-seqs", type=int, default=None, help="sequences running at once (default: 256 on CUDA, 64 on CPU)")
-    add(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="prompt + output tokens of one sequence (default: the model's max_position_embeddings)",
-    )
-    add(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="tokens per engine step (prefill chunk size); default 8192 on CUDA (as vLLM), 512 on CPU",
-    )
-    add("--block-size", type=int, default=None, choices=[8, 16, 32, 64, 128],
-        help="tokens per KV-cache block (default: 64 on Hopper or later GPUs, where the prefill attention loads "
-             "whole blocks through TMA; 16 elsewhere)")
-    add(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="CUDA: share of GPU memory for weights, activations and the KV cache (the KV cache gets the rest)",
-    )
-    add(
-        "--kv-cache-memory",
-        type=float,
-        default=None,
-        help="KV cache size in GiB (overrides --gpu-memory-utilization; CPU default 2 GiB)",
-    )
-    add(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV blocks and routed experts of shared prompt prefixes (--no-enable-prefix-caching: off)",
-    )
-    add("--max-waiting", type=int, default=1024, help="engine queue bound; beyond it requests get 503")
-    add(
-        "--max-pending-requests",
-        type=int,
-        default=256,
-        help="in-flight choices the API accepts; beyond it requests get 503 with Retry-After",
-    )
-    add(
-        "--disable-routed-experts",
-        action="store_true",
-        default=False,
-        help="turn routed experts off server-wide (no capture work at all)",
-    )
-    add(
-        "--enforce-eager",
-        action="store_true",
-        default=False,
-        help="CUDA: run every step eagerly instead of replaying CUDA graphs (debugging; saves the graphs' memory)",
-    )
-    add(
-        "--max-cudagraph-capture-size",
-        type=int,
-        default=None,
-        help="CUDA: steps of up to this many tokens replay CUDA graphs: decode batches of up to this many sequences "
-        "(at most --max-num-seqs), prefill and mixed steps of up to this many tokens; "
-        "default max(2048, --max-num-seqs); 0: every step eager",
-    )
-    add(
-        "--disable-fused-kernels",
-        action="store_true",
-        default=False,
-        help="CUDA: op-by-op forward instead of the fused Triton kernels (same results; debugging)",
-    )
-    add(
-        "--exact-kernels",
-        action="store_true",
-        default=False,
-        help="CUDA: only the fused kernels that are bit-identical to the op-by-op forward (without it, also the "
-        "one-pass norms, fused router and q/k/v GEMM: equal within rounding, same expert ids; faster)",
-    )
-    add("--tensor-parallel-size", type=int, default=1,
-        help="split the model over this many GPUs (processes on CPU): attention heads, MLPs, vocabulary and "
-             "experts; one engine, started by the Triton model instance")
-    add("--enable-expert-parallel", action="store_true", default=False,
-        help="with --tensor-parallel-size N, each rank holds num_experts/N whole experts (instead of a slice of "
-             "every expert)")
+
+
+def _add_serving_flags(add) -> None:
+    add("--max-pending-requests", type=int, default=256,
+        help="in-flight choices the API accepts; beyond it requests get 503 with Retry-After")
     add("--data-parallel-size", type=int, default=1,
         help="independent engine replicas (Triton model instances, each with its own tensor-parallel group and "
              "GPUs); Triton spreads requests over them")
@@ -176,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--enable-prompt-tokens-details", action="store_true", default=False,
         help="usage.prompt_tokens_details.cached_tokens in responses: the prompt tokens served from the prefix "
              "cache (vLLM's flag)")
+
+
+def _add_triton_flags(add) -> None:
     add("--triton-api-key", default=None,
         help="let Triton clients in: gRPC and HTTP listen on --triton-host and need the header "
              f"'{KEY_NAME}: <key>' (gRPC metadata 'triton-grpc-protocol-{KEY_NAME}'); without it Triton has no "
@@ -193,7 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--triton-shm-mb", type=int, default=64, help="python backend shared memory per model (MiB)")
     add("--num-threads", type=int, default=None, help="torch CPU threads in the engine (default: cores - 1)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p
 
 
 def resolve_checkpoint(model: str | None) -> Path:
@@ -293,55 +228,49 @@ def main(argv: list[str] | None = None) -> int:
     access = triton_access(args)
     checkpoint = resolve_checkpoint(args.model)
     try:
+        cfg, engine_config, groups = check_model_and_engine(args, checkpoint)
+        triton = make_triton_server(args, access, checkpoint, cfg, engine_config, groups)
+    except SystemExit as exc:
+        return exc.code
+    return Serving(args, api_key, access, triton, checkpoint, cfg, engine_config).run()
+
+
+def check_model_and_engine(args, checkpoint: Path):  # noqa: ANN001 - argparse namespace
+    """(model config, engine config, Triton instance groups) for the flags; SystemExit(2) naming a bad one."""
+    try:
         cfg = load_config(checkpoint)
     except (UnsupportedModelError, FileNotFoundError, ValueError) as exc:
-        print(f"moe-serve: error: --model {checkpoint}: {exc}", file=sys.stderr)
-        return 2
-    served_name = args.served_model_name or (checkpoint.name if args.model else "tiny-mixtral")
-    if args.max_model_len is None:
-        args.max_model_len = cfg.max_position_embeddings
-    if args.max_model_len > cfg.max_position_embeddings:
-        print(
-            f"moe-serve: error: --max-model-len {args.max_model_len} exceeds the model's "
-            f"max_position_embeddings ({cfg.max_position_embeddings})",
-            file=sys.stderr,
-        )
-        return 2
-    if not 0 < args.gpu_memory_utilization <= 1:
-        print("moe-serve: error: --gpu-memory-utilization must be in (0, 1]", file=sys.stderr)
-        return 2
-
+        raise usage_error(f"--model {checkpoint}: {exc}") from None
+    engine_config = EngineConfig.from_cli_args(args)
+    max_model_len = engine_config.model_len(cfg)
+    if max_model_len > cfg.max_position_embeddings:
+        raise usage_error(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+                          f"({cfg.max_position_embeddings})")
+    if not 0 < engine_config.gpu_memory_utilization <= 1:
+        raise usage_error("--gpu-memory-utilization must be in (0, 1]")
     try:
-        check_parallel(cfg, args.tensor_parallel_size, args.enable_expert_parallel)
-        groups = instance_groups(args.data_parallel_size, args.tensor_parallel_size, args.device)
+        check_parallel(cfg, engine_config.tensor_parallel_size, engine_config.enable_expert_parallel)
+        groups = instance_groups(args.data_parallel_size, engine_config.tensor_parallel_size, args.device)
     except ValueError as exc:
-        print(f"moe-serve: error: --tensor-parallel-size / --data-parallel-size: {exc}", file=sys.stderr)
-        return 2
+        raise usage_error(f"--tensor-parallel-size / --data-parallel-size: {exc}") from None
+    return cfg, engine_config, groups
 
+
+def served_name(args, checkpoint: Path) -> str:  # noqa: ANN001 - argparse namespace
+    return args.served_model_name or (checkpoint.name if args.model else "tiny-mixtral")
+
+
+def make_triton_server(args, access: TritonAccess, checkpoint: Path, cfg, engine_config: EngineConfig,
+                       groups) -> TritonServer:  # noqa: ANN001
+    """The tritonserver with the moe model configured: checkpoint, dtype, device, the engine's settings and the
+    metadata the API serves (not started)."""
     metadata = dict(
         cfg.metadata(),
-        max_model_len=args.max_model_len,
+        max_model_len=engine_config.model_len(cfg),
         eos_token_ids=list(cfg.eos_token_ids),
         vocab_size=cfg.vocab_size,
-        served_model_name=served_name,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
-    engine_config = EngineConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_waiting=args.max_waiting,
-        enable_routed_experts=not args.disable_routed_experts,
-        enforce_eager=args.enforce_eager,
-        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
-        fused_kernels=False if args.disable_fused_kernels else None,
-        exact_kernels=args.exact_kernels,
-        tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
+        served_model_name=served_name(args, checkpoint),
+        enable_prefix_caching=engine_config.enable_prefix_caching,
     )
     parameters = {
         "checkpoint": str(checkpoint),
@@ -356,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         config = model_config_with_parameters(repo / TRITON_MODEL / "config.pbtxt", parameters)
         if groups is not None:
             config["instance_group"] = groups
-        triton = TritonServer(
+        return TritonServer(
             model_config=config,
             model_name=TRITON_MODEL,
             ports=TritonPorts(args.triton_http_port, args.triton_grpc_port, args.triton_metrics_port),
@@ -367,106 +296,123 @@ def main(argv: list[str] | None = None) -> int:
             run_dir=args.run_dir,
         )
     except (TritonError, OSError) as exc:
-        print(f"moe-serve: error: {exc}", file=sys.stderr)
-        return 2
+        raise usage_error(str(exc)) from None
 
-    uvicorn_server = None
-    state = None
-    watchdog = None
-    exit_code = 0
-    signals = 0
 
-    def on_signal(signum, frame):  # noqa: ANN001
-        nonlocal signals
-        signals += 1
-        if watchdog is not None:
-            watchdog.shutting_down.set()
-        if uvicorn_server is None:
+class Serving:
+    """One moe-serve run once the flags are checked: tritonserver started and watched, the API served until a
+    signal or a failure the watchdog gives up on; ``run`` returns the exit status."""
+
+    def __init__(self, args, api_key: str | None, access: TritonAccess, triton: TritonServer, checkpoint: Path,
+                 cfg, engine_config: EngineConfig):  # noqa: ANN001
+        self.args, self.api_key, self.access, self.triton = args, api_key, access, triton
+        self.checkpoint, self.cfg, self.engine_config = checkpoint, cfg, engine_config
+        self.uvicorn_server = None
+        self.state = None
+        self.watchdog = None
+        self.exit_code = 0
+        self.signals = 0
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+        try:
+            self.start_triton()
+            self.serve_api()
+        except TritonError as exc:
+            log.error("%s", exc)
+            self.exit_code = 1
+        except KeyboardInterrupt:
+            log.info("interrupted")
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.finish()  # from now on Triton going away is intended
+            self.triton.stop()
+            if self.watchdog is not None:
+                self.watchdog.join(10)
+        log.info("stopped")
+        return self.exit_code
+
+    def on_signal(self, signum, frame) -> None:  # noqa: ANN001
+        self.signals += 1
+        if self.watchdog is not None:
+            self.watchdog.shutting_down.set()
+        if self.uvicorn_server is None:
             raise KeyboardInterrupt  # still starting: stop Triton and leave
-        if signals == 1:
+        if self.signals == 1:
             log.info("%s: finishing in-flight requests (at most %.0f s), then stopping",
-                     signal.Signals(signum).name, args.shutdown_timeout)
-            state.begin_shutdown(args.shutdown_timeout)
-            uvicorn_server.should_exit = True
+                     signal.Signals(signum).name, self.args.shutdown_timeout)
+            self.state.begin_shutdown(self.args.shutdown_timeout)
+            self.uvicorn_server.should_exit = True
         else:
             log.info("%s again: ending in-flight requests now", signal.Signals(signum).name)
-            state.end_now()
+            self.state.end_now()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        triton.start()
-        log.info("loading %s from %s", cfg.architecture, checkpoint)
-        triton.wait_ready()
+    def start_triton(self) -> None:
+        self.triton.start()
+        log.info("loading %s from %s", self.cfg.architecture, self.checkpoint)
+        self.triton.wait_ready()
         log.info("model %r is READY on tritonserver (%s)", TRITON_MODEL,
-                 f"gRPC {triton.grpc_url}, HTTP {triton.http_url}, key header {KEY_NAME!r}" if access.shared
-                 else "private: gRPC on a unix socket, no HTTP")
+                 f"gRPC {self.triton.grpc_url}, HTTP {self.triton.http_url}, key header {KEY_NAME!r}"
+                 if self.access.shared else "private: gRPC on a unix socket, no HTTP")
 
-        import uvicorn
-
+    def make_app(self):  # noqa: ANN201
         from .app import create_app
         from .config import FrontendConfig
-        from .watchdog import BackendWatchdog
 
-        app = create_app(
+        args = self.args
+        return create_app(
             FrontendConfig(
-                triton_grpc_url=triton.grpc_url,
-                served_model_name=served_name,
-                checkpoint_dir=str(checkpoint),
+                triton_grpc_url=self.triton.grpc_url,
+                served_model_name=served_name(args, self.checkpoint),
+                checkpoint_dir=str(self.checkpoint),
                 triton_model_name=TRITON_MODEL,
-                api_key=api_key,
-                enable_routed_experts=not args.disable_routed_experts,
+                api_key=self.api_key,
+                enable_routed_experts=self.engine_config.enable_routed_experts,
                 max_pending_requests=args.max_pending_requests,
-                triton_headers=access.grpc_headers,
-                triton_metrics_url=triton.metrics_url,
+                triton_headers=self.access.grpc_headers,
+                triton_metrics_url=self.triton.metrics_url,
                 max_request_bytes=args.max_request_bytes or None,
                 request_timeout_s=args.request_timeout or None,
                 trust_request_chat_template=args.trust_request_chat_template,
                 enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             )
         )
-        state = app.state.server_state
-        metrics = app.state.ctx.metrics
-        from .lifecycle import CLEANUP_WAIT_S
 
-        uvicorn_server = _uvicorn_server(
+    def serve_api(self) -> None:
+        import uvicorn
+
+        from .lifecycle import CLEANUP_WAIT_S
+        from .watchdog import BackendWatchdog
+
+        args = self.args
+        app = self.make_app()
+        self.state = app.state.server_state
+        metrics = app.state.ctx.metrics
+        self.uvicorn_server = _uvicorn_server(
             uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                            timeout_graceful_shutdown=args.shutdown_timeout + CLEANUP_WAIT_S + 2)
         )
 
         def on_up():
             metrics.backend_restarts.inc()
-            state.backend_up()
+            self.state.backend_up()
 
-        def on_give_up(reason):
-            nonlocal exit_code
-            log.error("the backend failed (%s); moe-serve exits (status 1) for its supervisor to restart it", reason)
-            exit_code = 1
-            uvicorn_server.should_exit = True
-
-        watchdog = BackendWatchdog(
-            triton, on_down=state.backend_down, on_up=on_up, on_give_up=on_give_up,
+        self.watchdog = BackendWatchdog(
+            self.triton, on_down=self.state.backend_down, on_up=on_up, on_give_up=self.on_give_up,
             max_restarts=args.max_backend_restarts, stall_timeout_s=args.engine_stall_timeout,
         )
-        watchdog.arm()
-        watchdog.start()
-        log.info("OpenAI API on http://%s:%d/v1 (model %r)", args.host, args.port, served_name)
-        uvicorn_server.run()
-        if signals == 0 and exit_code == 0 and not uvicorn_server.started:
-            exit_code = 1  # e.g. the API port was taken
-    except TritonError as exc:
-        log.error("%s", exc)
-        exit_code = 1
-    except KeyboardInterrupt:
-        log.info("interrupted")
-    finally:
-        if watchdog is not None:
-            watchdog.finish()  # from now on Triton going away is intended
-        triton.stop()
-        if watchdog is not None:
-            watchdog.join(10)
-    log.info("stopped")
-    return exit_code
+        self.watchdog.arm()
+        self.watchdog.start()
+        log.info("OpenAI API on http://%s:%d/v1 (model %r)", args.host, args.port, served_name(args, self.checkpoint))
+        self.uvicorn_server.run()
+        if self.signals == 0 and self.exit_code == 0 and not self.uvicorn_server.started:
+            self.exit_code = 1  # e.g. the API port was taken
+
+    def on_give_up(self, reason) -> None:  # noqa: ANN001
+        log.error("the backend failed (%s); moe-serve exits (status 1) for its supervisor to restart it", reason)
+        self.exit_code = 1
+        self.uvicorn_server.should_exit = True
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ RENAMED = {"overlap_decode": "async_scheduling"}
 
 def _setting(default: Any, help: str, **cli: Any) -> Any:
     """A field with its help text and how its flag differs from ``--<field-name>`` (``cli``: ``flag``, ``type``,
-    ``choices``, ``to_field`` converting the flag's value, ``action``; ``flag=None``: no flag)."""
+    ``choices``, ``to_field`` converting the flag's value, ``action``)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -95,9 +95,7 @@ class EngineConfig:
         variables, help suffix)."""
         for f in fields(cls):
             meta = f.metadata
-            if meta.get("flag", "") is None:
-                continue
-            kw = {"help": meta["help"], "dest": f.name}
+            kw = {"help": meta["help"]}
             if "action" in meta:
                 kw["action"] = meta["action"]
                 kw["default"] = False if meta["action"] == "store_true" else f.default
@@ -106,18 +104,22 @@ class EngineConfig:
                 kw["default"] = None if "to_field" in meta else f.default
             if "choices" in meta:
                 kw["choices"] = meta["choices"]
-            add(meta.get("flag") or "--" + f.name.replace("_", "-"), **kw)
+            add(_flag(f), **kw)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         values = {}
         for f in fields(cls):
-            value = getattr(args, f.name)
+            value = getattr(args, _flag(f).lstrip("-").replace("-", "_"))
             convert = f.metadata.get("to_field")
             values[f.name] = convert(value) if convert else value
         return cls(**values)
 
     # ------------------------------------------------------------------ resolution
+
+    def model_len(self, cfg) -> int:
+        """max_model_len for ``cfg`` (a MoEConfig): as set, else the model's max_position_embeddings."""
+        return self.max_model_len or cfg.max_position_embeddings
 
     def resolve(self, cfg, device, dtype) -> "ResolvedConfig":
         """Every default decided for ``cfg`` (a MoEConfig) running on ``device`` in ``dtype`` (torch objects)."""
@@ -145,7 +147,7 @@ class EngineConfig:
             device=str(device),
             dtype=str(dtype).removeprefix("torch."),
             max_num_seqs=max_num_seqs,
-            max_model_len=self.max_model_len or cfg.max_position_embeddings,
+            max_model_len=self.model_len(cfg),
             # every running sequence can decode in one step
             step_tokens=max(self.max_num_batched_tokens or (8192 if cuda else 512), max_num_seqs),
             block_size=self.block_size or paged_attention.default_block_size(attention_kernels, device, dtype,
@@ -164,6 +166,10 @@ class EngineConfig:
             tensor_parallel_size=self.tensor_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
         )
+
+
+def _flag(f) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 def _scalar_type(f) -> type:
