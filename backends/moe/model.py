@@ -353,7 +353,7 @@ class TritonPythonModel:
             result = {"success": False, "message": str(exc), "param": getattr(exc, "param", None)}
         else:
             result = {"success": False, "message": f"{reply.op} failed: {exc!r}", "internal": True}
-        result["weight_version"] = self.engine.weight_version
+        result["weight_version"] = self.engine.lifecycle.weight_version
         out = pb_utils.Tensor("control_result", np.array([json.dumps(result).encode()], dtype=np.object_))
         reply.sender.send(pb_utils.InferenceResponse(output_tensors=_only([out], reply.outputs)), flags=flags)
 
