@@ -140,9 +140,6 @@ class EngineConfig:
         attention_kernels = fused and cuda and cfg.attention.mla is None and paged_attention.available(device)
         att = cfg.attention
         head_dims = (att.mla.kv_lora_rank, att.mla.qk_rope_head_dim) if att.mla is not None else (att.head_dim,)
-        budget = self.kv_cache_memory_bytes
-        if not budget and not cuda:
-            budget = CPU_KV_CACHE_BYTES
         return ResolvedConfig(
             device=str(device),
             dtype=str(dtype).removeprefix("torch."),
@@ -153,7 +150,7 @@ class EngineConfig:
             block_size=self.block_size or paged_attention.default_block_size(attention_kernels, device, dtype,
                                                                             head_dims),
             gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory_bytes=int(budget or 0),
+            kv_cache_memory_bytes=int(self.kv_cache_memory_bytes or 0),
             enable_prefix_caching=self.enable_prefix_caching,
             enable_routed_experts=self.enable_routed_experts,
             max_waiting=self.max_waiting,
@@ -177,10 +174,6 @@ def _scalar_type(f) -> type:
     return {"int": int, "float": float, "str": str}[name.split("|")[0].strip()]
 
 
-# CPU: the KV cache's default size (capped at what max_num_seqs full-length sequences need, kv_cache.py).
-CPU_KV_CACHE_BYTES = 2 << 30
-
-
 @dataclass(frozen=True)
 class ResolvedConfig:
     """``EngineConfig.resolve``'s answer: every setting decided, nothing left to default. JSON-able (rank 0 sends
@@ -193,7 +186,8 @@ class ResolvedConfig:
     step_tokens: int  # per step, >= max_num_seqs
     block_size: int
     gpu_memory_utilization: float
-    # KV-cache bytes; 0: on CUDA, what gpu_memory_utilization leaves after the weights and a profiled peak step
+    # KV-cache bytes; 0: kv_cache.py's budget (CUDA: what gpu_memory_utilization leaves after the weights and a
+    # profiled peak step; CPU: 2 GiB, capped at what max_num_seqs full-length sequences need)
     kv_cache_memory_bytes: int
     enable_prefix_caching: bool
     enable_routed_experts: bool

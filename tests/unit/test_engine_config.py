@@ -60,3 +60,18 @@ def test_resolve_decides_every_default_once_for_the_device(tiny_checkpoint):
     assert ResolvedConfig.from_json(cpu.to_json()) == cpu  # what rank 0 sends the other ranks
     with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
         EngineConfig(max_cudagraph_capture_size=-1).resolve(cfg, "cpu", torch.float32)
+
+
+def test_a_cpu_engine_holds_only_the_kv_cache_its_sequences_can_use(tiny_checkpoint):
+    """On CPU the default KV budget is 2 GiB capped at what max_num_seqs full-length sequences need: a small
+    engine allocates kilobytes, not 2 GiB; a budget given explicitly is taken as it is."""
+    from moe_engine.checkpoint import load_model
+    from moe_engine.engine import Engine
+
+    cfg, model = load_config(tiny_checkpoint), load_model(tiny_checkpoint, dtype="float32", device="cpu",
+                                                          progress=False)
+    small = Engine(model, cfg, EngineConfig(max_num_seqs=2, max_model_len=64))
+    assert small.runner.kv.num_blocks == 2 * 64 // small.settings.block_size + 1  # + the null block
+    assert small.runner.kv.nbytes < 1 << 20
+    given = Engine(model, cfg, EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache_memory_bytes=8 << 20))
+    assert 7 << 20 < given.runner.kv.nbytes <= 8 << 20
