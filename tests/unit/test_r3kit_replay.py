@@ -18,6 +18,7 @@ tests/integration/test_r3kit_server.py on a subset of the families.
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -257,3 +258,19 @@ def test_replay_refuses_what_it_cannot_replay(arch, rollouts):
     assert "forward" not in vars(router)
     np.testing.assert_array_equal(np.sort(own.ids[layer].numpy()[: len(conv.tokens) - 1], -1),
                                   np.sort(conv.routed_experts[:, layer].astype(np.int64), -1))
+
+
+def test_the_mismatch_command_on_saved_conversations(rollouts, checkpoints, tmp_path, capsys):  # noqa: F811
+    from r3kit.mismatch import main
+
+    _, _, conv, _, _, _ = rollouts("deepseek_v3")
+    conv.save(tmp_path / "a.json")
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(c.to_dict()) for c in (conv.truncate(30), conv)))
+    path = checkpoints("deepseek_v3", torch.float32)
+    assert main(["--model", str(path), "--conversations", str(tmp_path / "a.json"), str(tmp_path / "b.jsonl"),
+                 "--json", str(tmp_path / "report.json")]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["sequences"] == 3 and report["generated_tokens"] == 18 + 6 + 18  # the cut one keeps turn 1's 6
+    assert report["router_flips"] == 0.0  # float32: the server's routing is transformers' own
+    assert report["with_replay"]["max_abs"] <= 1e-5 and report["without_replay"]["max_abs"] <= 1e-5
+    assert "with replay:" in capsys.readouterr().out
