@@ -26,3 +26,11 @@ __all__ = [
     "turns_from_response",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):  # r3kit.hf_replay / r3kit.mismatch on first use: torch is imported only then
+    if name in ("hf_replay", "mismatch"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'r3kit' has no attribute {name!r}")
