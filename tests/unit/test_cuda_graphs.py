@@ -139,8 +139,8 @@ def run_mixed_batch(tiny, enforce_eager: bool, overlap: bool = True, **engine_ar
 def test_graph_replayed_decode_equals_eager_decode(tiny_cuda):
     eager, want = run_mixed_batch(tiny_cuda, enforce_eager=True)
     graphed, got = run_mixed_batch(tiny_cuda, enforce_eager=False)
-    assert eager.graphs is None and eager.runner.prefill_graphs is None
-    keys = graphed.graphs._graphs  # (batch bucket, key bucket, capture)
+    assert eager.runner.graphs is None and eager.runner.prefill_graphs is None
+    keys = graphed.runner.graphs._graphs  # (batch bucket, key bucket, capture)
     assert len({k[0] for k in keys}) >= 3  # several batch buckets were replayed
     assert graphed.runner.prefill_graphs.replays >= 5  # and the prefill steps' graphs
     for w, g in zip(want, got):
@@ -155,7 +155,7 @@ def test_prefill_graph_steps_equal_eager_prefill_steps(tiny_cuda):
     graphs in both): every token, routing row and output count equal."""
     eager_prefill, want = run_mixed_batch(tiny_cuda, enforce_eager=False, max_cudagraph_capture_size=8)
     graphed, got = run_mixed_batch(tiny_cuda, enforce_eager=False)
-    assert eager_prefill.runner.prefill_graphs is None and eager_prefill.graphs.max_batch == 8
+    assert eager_prefill.runner.prefill_graphs is None and eager_prefill.runner.graphs.max_batch == 8
     steps = graphed.runner.prefill_graphs.replays
     assert steps >= 5 and len({k[0] for k in graphed.runner.prefill_graphs._graphs}) >= 2
     for w, g in zip(want, got):
@@ -243,7 +243,7 @@ def test_key_buckets_that_split_alike_replay_one_graph_as_eager_steps_decode(tin
 
     eager, want = run(True)
     graphed, got = run(False)
-    graphs = graphed.graphs
+    graphs = graphed.runner.graphs
     assert graphs.split_counts(12, 1024) == graphs.split_counts(12, 2048) == (16,)
     assert graphs.graph_len(12, 1024) == 2048 and graphs.graph_len(12, 512) == 512
     assert graphs.replays[(12, 2048, True, False)] == 4 and not any(Lk == 1024 for _, Lk, _, _ in graphs.replays)
