@@ -298,9 +298,13 @@ def _load_mxfp4(t: _Tensors, name: str, shape, dtype, device) -> torch.Tensor:
     return out
 
 
+_MTP_ARCHITECTURES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+
+
 def _ignored_key(key: str, cfg: MoEConfig) -> bool:
-    """Tensors HF does not load either: DeepSeek-V3's multi-token-prediction layers after the last layer."""
-    if cfg.architecture != "deepseek_v3":
+    """Tensors HF does not load either: the multi-token-prediction layers after the last layer (DeepSeek-V3,
+    GLM-4.5 / 4.7)."""
+    if cfg.architecture not in _MTP_ARCHITECTURES:
         return False
     m = re.match(r"model\.layers\.(\d+)\.", key)
     return m is not None and int(m.group(1)) >= cfg.num_hidden_layers

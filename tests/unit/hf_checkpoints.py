@@ -17,6 +17,11 @@ still covers its peculiarities:
              norm_topk_prob, routed_scaling_factor 2.5, 1 shared expert, first_k_dense_replace=1;
 - gpt_oss:   8 experts top-2, router bias, random (non-zero) expert biases, swiglu_limit 0.1 (so the clamp
              bites), sinks, alternating sliding (window 8) / full layers, HF's default yarn rope.
+- glm4_moe:  16 experts top-4, sigmoid router with 4 groups / 2 kept and a NON-ZERO e_score_correction_bias,
+             norm_topk_prob, routed_scaling_factor 2.5, 1 shared expert, first_k_dense_replace=1, per-head q/k
+             norm, q/k/v bias (random, non-zero), head_dim 32 with partial rotary (factor 0.5: 16 dims rotate);
+- glm4_moe_lite: MLA with q_lora_rank, interleaved rope, 16 experts top-4, 4 groups / 2 kept, non-zero
+             correction bias, 2 shared experts, mlp_layer_types dense / sparse / sparse / dense / sparse.
 """
 from __future__ import annotations
 
@@ -24,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
-NEW_ARCHS = ("deepseek_v2", "deepseek_v3", "gpt_oss")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe",
+         "glm4_moe_lite")
+NEW_ARCHS = ("deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "glm4_moe_lite")
 
 _MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4)
 
@@ -73,6 +79,16 @@ _CONFIGS: dict[str, tuple[str, dict]] = {
         n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, first_k_dense_replace=1,
         n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=24,
         rope_parameters=_YARN_V3,
+    )),
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        **_COMMON, head_dim=32, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
+        n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, first_k_dense_replace=1, n_group=4,
+        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+    )),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(
+        **{**_COMMON, **_MLA}, num_hidden_layers=5, intermediate_size=48, moe_intermediate_size=16,
+        n_routed_experts=16, n_shared_experts=2, num_experts_per_tok=4, n_group=4, topk_group=2,
+        routed_scaling_factor=1.8, q_lora_rank=24, mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"],
     )),
     "gpt_oss": ("GptOssConfig", dict(
         **_COMMON, head_dim=16, num_hidden_layers=3, intermediate_size=32, num_local_experts=8,

@@ -29,7 +29,8 @@ def hf_written(arch, tmp_path) -> dict:
 
 def test_supported_list():
     assert SUPPORTED_ARCHITECTURES == (
-        "deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe",
+        "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "gpt_oss", "mixtral", "olmoe", "qwen2_moe",
+        "qwen3_moe",
     )
     assert set(ARCHS) == set(SUPPORTED_ARCHITECTURES)
 
@@ -43,6 +44,8 @@ def test_metadata_and_moe_layers_from_transformers_configs(tmp_path):
         "deepseek_v2": ((1, 2), 16, 4, 24),  # first_k_dense_replace=1; head_dim = qk_nope + qk_rope
         "deepseek_v3": ((1, 2), 16, 4, 24),
         "gpt_oss": ((0, 1, 2), 8, 2, 16),
+        "glm4_moe": ((1, 2), 16, 4, 32),  # first_k_dense_replace=1; explicit head_dim
+        "glm4_moe_lite": ((1, 2, 4), 16, 4, 24),  # mlp_layer_types; head_dim = qk_nope + qk_rope
     }
     for arch, (moe_layers, E, K, D) in expect.items():
         d = tmp_path / arch
@@ -129,6 +132,58 @@ def test_deepseek_and_gpt_oss_fields(tmp_path):
     assert go.experts.swiglu_limit == 0.1
     assert go.rope.type == "yarn" and go.rope.factor == 32.0 and go.rope.theta == 150000.0
     assert go.experts.quant == "none"
+
+
+def test_glm_fields(tmp_path):
+    cfgs = {}
+    for arch in ("glm4_moe", "glm4_moe_lite"):
+        (tmp_path / arch).mkdir()
+        cfgs[arch] = config_from_dict(hf_written(arch, tmp_path / arch))
+    glm, lite = cfgs["glm4_moe"], cfgs["glm4_moe_lite"]
+    for c in (glm, lite):  # DeepSeek-V3's router and MoE block
+        r = c.router
+        assert (r.kind, r.fp32, r.n_group, r.topk_group, r.norm_topk_prob) == ("deepseek_v3", True, 4, 2, True)
+        assert c.experts.block == "deepseek" and c.rms_norm_eps == 1e-5
+    assert glm.attention.kind == "gqa" and glm.attention.qk_norm == "head" and glm.attention.qkv_bias
+    assert not glm.attention.o_bias  # GLM's o_proj has no bias whatever attention_bias says
+    assert glm.rope.dim == 16 and glm.attention.head_dim == 32  # partial_rotary_factor 0.5 (HF's default)
+    assert glm.router.routed_scaling_factor == 2.5 and glm.experts.shared_intermediate_size == 16
+    assert lite.attention.kind == "mla" and lite.rope.style == "interleave" and lite.rope.dim == 8
+    assert lite.dense_layers == (0, 3) and lite.experts.shared_intermediate_size == 32
+    assert lite.router.routed_scaling_factor == 1.8
+    full = config_from_dict({**hf_written("glm4_moe", tmp_path / "glm4_moe"), "partial_rotary_factor": 1.0,
+                             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert full.rope.dim == 32 and full.rope.theta == 1e6
+    with pytest.raises(UnsupportedModelError, match="n_group"):
+        config_from_dict({**hf_written("glm4_moe", tmp_path / "glm4_moe"), "n_group": 3})
+    with pytest.raises(UnsupportedModelError, match="mlp_layer_types"):
+        config_from_dict({**hf_written("glm4_moe_lite", tmp_path / "glm4_moe_lite"), "mlp_layer_types": ["dense"]})
+
+
+def test_glm_shapes_of_transformers_defaults():
+    """GLM-4.5 (Glm4MoeConfig()'s defaults, head_dim as its Hub config) and GLM-4.7-Flash (Glm4MoeLiteConfig()'s), as transformers writes them;
+    GLM-4.5-Air's Hub config.json (abridged)."""
+    import transformers
+
+    glm = config_from_dict(transformers.Glm4MoeConfig(head_dim=128).to_dict())  # the Hub config states head_dim
+    assert glm.moe_layers == tuple(range(1, 46)) and (glm.num_experts, glm.num_experts_per_tok) == (128, 8)
+    assert glm.attention.head_dim == 128 and glm.rope.dim == 64 and glm.attention.num_kv_heads == 8
+    lite = config_from_dict(transformers.Glm4MoeLiteConfig().to_dict())
+    assert lite.moe_layers == tuple(range(1, 47)) and (lite.num_experts, lite.num_experts_per_tok) == (64, 4)
+    assert lite.attention.mla.q_lora_rank == 768 and lite.attention.head_dim == 256 and lite.rope.dim == 64
+    assert lite.experts.shared_intermediate_size == 1536 and lite.router.routed_scaling_factor == 1.8
+    air = config_from_dict({
+        "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 10944, "max_position_embeddings": 131072,
+        "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+        "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+        "num_hidden_layers": 46, "num_key_value_heads": 8, "num_nextn_predict_layers": 1,
+        "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+        "routed_scaling_factor": 1.0, "topk_group": 1, "torch_dtype": "bfloat16", "use_qk_norm": False,
+        "vocab_size": 151552, "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329,
+    })
+    assert air.rope.dim == 64 and air.rope.theta == 1e6 and air.attention.qkv_bias and air.attention.qk_norm == "none"
+    assert air.moe_layers == tuple(range(1, 46)) and air.eos_token_ids == (151329, 151336, 151338)
 
 
 # Hub config.json files of the real checkpoints (as published; values abridged to what the engine reads).
@@ -228,7 +283,8 @@ def test_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_config(tmp_path)
     llama = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 10}
-    with pytest.raises(UnsupportedModelError, match=r"'llama' is not a Mixture-of-Experts model; supported MoE architectures: deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe"):
+    with pytest.raises(UnsupportedModelError, match=r"'llama' is not a Mixture-of-Experts model; supported MoE architectures: "
+                       + ", ".join(SUPPORTED_ARCHITECTURES)):
         load_config(write(tmp_path, llama))
     with pytest.raises(UnsupportedModelError, match=r"model_type 'llama4_text' is not supported; supported MoE architectures: deepseek_v2, "):
         config_from_dict({**llama, "model_type": "llama4_text"})

@@ -57,7 +57,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: LayerKV) -> Tensor:
         T = x.shape[0]
         q, k, v = self._qkv(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
-        if self.fused and self.rope_style == "half" and self.clip_qkv is None and cos.shape[-1] == self.head_dim \
+        if self.fused and self.rope_style == "half" and self.clip_qkv is None and cos.shape[-1] <= self.head_dim \
                 and self.tp_slices is None:
             # [T, Hq, D], [T, Hkv, D]; k and v written into the cache by the same launch
             q, k = self._fused_norm_rope(q, k, cos, sin, (v, cache.k, cache.v, batch.slot_mapping))

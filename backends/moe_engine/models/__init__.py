@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import deepseek, gpt_oss, mixtral, olmoe, qwen_moe
+from . import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen_moe
 
 PARSERS: dict[str, Callable[[dict], dict]] = {
     "deepseek_v2": deepseek.parse_deepseek_v2,
     "deepseek_v3": deepseek.parse_deepseek_v3,
+    "glm4_moe": glm4_moe.parse_glm4_moe,
+    "glm4_moe_lite": glm4_moe.parse_glm4_moe_lite,
     "gpt_oss": gpt_oss.parse,
     "mixtral": mixtral.parse,
     "olmoe": olmoe.parse,
