@@ -72,9 +72,11 @@ def _fmt(shape) -> str:
 
 
 class _Tensors:
-    """key -> file index over a checkpoint directory, with lazily opened memory-mapped handles."""
+    """key -> file index over a checkpoint directory, with lazily opened memory-mapped handles. ``prefixes``: (our
+    prefix, the checkpoint's) pairs (``MoEConfig.key_prefixes``): a key stored under the checkpoint's prefix is also
+    found under ours (Nemotron-H's ``backbone.``, a Qwen3.5 checkpoint's ``model.language_model.``)."""
 
-    def __init__(self, root: Path, stack: ExitStack):
+    def __init__(self, root: Path, stack: ExitStack, prefixes: tuple[tuple[str, str], ...] = ()):
         self.root, self._stack, self._handles = root, stack, {}
         index = root / "model.safetensors.index.json"
         if index.is_file():
@@ -90,6 +92,14 @@ class _Tensors:
                 for key in self._open(f.name).keys():
                     self.key_file[key] = f.name
         self.used: set[str] = set()
+        self.alias: dict[str, str] = {}  # our name -> the key stored under the checkpoint's prefix
+        for ours, theirs in prefixes:
+            for key in self.key_file:
+                if key.startswith(theirs):
+                    self.alias.setdefault(ours + key[len(theirs):], key)
+
+    def _real(self, key: str) -> str:
+        return key if key in self.key_file else self.alias.get(key, key)
 
     def _open(self, fname: str):
         if fname not in self._handles:
@@ -100,13 +110,15 @@ class _Tensors:
         return self._handles[fname]
 
     def __contains__(self, key: str) -> bool:
-        return key in self.key_file
+        return key in self.key_file or key in self.alias
 
     def shape(self, key: str) -> list[int]:
+        key = self._real(key)
         return list(self._open(self.key_file[key]).get_slice(key).get_shape())
 
     def get(self, key: str, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
         """Read one tensor (from the memory map) after checking its shape."""
+        key = self._real(key)
         found = self.shape(key)
         if list(found) != list(shape):
             raise CheckpointError(
@@ -117,6 +129,7 @@ class _Tensors:
 
     def get_row(self, key: str, shape: list[int] | tuple[int, ...], i: int) -> torch.Tensor:
         """Rows [i : i + 1] of one tensor (read through the memory map) after checking the whole shape."""
+        key = self._real(key)
         found = self.shape(key)
         if list(found) != list(shape):
             raise CheckpointError(
@@ -128,6 +141,7 @@ class _Tensors:
     def read_selected(self, key: str, sel: Selection, out: torch.Tensor) -> None:
         """This rank's part of one tensor (``sel``) into ``out`` (zeros where nothing is read), slice by slice
         from the memory map, after checking the whole tensor's shape."""
+        key = self._real(key)
         found = self.shape(key)
         if list(found) != list(sel.full_shape):
             raise CheckpointError(
@@ -303,7 +317,9 @@ _MTP_ARCHITECTURES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
 def _ignored_key(key: str, cfg: MoEConfig) -> bool:
     """Tensors HF does not load either: the multi-token-prediction layers after the last layer (DeepSeek-V3,
-    GLM-4.5 / 4.7)."""
+    GLM-4.5 / 4.7), and the config's ``ignored_keys`` (Qwen3-Next's ``mtp.*``, a Qwen3.5 checkpoint's vision tower)."""
+    if any(re.search(pattern, key) for pattern in cfg.ignored_keys):
+        return True
     if cfg.architecture not in _MTP_ARCHITECTURES:
         return False
     m = re.match(r"model\.layers\.(\d+)\.", key)
@@ -342,7 +358,7 @@ def load_model(
             bar = None
 
     with ExitStack() as stack:
-        tensors = _Tensors(root, stack)
+        tensors = _Tensors(root, stack, cfg.key_prefixes)
         for name, meta in params:
             shape = tuple(meta.shape)
             pdtype = model.param_dtype(name, tdtype)

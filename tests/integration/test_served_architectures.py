@@ -86,7 +86,7 @@ def test_served_routed_experts_equal_the_engine_forward(served):
 
 # The families added for issue 51: every endpoint, streaming and n > 1 on each one's own server (the older families
 # get these through the tiny model's tests/integration/test_openai_*.py).
-ALL_ENDPOINTS = ("glm4_moe", "glm4_moe_lite")
+ALL_ENDPOINTS = ("glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe")
 
 
 def _engine_rows(ckpt, ids: list[int]) -> np.ndarray:
@@ -104,6 +104,12 @@ def test_every_endpoint_streams_and_returns_n_choices(served):
     cfg = load_config(ckpt)
     moe = list(cfg.moe_layers)
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    card = {m.id: m for m in client.models.list().data}[arch].model_dump()
+    if cfg.is_hybrid:  # the prefix cache is off, and /v1/models says why; each layer's kind is listed
+        assert card["prefix_caching_enabled"] is False and "recurrent state" in card["prefix_caching_disabled_reason"]
+        assert card["layer_types"] == list(cfg.layer_types)
+    else:
+        assert card["prefix_caching_enabled"] is True and "layer_types" not in card
 
     # chat, n = 2 sampled with a seed: the stream's text and rows equal the non-streamed response's
     kw = dict(model=arch, messages=[{"role": "user", "content": "Route this."}], max_tokens=6, n=2,

@@ -22,6 +22,12 @@ still covers its peculiarities:
              norm, q/k/v bias (random, non-zero), head_dim 32 with partial rotary (factor 0.5: 16 dims rotate);
 - glm4_moe_lite: MLA with q_lora_rank, interleaved rope, 16 experts top-4, 4 groups / 2 kept, non-zero
              correction bias, 2 shared experts, mlp_layer_types dense / sparse / sparse / dense / sparse.
+- qwen3_next: hybrid, layer_types linear / linear / full / linear / full (Gated DeltaNet with 2 key and 4 value
+             heads, fused in_proj_qkvz / in_proj_ba), gated attention with (1 + w) q/k norms and partial rotary
+             (head_dim 32, factor 0.25), 16 experts top-4 + sigmoid-gated shared expert, mlp_only_layers=[1];
+- qwen3_5_moe: the multimodal checkpoint (a tiny vision tower, text weights under model.language_model.), text
+             model hybrid linear / full / linear / linear / full, split in_proj_qkv / z / b / a, 16 experts top-4
+             + gated shared expert. Every (1 + w) norm weight gets random values (HF initialises them to 0).
 """
 from __future__ import annotations
 
@@ -30,8 +36,15 @@ from pathlib import Path
 import torch
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe",
-         "glm4_moe_lite")
-NEW_ARCHS = ("deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "glm4_moe_lite")
+         "glm4_moe_lite", "qwen3_next", "qwen3_5_moe")
+NEW_ARCHS = ("deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe")
+# Hybrid models (recurrent layers): no tensor parallelism, no prefix cache
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe")
+# Configs whose text model sits in ``text_config`` (keyword overrides go there)
+_TEXT_CONFIG_ARCHS = ("qwen3_5_moe",)
+
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_conv_kernel_dim=4)
 
 _MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4)
 
@@ -90,6 +103,22 @@ _CONFIGS: dict[str, tuple[str, dict]] = {
         n_routed_experts=16, n_shared_experts=2, num_experts_per_tok=4, n_group=4, topk_group=2,
         routed_scaling_factor=1.8, q_lora_rank=24, mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"],
     )),
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        **_COMMON, **_LINEAR, head_dim=32, num_hidden_layers=5, intermediate_size=48, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+        mlp_only_layers=[1],
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"],
+    )),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", dict(
+        text_config=dict(
+            **_COMMON, **_LINEAR, head_dim=32, num_hidden_layers=5, moe_intermediate_size=16,
+            shared_expert_intermediate_size=24, num_experts=16, num_experts_per_tok=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
+                         "full_attention"],
+        ),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64),
+        tie_word_embeddings=False,
+    )),
     "gpt_oss": ("GptOssConfig", dict(
         **_COMMON, head_dim=16, num_hidden_layers=3, intermediate_size=32, num_local_experts=8,
         num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.1,
@@ -105,6 +134,10 @@ def hf_config(arch: str, **overrides):
         raise ValueError(arch)
     cls_name, kwargs = _CONFIGS[arch]
     kwargs = {k: (dict(v) if isinstance(v, dict) else v) for k, v in kwargs.items()}  # configs mutate dicts
+    if arch in _TEXT_CONFIG_ARCHS:
+        top = {k: overrides.pop(k) for k in list(overrides) if k == "tie_word_embeddings"}
+        kwargs = {**kwargs, **top, "text_config": {**kwargs["text_config"], **overrides}}
+        overrides = {}
     return getattr(transformers, cls_name)(**{**kwargs, **overrides})
 
 
@@ -128,6 +161,8 @@ def _randomize_zero_inits(model, seed: int) -> None:
             t.copy_(torch.randn(t.shape, generator=g) * 0.05)
         elif name.endswith("norm.weight") and bool((t == 1).all()):
             t.copy_(1 + torch.randn(t.shape, generator=g) * 0.1)
+        elif name.endswith("norm.weight") and not t.any():  # Qwen3-Next's (1 + w) norms start at 0
+            t.copy_(torch.randn(t.shape, generator=g) * 0.1)
 
 
 def make_hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
@@ -136,7 +171,11 @@ def make_hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, 
 
     torch.manual_seed(seed)
     cfg = hf_config(arch, **overrides)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
+    if arch == "qwen3_5_moe":  # with its vision tower, as the Hub's checkpoints are
+        from transformers import Qwen3_5MoeForConditionalGeneration as cls
+        model = cls._from_config(cfg, attn_implementation="eager", experts_implementation="eager")
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
     _randomize_zero_inits(model, seed)
     return model.to(dtype).eval()
 

@@ -30,9 +30,9 @@ def hf_written(arch, tmp_path) -> dict:
 def test_supported_list():
     assert SUPPORTED_ARCHITECTURES == (
         "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "gpt_oss", "mixtral", "olmoe", "qwen2_moe",
-        "qwen3_moe",
+        "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next",
     )
-    assert set(ARCHS) == set(SUPPORTED_ARCHITECTURES)
+    assert set(ARCHS) | {"qwen3_5_moe_text"} == set(SUPPORTED_ARCHITECTURES)  # (the text config: test_qwen3_next_fields)
 
 
 def test_metadata_and_moe_layers_from_transformers_configs(tmp_path):
@@ -46,6 +46,8 @@ def test_metadata_and_moe_layers_from_transformers_configs(tmp_path):
         "gpt_oss": ((0, 1, 2), 8, 2, 16),
         "glm4_moe": ((1, 2), 16, 4, 32),  # first_k_dense_replace=1; explicit head_dim
         "glm4_moe_lite": ((1, 2, 4), 16, 4, 24),  # mlp_layer_types; head_dim = qk_nope + qk_rope
+        "qwen3_next": ((0, 2, 3, 4), 16, 4, 32),  # mlp_only_layers=[1]
+        "qwen3_5_moe": ((0, 1, 2, 3, 4), 16, 4, 32),  # text_config of the multimodal config
     }
     for arch, (moe_layers, E, K, D) in expect.items():
         d = tmp_path / arch
@@ -63,6 +65,7 @@ def test_metadata_and_moe_layers_from_transformers_configs(tmp_path):
             "num_experts": E,
             "num_experts_per_tok": K,
             "routed_experts_dtype": "uint8",
+            **({"layer_types": list(cfg.layer_types)} if cfg.is_hybrid else {}),
         }
         json.dumps(meta)
         assert cfg.torch_dtype == "float32" and cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1
@@ -132,6 +135,33 @@ def test_deepseek_and_gpt_oss_fields(tmp_path):
     assert go.experts.swiglu_limit == 0.1
     assert go.rope.type == "yarn" and go.rope.factor == 32.0 and go.rope.theta == 150000.0
     assert go.experts.quant == "none"
+
+
+def test_qwen3_next_fields(tmp_path):
+    import transformers
+
+    cfgs = {}
+    for arch in ("qwen3_next", "qwen3_5_moe"):
+        (tmp_path / arch).mkdir()
+        cfgs[arch] = config_from_dict(hf_written(arch, tmp_path / arch))
+    nxt, q35 = cfgs["qwen3_next"], cfgs["qwen3_5_moe"]
+    for c in (nxt, q35):
+        assert c.is_hybrid and c.norm_offset and c.attention.output_gate and c.attention.norm_offset
+        assert c.rope.dim == 8 and c.attention.head_dim == 32  # partial_rotary_factor 0.25
+        assert c.experts.shared_gate and c.experts.shared_intermediate_size == 24 and c.router.norm_topk_prob
+        assert c.linear_attention.num_v_heads == 4 and c.linear_attention.conv_dim == 2 * 2 * 16 + 4 * 16
+        assert c.prefix_caching_off_reason is not None
+    assert nxt.linear_attention.projections == "qkvz" and nxt.attention_layers == (2, 4) and nxt.dense_layers == (1,)
+    assert q35.linear_attention.projections == "split" and q35.recurrent_layers == (0, 2, 3)
+    assert q35.key_prefixes == (("model.", "model.language_model."),) and q35.architecture == "qwen3_5_moe"
+    # Qwen3.5-35B-A3B's text model as transformers' defaults give it (the issue's real shape)
+    text = config_from_dict(transformers.Qwen3_5MoeTextConfig().to_dict())
+    assert (text.hidden_size, text.num_hidden_layers, text.num_experts, text.num_experts_per_tok) == (2048, 40, 256, 8)
+    assert text.experts.intermediate_size == 512 and text.vocab_size == 248320 and len(text.attention_layers) == 10
+    assert text.layer_types[:4] == ("linear_attention",) * 3 + ("attention",) and text.architecture == "qwen3_5_moe_text"
+    default_next = config_from_dict(transformers.Qwen3NextConfig().to_dict())
+    assert default_next.num_experts == 512 and default_next.num_experts_per_tok == 10
+    assert default_next.routed_experts_dtype == "uint16"
 
 
 def test_glm_fields(tmp_path):

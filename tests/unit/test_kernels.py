@@ -108,7 +108,7 @@ def test_fused_forward_is_bit_identical_for_every_architecture(arch, bf16_checkp
         assert counter.calls["rms_norm_tail"] >= 2 * model.config.num_hidden_layers + 1
         if model.config.attention.mla is None:  # MLA keeps its own attention (latent cache, complex/interleaved rope)
             # k/v go into the cache inside qk_norm_rope's launch: no store_kv launch of its own
-            assert counter.calls["qk_norm_rope"] == model.config.num_hidden_layers
+            assert counter.calls["qk_norm_rope"] == len(model.config.attention_layers)  # hybrids: attention layers
             assert "store_kv" not in counter.calls
         if arch != "gpt_oss":  # GPT-OSS's biased clamped experts keep their own path
             assert counter.calls["combine"] == len(model.config.moe_layers)
@@ -439,7 +439,7 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
                 assert counter.calls.get("route", 0) == (0 if n == 1 else moe), (arch, n)
             assert "combine_rms_norm" not in counter.calls, (arch, n)  # fewer tokens than the threshold
         if model.config.attention.mla is None:  # q/k/v weights laid out as one tensor: one GEMM
-            attn = model.model.layers[0].self_attn
+            attn = model.model.layers[model.config.attention_layers[0]].self_attn
             assert attn._qkv_weight() is not None
             assert attn.k_proj.weight.data_ptr() == attn.q_proj.weight.data_ptr() + attn.q_proj.weight.nbytes
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen_moe
+from . import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen3_next, qwen_moe
 
 PARSERS: dict[str, Callable[[dict], dict]] = {
     "deepseek_v2": deepseek.parse_deepseek_v2,
@@ -24,4 +24,7 @@ PARSERS: dict[str, Callable[[dict], dict]] = {
     "olmoe": olmoe.parse,
     "qwen2_moe": qwen_moe.parse_qwen2_moe,
     "qwen3_moe": qwen_moe.parse_qwen3_moe,
+    "qwen3_next": qwen3_next.parse_qwen3_next,
+    "qwen3_5_moe": qwen3_next.parse_qwen3_5_moe,
+    "qwen3_5_moe_text": qwen3_next.parse_qwen3_5_moe_text,
 }

@@ -41,6 +41,7 @@ from ..kernels import support as kernel_support
 from ..layers.attend import ForwardBatch, LayerKV
 from ..layers.attention import Attention
 from ..layers.experts import NO_ROUTING, TRITON_GEMM_MAX_PAIRS, ExpertOutputs, Experts, LayerRouting, StepRouting
+from ..layers.linear_attention import GatedDeltaNet
 from ..layers.mla import MLAttention
 from ..layers.moe import MLP, DeepseekMoE, GptOssMoE, MoEBlock
 from ..layers.norm import RMSNorm
@@ -54,18 +55,38 @@ ATTENTIONS: dict[str, type[nn.Module]] = {"gqa": Attention, "mla": MLAttention}
 
 
 class DecoderLayer(nn.Module):
+    """input_layernorm -> token mixer (``self_attn``, or Gated DeltaNet ``linear_attn`` in a hybrid's linear-attention
+    layers) -> post_attention_layernorm -> MLP or MoE block (``mlp``)."""
+
     def __init__(self, cfg: MoEConfig, layer_idx: int):
         super().__init__()
         self.is_moe = layer_idx in cfg.moe_layers
-        attention = ATTENTIONS[cfg.attention.kind]
-        self.self_attn = attention(cfg.attention, cfg.rope, cfg.hidden_size, cfg.rms_norm_eps, layer_idx)
+        self.kind = cfg.layer_type(layer_idx)
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg.linear_attention, cfg.hidden_size, cfg.rms_norm_eps)
+        else:
+            attention = ATTENTIONS[cfg.attention.kind]
+            self.self_attn = attention(cfg.attention, cfg.rope, cfg.hidden_size, cfg.rms_norm_eps, layer_idx)
         if self.is_moe:
             self.mlp = MOE_BLOCKS[cfg.experts.block](cfg.router, cfg.experts, cfg.hidden_size)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight, cfg.norm_offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight,
+                                                cfg.norm_offset)
         self.tp = None  # tensor parallelism (sharding.py): attention and MLP outputs are this rank's partial sums
+
+    def cache_spec(self):
+        """This layer's kv_layout entry: KV heads and dims, or a recurrent layer's ``StateSpec``."""
+        if self.kind == "linear_attention":
+            return self.linear_attn.state_spec()
+        a = self.self_attn
+        return KVSpec(a.num_kv_heads, a.head_dim, a.head_dim)
+
+    def _mix(self, normed: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache) -> Tensor:
+        if self.kind == "linear_attention":
+            return self.linear_attn(normed, batch, cache)
+        return self.self_attn(normed, cos, sin, batch, cache)
 
     def _reduce(self, partial: Tensor) -> Tensor:
         return partial if self.tp is None else self.tp.all_reduce(partial.contiguous())
@@ -85,7 +106,7 @@ class DecoderLayer(nn.Module):
         # output reaches the next norm (the next layer's, or the final one: RMSNorms share their kernel
         # settings) as ExpertOutputs when that norm's one-pass kernel can also do the combine.
         x, normed = self.input_layernorm.add_forward(x, delta)
-        attn = self._reduce(self.self_attn(normed, cos, sin, batch, cache))
+        attn = self._reduce(self._mix(normed, cos, sin, batch, cache))
         h, normed = self.post_attention_layernorm.add_forward(x, attn)
         if not self.is_moe:
             return h, self._reduce(self.mlp(normed))
@@ -101,7 +122,7 @@ class MoEModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight, cfg.norm_offset)
         self.rotary_emb = RotaryEmbedding(cfg.rope)
 
 
@@ -133,8 +154,8 @@ class MoEForCausalLM(nn.Module):
         cfg, attn = self.config, self.config.attention
         if attn.mla is not None:  # compressed latent ("k") + shared rotated rope key ("v"), one "head"
             return [KVSpec(1, attn.mla.kv_lora_rank, attn.mla.qk_rope_head_dim) for _ in range(cfg.num_hidden_layers)]
-        # this rank's key/value heads (all of them unless sharded)
-        return [KVSpec(layer.self_attn.num_kv_heads, attn.head_dim, attn.head_dim) for layer in self.model.layers]
+        # this rank's key/value heads (all of them unless sharded); hybrid models' recurrent layers: their states
+        return [layer.cache_spec() for layer in self.model.layers]
 
     def use_fused_kernels(self, enabled: bool, within_rounding: bool | None = None) -> bool:
         """Switch the fused Triton kernels (kernels/, bit for bit the op-by-op results; on a GPU also the expert
@@ -168,7 +189,10 @@ class MoEForCausalLM(nn.Module):
     def prefill_graph_unsafe_reason(self) -> str | None:
         """Why a step carrying prompt tokens cannot replay a CUDA graph where a decode step can (prefill_graphs.py),
         or None: every MoE layer must take the fused path, whose grouping of a step's pairs waits for nothing (off
-        it, expert parallelism and the op-by-op forward count each expert's rows on the host)."""
+        it, expert parallelism and the op-by-op forward count each expert's rows on the host). Hybrid models: the
+        recurrent layers' prompt chunks run one sequence at a time from host-side lengths."""
+        if self.config.is_hybrid:
+            return "a hybrid model's linear-attention / Mamba layers prefill each sequence from host-side lengths"
         for layer in self.model.layers:
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None and not (getattr(experts, "fused", False) and experts.first_expert is None):

@@ -72,6 +72,7 @@ class _Headers(_Tensors):
     and return an empty meta tensor, so checkpoint.py's loaders run over a whole checkpoint without reading it."""
 
     def _check(self, key: str, shape, dtypes: frozenset[str]) -> None:
+        key = self._real(key)
         found = self.shape(key)
         if list(found) != list(shape):
             raise CheckpointError(
@@ -138,7 +139,7 @@ def check_checkpoint(model: torch.nn.Module, path: str) -> Path:
                     f"model's is {live[diff]!r}"
                 )
         with ExitStack() as stack:
-            headers = _Headers(root, stack)
+            headers = _Headers(root, stack, cfg.key_prefixes)
             for name, p in model.named_parameters():
                 _read(headers, model, name, p, _META)
     except WeightUpdateError:
@@ -155,7 +156,7 @@ def load_checkpoint(model: torch.nn.Module, root: Path) -> int:
     at a time through host memory. Returns the bytes written."""
     written = 0
     with ExitStack() as stack:
-        tensors = _Tensors(root, stack)
+        tensors = _Tensors(root, stack, model.config.key_prefixes)
         for name, p in model.named_parameters():
             value = _read(tensors, model, name, p, torch.device("cpu"))
             p.copy_(value)
@@ -208,6 +209,9 @@ def checkpoint_targets(model: torch.nn.Module) -> dict[str, Target]:
             for block in blocks:
                 if block != "mlp":
                     out[name.replace(".mlp.", f".{block}.")] = out[name]
+    for ours, theirs in cfg.key_prefixes:  # the checkpoint's names of the same tensors (e.g. Nemotron-H's backbone.)
+        for name in [n for n in out if n.startswith(ours)]:
+            out.setdefault(theirs + name[len(ours):], out[name])
     return out
 
 
