@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import LinearAttentionSpec
+from ..kernels import gated_delta
 from .attend import ForwardBatch
 from .recurrent import Conv1d, LayerState, StateSpec, conv_decode, conv_prefill
 
@@ -154,7 +155,10 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(Hv), requires_grad=False)
         self.norm = GatedRMSNorm(Dv, eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
-        self.fused = False  # kernels/gated_delta.py (set by MoEForCausalLM.use_fused_kernels)
+        # kernels/gated_delta.py, equal to the op-by-op path within rounding: on with the fused kernels' within-
+        # rounding set (set by MoEForCausalLM.use_fused_kernels; a GPU's default, not --exact-kernels)
+        self.fused = False
+        self.within_rounding = False
 
     supports_fused = True
 
@@ -191,9 +195,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, batch: ForwardBatch, state: LayerState) -> Tensor:
         T = x.shape[0]
         mixed, z, b, a = self._project(x)
-        if self.fused and x.is_cuda:
-            from ..kernels import gated_delta
-
+        if self.fused and self.within_rounding:
             core = gated_delta.gated_delta_step(self, mixed, b, a, batch, state)  # [T, Hv, Dv]
         else:
             core = self._reference(mixed, b, a, batch, state)

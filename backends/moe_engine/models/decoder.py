@@ -169,7 +169,7 @@ class MoEForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention)) or getattr(m, "supports_fused", False):
                 m.fused = enabled
-            if isinstance(m, (RMSNorm, Attention, Router)):
+            if isinstance(m, (RMSNorm, Attention, Router, GatedDeltaNet)):
                 m.within_rounding = within_rounding
             if isinstance(m, Attention) and within_rounding:
                 m.fuse_qkv()
