@@ -213,6 +213,16 @@ def _load_experts(
         return _load_experts_part(t, cfg, name, shape, dtype, device, sel)
     if name in t:
         return _place(t.get(name, shape), dtype, device)
+    if ".mixer.experts." in name:  # Nemotron-H: ungated up_proj [E, I, H] / down_proj [E, H, I], per expert
+        prefix, _, leaf = name.partition(".mixer.experts.")
+        out = torch.empty(shape, dtype=dtype, device=device)
+        for e in range(shape[0]):
+            key = f"{prefix}.mixer.experts.{e}.{leaf}.weight"
+            if key not in t:
+                raise _missing(t.root, name, shape, f" or its per-expert form {key!r} (expected shape "
+                                                    f"{_fmt(shape[1:])})")
+            out[e].copy_(t.get(key, list(shape[1:])))
+        return out
     if cfg.experts.block == "gpt_oss":
         if f"{name}_blocks" in t:
             return _load_mxfp4(t, name, shape, dtype, device)
@@ -277,6 +287,12 @@ def _load_experts_part(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, dev
                 d = dst[1].start + a - rows.start
                 t.read_selected(key, piece, out[dst[0].start + j, d : d + b - a, dst[2]])
     return out
+
+
+def is_experts_param(name: str) -> bool:
+    """A routed experts' 3-D parameter (stored fused or per expert): ``mlp.experts.*``, Nemotron-H's
+    ``mixer.experts.*``."""
+    return ".mlp.experts." in name or ".mixer.experts." in name
 
 
 # MXFP4 (OCP microscaling FP4, e2m1): nibble -> value; the low nibble is the even column (integrations/mxfp4.py)
@@ -363,7 +379,7 @@ def load_model(
             shape = tuple(meta.shape)
             pdtype = model.param_dtype(name, tdtype)
             sel = selections.get(name)
-            if ".mlp.experts." in name:
+            if is_experts_param(name):
                 value = _load_experts(tensors, cfg, name, shape, pdtype, device, sel)
             else:
                 value = _load_direct(tensors, cfg, name, shape, pdtype, device, sel)
@@ -382,7 +398,7 @@ def load_model(
         bar.close()
 
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = model.model.embedding().weight
     model.init_buffers(device)
     leftover = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if leftover:  # a bug in the key mapping, not in the checkpoint

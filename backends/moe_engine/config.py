@@ -187,6 +187,7 @@ class ExpertsSpec:
     # "silu": SwiGLU experts (gate_up_proj [E, 2I, H]); "relu2": Nemotron-H's ungated experts, relu(x)^2
     # (up_proj [E, I, H]), whose outputs are summed in float32 (HF's NemotronHExperts)
     activation: str = "silu"
+    latent_size: int = 0  # Nemotron-H moe_latent_size: the experts run in this width (fc1/fc2_latent_proj); 0 = none
     shared_intermediate_size: int = 0  # 0 = no shared expert
     shared_gate: bool = False  # Qwen2-MoE: sigmoid(Linear(H, 1)) scales the shared expert
     shared_bias: bool = False  # DeepSeek-V2 mlp_bias: biases on the shared experts

@@ -86,7 +86,7 @@ def test_served_routed_experts_equal_the_engine_forward(served):
 
 # The families added for issue 51: every endpoint, streaming and n > 1 on each one's own server (the older families
 # get these through the tiny model's tests/integration/test_openai_*.py).
-ALL_ENDPOINTS = ("glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe")
+ALL_ENDPOINTS = ("glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe", "nemotron_h")
 
 
 def _engine_rows(ckpt, ids: list[int]) -> np.ndarray:

@@ -28,6 +28,11 @@ still covers its peculiarities:
 - qwen3_5_moe: the multimodal checkpoint (a tiny vision tower, text weights under model.language_model.), text
              model hybrid linear / full / linear / linear / full, split in_proj_qkv / z / b / a, 16 experts top-4
              + gated shared expert. Every (1 + w) norm weight gets random values (HF initialises them to 0).
+- nemotron_h: blocks Mamba-2 / MoE / attention / MLP / Mamba-2 / MoE / attention (every block kind; Mamba-2 with 4
+             heads of 16 in 2 groups, state 16, chunk_size 8 so that prompts span several scan chunks, conv bias),
+             attention without rotary, 16 squared-ReLU experts top-4 with a sigmoid router (4 groups / 2 kept,
+             non-zero correction bias, routed_scaling_factor 2), squared-ReLU shared expert; the Hub's
+             ``backbone.`` keys (transformers writes them so).
 """
 from __future__ import annotations
 
@@ -36,10 +41,11 @@ from pathlib import Path
 import torch
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe",
-         "glm4_moe_lite", "qwen3_next", "qwen3_5_moe")
-NEW_ARCHS = ("deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe")
+         "glm4_moe_lite", "qwen3_next", "qwen3_5_moe", "nemotron_h")
+NEW_ARCHS = ("deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe",
+             "nemotron_h")
 # Hybrid models (recurrent layers): no tensor parallelism, no prefix cache
-HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe")
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe", "nemotron_h")
 # Configs whose text model sits in ``text_config`` (keyword overrides go there)
 _TEXT_CONFIG_ARCHS = ("qwen3_5_moe",)
 
@@ -118,6 +124,14 @@ _CONFIGS: dict[str, tuple[str, dict]] = {
         ),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64),
         tie_word_embeddings=False,
+    )),
+    "nemotron_h": ("NemotronHConfig", dict(
+        **_COMMON, head_dim=16,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe",
+                           "full_attention"],
+        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
+        intermediate_size=48, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_routed_experts=16,
+        num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.0, norm_topk_prob=True,
     )),
     "gpt_oss": ("GptOssConfig", dict(
         **_COMMON, head_dim=16, num_hidden_layers=3, intermediate_size=32, num_local_experts=8,
@@ -202,7 +216,8 @@ def hf_router_modules(model) -> dict[int, torch.nn.Module]:
     returning (logits, weights, ids)) for every MoE layer."""
     out = {}
     for i, layer in enumerate(model.model.layers):
-        gate = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
+        block = getattr(layer, "mlp", None) or getattr(layer, "mixer", None)  # Nemotron-H: the block's mixer
+        gate = getattr(block, "gate", None) or getattr(block, "router", None)
         if gate is not None and type(gate).__name__.lower().endswith("topkrouter"):
             out[i] = gate
     return out

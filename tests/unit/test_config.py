@@ -29,8 +29,8 @@ def hf_written(arch, tmp_path) -> dict:
 
 def test_supported_list():
     assert SUPPORTED_ARCHITECTURES == (
-        "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "gpt_oss", "mixtral", "olmoe", "qwen2_moe",
-        "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next",
+        "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "gpt_oss", "mixtral", "nemotron_h", "olmoe",
+        "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next",
     )
     assert set(ARCHS) | {"qwen3_5_moe_text"} == set(SUPPORTED_ARCHITECTURES)  # (the text config: test_qwen3_next_fields)
 
@@ -48,6 +48,7 @@ def test_metadata_and_moe_layers_from_transformers_configs(tmp_path):
         "glm4_moe_lite": ((1, 2, 4), 16, 4, 24),  # mlp_layer_types; head_dim = qk_nope + qk_rope
         "qwen3_next": ((0, 2, 3, 4), 16, 4, 32),  # mlp_only_layers=[1]
         "qwen3_5_moe": ((0, 1, 2, 3, 4), 16, 4, 32),  # text_config of the multimodal config
+        "nemotron_h": ((1, 5), 16, 4, 16),  # the MoE blocks of layers_block_type
     }
     for arch, (moe_layers, E, K, D) in expect.items():
         d = tmp_path / arch
@@ -162,6 +163,44 @@ def test_qwen3_next_fields(tmp_path):
     default_next = config_from_dict(transformers.Qwen3NextConfig().to_dict())
     assert default_next.num_experts == 512 and default_next.num_experts_per_tok == 10
     assert default_next.routed_experts_dtype == "uint16"
+
+
+# Nemotron-3-Nano-30B-A3B's config.json, abridged to what the engine reads (hybrid_override_pattern: 23 Mamba-2, 23 MoE,
+# 6 attention blocks)
+NEMOTRON_3_NANO = {
+    "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "vocab_size": 131072, "hidden_size": 2688,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", "num_hidden_layers": 52,
+    "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "mamba_num_heads": 64,
+    "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
+    "use_conv_bias": True, "use_bias": False, "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2",
+    "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True, "intermediate_size": 1856, "layer_norm_epsilon": 1e-5, "time_step_min": 0.001,
+    "max_position_embeddings": 262144, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+    "eos_token_id": 2, "num_nextn_predict_layers": 0, "residual_in_fp32": False, "mlp_bias": False,
+}
+
+
+def test_nemotron_h_fields(tmp_path):
+    (tmp_path / "nh").mkdir()
+    nh = config_from_dict(hf_written("nemotron_h", tmp_path / "nh"))
+    assert nh.block_style == "single" and nh.layer_types == ("mamba", "none", "attention", "none", "mamba", "none",
+                                                              "attention")
+    assert nh.moe_layers == (1, 5) and nh.recurrent_layers == (0, 4) and nh.attention_layers == (2, 6)
+    assert not nh.attention.rotary and nh.norm_fp32_weight and nh.hidden_act == "relu2"
+    assert nh.experts.block == "nemotron_h" and nh.experts.activation == "relu2"
+    assert nh.experts.shared_intermediate_size == 24 and nh.router.kind == "deepseek_v3"
+    assert (nh.router.n_group, nh.router.topk_group, nh.router.routed_scaling_factor) == (4, 2, 2.0)
+    assert nh.mamba.chunk_size == 8 and nh.mamba.conv_dim == 4 * 16 + 2 * 2 * 16 and nh.mamba.time_step_min == 0.001
+    assert nh.key_prefixes == (("model.", "backbone."),)
+    nano = config_from_dict(NEMOTRON_3_NANO)
+    assert nano.num_hidden_layers == 52 and len(nano.moe_layers) == 23 and len(nano.recurrent_layers) == 23
+    assert len(nano.attention_layers) == 6 and nano.moe_layers[:3] == (1, 3, 6)
+    assert (nano.num_experts, nano.num_experts_per_tok, nano.mamba.num_heads) == (128, 6, 64)
+    assert nano.metadata()["moe_layers"] == list(nano.moe_layers)
+    assert nano.metadata()["layer_types"][:6] == ["mamba", "none", "mamba", "none", "mamba", "attention"]
+    with pytest.raises(UnsupportedModelError, match="hybrid_override_pattern"):
+        config_from_dict({**NEMOTRON_3_NANO, "hybrid_override_pattern": "MX"})
 
 
 def test_glm_fields(tmp_path):

@@ -94,9 +94,10 @@ def _workload(engine, seed: int) -> list[Collector]:
     return out
 
 
-@pytest.mark.parametrize("overlapped", [False, True], ids=["sequential", "overlapped"])
-def test_preemption_returns_exactly_what_an_idle_engine_returns(checkpoints, overlapped):
-    path = checkpoints("qwen3_next", torch.float32)
+@pytest.mark.parametrize("arch, overlapped", [("qwen3_next", False), ("qwen3_next", True), ("qwen3_5_moe", False),
+                                               ("nemotron_h", True)])
+def test_preemption_returns_exactly_what_an_idle_engine_returns(checkpoints, arch, overlapped):
+    path = checkpoints(arch, torch.float32)
     roomy = engine_for(path, max_num_batched_tokens=64)
     want = _workload(roomy, seed=70)
     assert roomy.stats()["num_preemptions"] == 0

@@ -76,6 +76,14 @@ class LaunchCounter:
             monkeypatch.setattr(module_of(name), name, counted)
 
 
+OWN_EXPERTS = ("gpt_oss", "nemotron_h")  # experts off the fused route / GEMM / combine path
+
+
+def num_norms(cfg) -> int:
+    """The decoder's RMSNorms: 2 per layer (Nemotron-H's blocks: 1) and the final one."""
+    return (2 if cfg.block_style == "pair" else 1) * cfg.num_hidden_layers + 1
+
+
 def forward_both_ways(model, ids, within_rounding: bool = False, expert_gemms: bool = True):
     """(op-by-op, fused) forwards. ``expert_gemms=False`` keeps torch's expert GEMMs on a GPU: fused_moe.py sums
     in its own order (bit-identical in bf16 on the H200, not in float32; test_fused_moe.py bounds it)."""
@@ -105,12 +113,13 @@ def test_fused_forward_is_bit_identical_for_every_architecture(arch, bf16_checkp
         assert torch.equal(logits, ref_logits), (arch, n, (logits - ref_logits).abs().max())
         assert torch.equal(routed, ref_routed), (arch, n)
         # every norm is fused (2 per layer + the final one; with the layer inputs' residual adds)
-        assert counter.calls["rms_norm_tail"] >= 2 * model.config.num_hidden_layers + 1
-        if model.config.attention.mla is None:  # MLA keeps its own attention (latent cache, complex/interleaved rope)
+        assert counter.calls["rms_norm_tail"] >= num_norms(model.config)
+        # MLA keeps its own attention (latent cache, complex/interleaved rope); Nemotron-H's has no rotary
+        if model.config.attention.mla is None and model.config.attention.rotary:
             # k/v go into the cache inside qk_norm_rope's launch: no store_kv launch of its own
             assert counter.calls["qk_norm_rope"] == len(model.config.attention_layers)  # hybrids: attention layers
             assert "store_kv" not in counter.calls
-        if arch != "gpt_oss":  # GPT-OSS's biased clamped experts keep their own path
+        if arch not in OWN_EXPERTS:  # GPT-OSS's and Nemotron-H's experts keep their own path
             assert counter.calls["combine"] == len(model.config.moe_layers)
             assert counter.calls["route"] == len(model.config.moe_layers)
             assert counter.calls.get("_route_chunks", 0) == (0 if n == 6 else len(model.config.moe_layers))
@@ -415,8 +424,8 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
         # every layer norm (and the final one) in one pass; after a MoE layer without shared experts, with its
         # combine in the same launch
         deferred = counter.calls.get("combine_rms_norm", 0)
-        assert counter.calls["rms_norm"] + deferred >= 2 * L + 1
-        if arch != "gpt_oss":  # GPT-OSS's biased clamped experts keep their own path
+        assert counter.calls["rms_norm"] + deferred >= num_norms(model.config)
+        if arch not in OWN_EXPERTS:  # GPT-OSS's and Nemotron-H's experts keep their own path
             assert counter.calls.get("combine", 0) + deferred == len(model.config.moe_layers), arch
             shared = model.config.experts.shared_intermediate_size
             assert deferred == (0 if shared else len(model.config.moe_layers)), arch

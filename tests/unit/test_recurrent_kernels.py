@@ -12,10 +12,11 @@ import os
 import pytest
 import torch
 
-from moe_engine.config import LinearAttentionSpec
+from moe_engine.config import LinearAttentionSpec, MambaSpec
 from moe_engine.kernels import support as kernel_support
 from moe_engine.layers.attend import ForwardBatch
 from moe_engine.layers.linear_attention import GatedDeltaNet
+from moe_engine.layers.mamba import Mamba2Mixer
 from moe_engine.layers.recurrent import LayerState
 
 DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
@@ -68,5 +69,39 @@ def test_gated_delta_kernels_match_the_layer(dtype, projections, heads):
     torch.testing.assert_close(states[1].ssm[stepped], states[0].ssm[stepped], **tol)
     torch.testing.assert_close(states[1].conv[stepped], states[0].conv[stepped], atol=0, rtol=0)
     for other in (7, 8):  # a sequence not in the step, and the null slot: untouched
+        assert torch.equal(states[1].conv[other], states[0].conv[other])
+        assert torch.equal(states[1].ssm[other], states[0].ssm[other])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba_kernels_match_the_layer(dtype):
+    g = torch.Generator().manual_seed(2)
+    spec = MambaSpec(num_heads=4, head_dim=8, state_size=16, n_groups=2, conv_kernel=4, conv_bias=True,
+                     chunk_size=4, time_step_min=0.01)
+    layer = Mamba2Mixer(spec, 32, 1e-5)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        layer.A_log.copy_(torch.rand(4, generator=g).log())
+        layer.dt_bias.copy_(torch.randn(4, generator=g) - 3)  # some dt below time_step_min: the clamp matters
+    layer = layer.to(DEVICE, dtype)
+    T = sum(n for _, n in STEP)
+    x = torch.randn(T, 32, generator=g).to(DEVICE, dtype)
+    states = []
+    for _ in range(2):
+        st = LayerState.allocate(layer.state_spec(), 8, dtype, DEVICE)
+        random_state(st, torch.Generator().manual_seed(3))
+        states.append(st)
+    batch = batch_of(STEP, SLOTS)
+    outs = []
+    for fused, st in zip((False, True), states):
+        layer.fused = layer.within_rounding = fused
+        with torch.inference_mode():
+            outs.append(layer(x, batch, st))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    torch.testing.assert_close(states[1].ssm[SLOTS], states[0].ssm[SLOTS], **tol)
+    torch.testing.assert_close(states[1].conv[SLOTS], states[0].conv[SLOTS], atol=0, rtol=0)
+    for other in (7, 8):
         assert torch.equal(states[1].conv[other], states[0].conv[other])
         assert torch.equal(states[1].ssm[other], states[0].ssm[other])

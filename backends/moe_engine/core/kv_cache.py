@@ -64,8 +64,10 @@ class KVCache:
         self.device = torch.device(device)
         hybrid = any(isinstance(s, StateSpec) for s in specs)
         self.num_state_slots = num_state_slots if hybrid else 0  # sequences with a recurrent state at once
-        self.layers: list[LayerKV | LayerState] = [
-            LayerState.allocate(s, num_state_slots, dtype, device) if isinstance(s, StateSpec) else LayerKV(
+        # per layer: its KV blocks, its recurrent states, or None (a Nemotron-H MLP / MoE block keeps nothing)
+        self.layers: list[LayerKV | LayerState | None] = [
+            None if s is None else LayerState.allocate(s, num_state_slots, dtype, device) if isinstance(s, StateSpec)
+            else LayerKV(
                 k=torch.zeros(num_blocks, block_size, s.num_kv_heads, s.k_dim, dtype=dtype, device=device),
                 v=torch.zeros(num_blocks, block_size, s.num_kv_heads, s.v_dim, dtype=dtype, device=device),
             )

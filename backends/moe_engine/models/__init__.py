@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen3_next, qwen_moe
+from . import deepseek, glm4_moe, gpt_oss, mixtral, nemotron_h, olmoe, qwen3_next, qwen_moe
 
 PARSERS: dict[str, Callable[[dict], dict]] = {
     "deepseek_v2": deepseek.parse_deepseek_v2,
@@ -21,6 +21,7 @@ PARSERS: dict[str, Callable[[dict], dict]] = {
     "glm4_moe_lite": glm4_moe.parse_glm4_moe_lite,
     "gpt_oss": gpt_oss.parse,
     "mixtral": mixtral.parse,
+    "nemotron_h": nemotron_h.parse,
     "olmoe": olmoe.parse,
     "qwen2_moe": qwen_moe.parse_qwen2_moe,
     "qwen3_moe": qwen_moe.parse_qwen3_moe,

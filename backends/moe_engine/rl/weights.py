@@ -47,6 +47,7 @@ from ..checkpoint import (
     _load_direct,
     _load_experts,
     _Tensors,
+    is_experts_param,
 )
 from ..config import MoEConfig, load_config
 from ..errors import InvalidRequestError
@@ -101,7 +102,7 @@ def _read(t: _Tensors, model: torch.nn.Module, name: str, like: torch.Tensor, de
     """Parameter ``name`` (shaped and typed like ``like``) read from the checkpoint as load_model reads it: under
     tensor parallelism only this rank's slices (the checkpoint's whole tensors are what the shapes are checked
     against)."""
-    load = _load_experts if ".mlp.experts." in name else _load_direct
+    load = _load_experts if is_experts_param(name) else _load_direct
     sel = getattr(model, "shard_selections", {}).get(name)
     return load(t, model.config, name, tuple(like.shape), like.dtype, device, sel)
 
@@ -195,7 +196,11 @@ def checkpoint_targets(model: torch.nn.Module) -> dict[str, Target]:
         # the whole tensor's shape: under tensor parallelism a trainer still sends whole tensors
         shape = tuple(selections[name].full_shape) if name in selections else tuple(p.shape)
         out[name] = Target(name, shape)
-        if ".mlp.experts." in name:
+        if ".mixer.experts." in name:  # Nemotron-H: ungated, one tensor per expert on the Hub
+            prefix, _, leaf = name.partition(".mixer.experts.")
+            for e in range(shape[0]):
+                out[f"{prefix}.mixer.experts.{e}.{leaf}.weight"] = Target(name, shape[1:], (e, 0, shape[1]))
+        elif ".mlp.experts." in name:
             if cfg.experts.block == "gpt_oss":
                 continue  # GPT-OSS experts are stored fused (MXFP4 only on disk)
             prefix, _, leaf = name.partition(".mlp.experts.")
