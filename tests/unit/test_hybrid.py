@@ -12,6 +12,8 @@ On checkpoints transformers wrote (float32), through the engine API:
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -40,10 +42,15 @@ class Result(Collector):
         super().__call__(out)
 
 
+DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")  # `MOE_TEST_DEVICE=cuda`: the same checks on a GPU
+
+
 def engine_for(path, **kw) -> Engine:
     kw.setdefault("max_model_len", 256)
     kw.setdefault("max_num_seqs", 4)
-    model = load_model(path, dtype="float32", progress=False)
+    if DEVICE != "cpu":  # not 90% of the GPU for each engine
+        kw.setdefault("kv_cache_memory_bytes", 64 << 20)
+    model = load_model(path, dtype="float32", device=DEVICE, progress=False)
     return Engine(model, load_config(path), EngineConfig(**kw))
 
 

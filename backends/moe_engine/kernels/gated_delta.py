@@ -76,7 +76,7 @@ if triton is not None:
     @triton.jit
     def _gated_delta_kernel(
         qkv_ptr, sq, b_ptr, sb, a_ptr, sa, a_log_ptr, dt_bias_ptr, ssm_ptr, ss0, ss1, ss2,
-        cu_ptr, slots_ptr, fresh_ptr, out_ptr, so0, so1,
+        cu_ptr, slots_ptr, fresh_ptr, out_ptr, so0, so1, scale,
         KEY_DIM, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr,
         DT: tl.constexpr,
     ):
@@ -96,7 +96,6 @@ if triton is not None:
         S = tl.load(sptr, mask=sm & keep, other=0.0)  # [DKP, BV] float32
         A = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
-        scale = 1.0 / tl.sqrt(DK * 1.0)
         for t in range(start, end):
             q = tl.load(qkv_ptr + t * sq + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
             k = tl.load(qkv_ptr + t * sq + KEY_DIM + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
@@ -169,7 +168,7 @@ def gated_delta_rule(
     BV = min(_pow2(head_v_dim), 32)
     _launch(_gated_delta_kernel, (B, Hv, triton.cdiv(head_v_dim, BV)), qkv, qkv.stride(0), b, b.stride(0), a,
             a.stride(0), A_log, dt_bias, ssm, ssm.stride(0), ssm.stride(1), ssm.stride(2), batch.cu_seqlens_q,
-            batch.state_slots, fresh, out, out.stride(0), out.stride(1), num_k_heads * head_k_dim,
+            batch.state_slots, fresh, out, out.stride(0), out.stride(1), head_k_dim ** -0.5, num_k_heads * head_k_dim,
             GROUP=Hv // num_k_heads, DK=head_k_dim, DV=head_v_dim, DKP=_pow2(head_k_dim), BV=BV, DT=_DT[qkv.dtype])
     return out
 
