@@ -346,6 +346,36 @@ def test_qk_norm_rope_writes_the_cache_exactly_as_store_kv(norm):
     assert not torch.equal(cache_k, fill) and torch.equal(cache_k.view(-1, Hk, D)[1], fill.view(-1, Hk, D)[1])
 
 
+@pytest.mark.parametrize("norm", ["none", "head"])
+@pytest.mark.parametrize("rotary_dims", [4, 8])  # of head_dim 16: GLM-4.5's factor 0.5, Qwen3-Next's 0.25
+def test_qk_norm_rope_rotates_only_the_first_dims_of_a_partial_rotary(norm, rotary_dims):
+    """Partial rotary: the kernel rotates the first R dims of each head (cos/sin [T, R]) and passes the rest through
+    (after the norm), bit for bit what the op-by-op norm and ``apply_rotary`` give, as HF's apply_rotary_pos_emb."""
+    from moe_engine.layers.norm import RMSNorm
+    from moe_engine.layers.rotary import apply_rotary
+
+    dtype, T, D, Hq, Hk = torch.bfloat16, 5, 16, 4, 2
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(T, Hq * D, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(T, Hk * D, generator=g).to(dtype).to(DEVICE)
+    angles = torch.randn(T, rotary_dims // 2, generator=g).repeat(1, 2)
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    qn, kn = q.view(T, Hq, D), k.view(T, Hk, D)
+    extra = ()
+    if norm == "head":
+        nq, nk = RMSNorm(D, 1e-6).to(DEVICE, dtype), RMSNorm(D, 1e-6).to(DEVICE, dtype)
+        with torch.no_grad():
+            nq.weight.copy_(1 + 0.1 * torch.randn(D, generator=g))
+            nk.weight.copy_(1 + 0.1 * torch.randn(D, generator=g))
+        qn, kn = nq(qn), nk(kn)
+        q_var = q.view(T, Hq, D).float().pow(2).mean(-1, keepdim=True)
+        k_var = k.view(T, Hk, D).float().pow(2).mean(-1, keepdim=True)
+        extra = (q_var, k_var, nq.weight, nk.weight, 1e-6)
+    q_out, k_out = rotary_kernels.qk_norm_rope(q, k, cos, sin, D, norm, *extra)
+    assert torch.equal(q_out, apply_rotary(qn, cos, sin)) and torch.equal(k_out, apply_rotary(kn, cos, sin))
+    assert torch.equal(q_out[..., rotary_dims:], qn[..., rotary_dims:])  # passed through
+
+
 def test_route_and_combine_give_the_same_bits_however_the_work_is_split(monkeypatch):
     """route's pairs per program and combine's columns per program (the launch granularity a decode step's
     latency depends on, and combine's defaults by step size) change nothing: combine equals the op-by-op weighted
