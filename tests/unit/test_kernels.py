@@ -477,6 +477,11 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
                 assert counter.calls.get("softmax_topk_route", 0) == (moe if n == 1 else 0), (arch, n)
                 assert counter.calls.get("route", 0) == (0 if n == 1 else moe), (arch, n)
             assert "combine_rms_norm" not in counter.calls, (arch, n)  # fewer tokens than the threshold
+        if model.config.linear_attention is not None:  # Gated DeltaNet's input projections: one GEMM too
+            model.use_fused_kernels(True, within_rounding=True)
+            gdn = model.model.layers[model.config.recurrent_layers[0]].linear_attn
+            assert gdn._joined_weight() is not None
+            model.use_fused_kernels(False)
         if model.config.attention.mla is None:  # q/k/v weights laid out as one tensor: one GEMM
             attn = model.model.layers[model.config.attention_layers[0]].self_attn
             assert attn._qkv_weight() is not None

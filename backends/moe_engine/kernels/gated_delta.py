@@ -116,6 +116,50 @@ if triton is not None:
         tl.store(sptr, S, mask=sm)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _gated_norm_kernel(
+        x_ptr, sx, z_ptr, sz, w_ptr, out_ptr, so, eps,
+        G: tl.constexpr, BLOCK: tl.constexpr, GATE_FIRST: tl.constexpr, DT_X: tl.constexpr, DT: tl.constexpr,
+    ):
+        """Row program_id(0), group program_id(1) of G columns. GATE_FIRST (Mamba-2): x * silu(z), RMSNorm over the
+        group, weight * normed (x's dtype); else (Gated DeltaNet): weight * RMSNorm(x).to(dtype), times silu(z)."""
+        row = tl.program_id(0)
+        c = tl.program_id(1) * G + tl.arange(0, BLOCK)
+        m = tl.arange(0, BLOCK) < G
+        x = tl.load(x_ptr + row * sx + c, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * sz + c, mask=m, other=0.0).to(tl.float32)
+        gate = z / (1.0 + tl.exp(-z))
+        if GATE_FIRST:
+            x = x * gate
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / G + eps)
+        # Mamba-2's weight spans every group (GATE_FIRST); Gated DeltaNet's is one head's, shared by the heads
+        w = tl.load(w_ptr + (c if GATE_FIRST else tl.arange(0, BLOCK)), mask=m, other=0.0).to(tl.float32)
+        y = _round(w * _round(x * rstd, DT_X), DT_X)
+        if not GATE_FIRST:
+            y = y * gate
+        tl.store(out_ptr + row * so + c, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def gated_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group: int, gate_first: bool,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """The recurrent layers' gated RMSNorms in one launch (equal to the op-by-op norms within float32 summation
+    order): x, z [rows, n] -> [rows, n] in ``out_dtype``. Gated DeltaNet (``gate_first`` False, group = head_v_dim):
+    HF ``Qwen3NextRMSNormGated``; Mamba-2 (True, group = n / n_groups): HF ``NemotronHRMSNormGated``."""
+    rows, n = x.shape
+    out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
+    if rows == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if z.stride(-1) != 1:
+        z = z.contiguous()
+    _launch(_gated_norm_kernel, (rows, n // group), x, x.stride(0), z, z.stride(0), weight, out, out.stride(0), eps,
+            G=group, BLOCK=_pow2(group), GATE_FIRST=gate_first, DT_X=_DT[x.dtype], DT=_DT[out_dtype])
+    return out
+
+
 def step_layout(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(cu_seqlens [B + 1], fresh [B] int32: the sequence starts at position 0) of a step, on the device."""
     cu = batch.cu_seqlens_q

@@ -166,19 +166,51 @@ class GatedDeltaNet(nn.Module):
         s = self.spec
         return StateSpec(self.conv_dim, s.conv_kernel, (s.num_v_heads, s.head_k_dim, s.head_v_dim))
 
+    def _projections(self) -> list[nn.Linear]:
+        if self.spec.projections == "qkvz":
+            return [self.in_proj_qkvz, self.in_proj_ba]
+        return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+
+    def _joined_weight(self) -> Tensor | None:
+        """[sum of out features, H] viewing the input projections' weights when ``fuse_projections`` laid them out
+        back to back in one storage (a view: weight updates written into the parameters reach it), else None."""
+        ws = [p.weight for p in self._projections()]
+        if not all(w.is_contiguous() for w in ws) or any(
+                b.data_ptr() != a.data_ptr() + a.nbytes or b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+                for a, b in zip(ws, ws[1:])):
+            return None
+        return ws[0].as_strided((sum(w.shape[0] for w in ws), ws[0].shape[1]), ws[0].stride())
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Lay the input projections' weights out back to back in one tensor (each parameter a view of its rows), so
+        that ``_project`` runs one GEMM instead of two (Qwen3-Next) or four (Qwen3.5). Idempotent."""
+        if self._joined_weight() is not None:
+            return
+        projs = self._projections()
+        joined = torch.cat([p.weight for p in projs])
+        for p, part in zip(projs, joined.split([p.weight.shape[0] for p in projs])):
+            p.weight = nn.Parameter(part, requires_grad=False)
+
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [T, H] -> (q|k|v before the convolution [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
         s, T = self.spec, x.shape[0]
         Hk, Hv, Dk, Dv = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim
+        joined = self._joined_weight() if self.within_rounding else None
+        if joined is not None:  # one GEMM (equal within rounding: the GEMM's N differs)
+            outs = F.linear(x, joined).split([p.weight.shape[0] for p in self._projections()], -1)
+        else:
+            outs = [p(x) for p in self._projections()]
         if s.projections == "qkvz":  # HF fix_query_key_value_ordering: grouped per key head
             r = Hv // Hk
-            qkvz = self.in_proj_qkvz(x).view(T, Hk, 2 * Dk + 2 * r * Dv)
-            ba = self.in_proj_ba(x).view(T, Hk, 2 * r)
+            qkvz = outs[0].reshape(T, Hk, 2 * Dk + 2 * r * Dv)
+            ba = outs[1].reshape(T, Hk, 2 * r)
             q, k, v, z = torch.split(qkvz, [Dk, Dk, r * Dv, r * Dv], dim=2)
             b, a = torch.split(ba, [r, r], dim=2)
             mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
             return mixed, z.reshape(T, Hv, Dv), b.reshape(T, Hv), a.reshape(T, Hv)
-        return (self.in_proj_qkv(x), self.in_proj_z(x).view(T, Hv, Dv), self.in_proj_b(x), self.in_proj_a(x))
+        qkv, z, b, a = outs
+        return qkv, z.reshape(T, Hv, Dv), b, a
 
     def _split(self, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """[n, conv_dim] after the convolution -> q [1, n, Hk, Dk], k, v [1, n, Hv, Dv] (HF's reshapes)."""
@@ -197,8 +229,11 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(x)
         if self.fused and self.within_rounding:
             core = gated_delta.gated_delta_step(self, mixed, b, a, batch, state)  # [T, Hv, Dv]
-        else:
-            core = self._reference(mixed, b, a, batch, state)
+            Dv = core.shape[-1]
+            core = gated_delta.gated_norm(core.view(T, -1), z.reshape(T, -1), self.norm.weight, self.norm.eps, Dv,
+                                          gate_first=False, out_dtype=x.dtype)
+            return self.out_proj(core)
+        core = self._reference(mixed, b, a, batch, state)
         core = self.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
         return self.out_proj(core.reshape(T, self.value_dim))
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import MambaSpec
+from ..kernels import gated_delta
 from ..kernels import mamba as mamba_kernels
 from .attend import ForwardBatch
 from .recurrent import Conv1d, LayerState, StateSpec, conv_decode, conv_prefill
@@ -154,8 +155,10 @@ class Mamba2Mixer(nn.Module):
         proj = self.in_proj(x)
         gate, xbc, dt = proj.split([self.intermediate, self.conv_dim, s.num_heads], dim=-1)
         if self.fused and self.within_rounding:
-            y = mamba_kernels.mamba_step(self, xbc, dt, batch, state)  # [T, I] model dtype
-            return self.out_proj(self.norm(y, gate).to(dtype))
+            y = mamba_kernels.mamba_step(self, xbc, dt, batch, state)  # [T, I] float32
+            y = gated_delta.gated_norm(y, gate, self.norm.weight, self.norm.eps, self.norm.group_size,
+                                       gate_first=True, out_dtype=dtype)
+            return self.out_proj(y)
         if batch.context_lens is None:  # a captured decode step: one token per row, slots on the device only
             y = self._decode(xbc, dt, batch.state_slots, state, fresh=batch.positions == 0)
             return self.out_proj(self.norm(y, gate).to(dtype))

@@ -239,6 +239,8 @@ class MoEForCausalLM(nn.Module):
                 m.within_rounding = within_rounding
             if isinstance(m, Attention) and within_rounding:
                 m.fuse_qkv()
+            if isinstance(m, GatedDeltaNet) and within_rounding:
+                m.fuse_projections()
             if isinstance(m, Experts):
                 m.triton_gemm_max_pairs = TRITON_GEMM_MAX_PAIRS if on_gpu else 0
         return enabled
