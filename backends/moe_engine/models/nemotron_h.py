@@ -44,10 +44,8 @@ def parse(raw: dict) -> dict:
     arch = "nemotron_h"
     types = block_types(raw)
     n = len(types)
-    if raw.get("sliding_window"):
-        raise UnsupportedModelError(f"{arch}: sliding_window={raw['sliding_window']} is not supported")
-    if raw.get("residual_in_fp32"):
-        raise UnsupportedModelError(f"{arch}: residual_in_fp32 is not supported (transformers ignores it as well)")
+    # (transformers 5.24 reads neither sliding_window nor residual_in_fp32 for this model: full causal attention,
+    # residuals in the model dtype; so the engine ignores them too)
     act = raw.get("mlp_hidden_act", "relu2")
     raw = {**raw, "num_hidden_layers": n, "hidden_act": act, "head_dim": raw.get("head_dim", 128),
            "num_key_value_heads": raw.get("num_key_value_heads") or raw.get("num_attention_heads", 32),
