@@ -126,6 +126,11 @@ def model_card(cfg: FrontendConfig, model: ModelInfo, created: int,
         "routed_experts_enabled": cfg.enable_routed_experts,
         # Cached prompt tokens still get their exact routed-experts rows (stored with the KV blocks).
         "prefix_caching_enabled": model.enable_prefix_caching,
+        **({"prefix_caching_disabled_reason": model.prefix_caching_disabled_reason}
+           if model.prefix_caching_disabled_reason else {}),
+        # hybrid models: each layer's token mixer ("attention", "linear_attention", "mamba", "none"); the layer axis
+        # of routed_experts counts every layer, rows of 0 where a layer does not route (moe_layers lists those that do)
+        **({"layer_types": list(model.layer_types)} if model.layer_types else {}),
         # tokens per KV block, the prefix cache's granularity (the engine chooses it: 64 on Hopper, 16 elsewhere)
         "kv_block_size": engine.get("kv_block_size"),
         "weight_version": engine.get("weight_version"),  # the engine's current weights (serving_weights.py)

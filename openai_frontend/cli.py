@@ -270,8 +270,10 @@ def make_triton_server(args, access: TritonAccess, checkpoint: Path, cfg, engine
         eos_token_ids=list(cfg.eos_token_ids),
         vocab_size=cfg.vocab_size,
         served_model_name=served_name(args, checkpoint),
-        enable_prefix_caching=engine_config.enable_prefix_caching,
+        enable_prefix_caching=engine_config.enable_prefix_caching and cfg.prefix_caching_off_reason is None,
     )
+    if engine_config.enable_prefix_caching and cfg.prefix_caching_off_reason is not None:
+        metadata["prefix_caching_disabled_reason"] = cfg.prefix_caching_off_reason
     parameters = {
         "checkpoint": str(checkpoint),
         "dtype": args.dtype,

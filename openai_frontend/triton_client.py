@@ -55,6 +55,9 @@ class ModelInfo:
     # Automatic prefix caching in the engine (moe-serve's --enable-prefix-caching, on by default). Not stated in
     # the metadata (an older moe-serve): reported as off rather than promised.
     enable_prefix_caching: bool = False
+    # Why the engine runs this model without the prefix cache although it was asked for (hybrid models), or None
+    prefix_caching_disabled_reason: str | None = None
+    layer_types: tuple[str, ...] = ()  # per layer its token mixer (hybrid models; empty: attention everywhere)
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> ModelInfo:
@@ -74,6 +77,8 @@ class ModelInfo:
             eos_token_ids=tuple(int(i) for i in meta.get("eos_token_ids", ())),
             vocab_size=int(meta["vocab_size"]),
             enable_prefix_caching=bool(meta.get("enable_prefix_caching", False)),
+            prefix_caching_disabled_reason=meta.get("prefix_caching_disabled_reason"),
+            layer_types=tuple(str(t) for t in meta.get("layer_types", ())),
         )
 
     @classmethod

@@ -72,9 +72,11 @@ def _fmt(shape) -> str:
 
 
 class _Tensors:
-    """key -> file index over a checkpoint directory, with lazily opened memory-mapped handles."""
+    """key -> file index over a checkpoint directory, with lazily opened memory-mapped handles. ``prefixes``: (our
+    prefix, the checkpoint's) pairs (``MoEConfig.key_prefixes``): a key stored under the checkpoint's prefix is also
+    found under ours (Nemotron-H's ``backbone.``, a Qwen3.5 checkpoint's ``model.language_model.``)."""
 
-    def __init__(self, root: Path, stack: ExitStack):
+    def __init__(self, root: Path, stack: ExitStack, prefixes: tuple[tuple[str, str], ...] = ()):
         self.root, self._stack, self._handles = root, stack, {}
         index = root / "model.safetensors.index.json"
         if index.is_file():
@@ -90,6 +92,14 @@ class _Tensors:
                 for key in self._open(f.name).keys():
                     self.key_file[key] = f.name
         self.used: set[str] = set()
+        self.alias: dict[str, str] = {}  # our name -> the key stored under the checkpoint's prefix
+        for ours, theirs in prefixes:
+            for key in self.key_file:
+                if key.startswith(theirs):
+                    self.alias.setdefault(ours + key[len(theirs):], key)
+
+    def _real(self, key: str) -> str:
+        return key if key in self.key_file else self.alias.get(key, key)
 
     def _open(self, fname: str):
         if fname not in self._handles:
@@ -100,13 +110,15 @@ class _Tensors:
         return self._handles[fname]
 
     def __contains__(self, key: str) -> bool:
-        return key in self.key_file
+        return key in self.key_file or key in self.alias
 
     def shape(self, key: str) -> list[int]:
+        key = self._real(key)
         return list(self._open(self.key_file[key]).get_slice(key).get_shape())
 
     def get(self, key: str, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
         """Read one tensor (from the memory map) after checking its shape."""
+        key = self._real(key)
         found = self.shape(key)
         if list(found) != list(shape):
             raise CheckpointError(
@@ -117,6 +129,7 @@ class _Tensors:
 
     def get_row(self, key: str, shape: list[int] | tuple[int, ...], i: int) -> torch.Tensor:
         """Rows [i : i + 1] of one tensor (read through the memory map) after checking the whole shape."""
+        key = self._real(key)
         found = self.shape(key)
         if list(found) != list(shape):
             raise CheckpointError(
@@ -128,6 +141,7 @@ class _Tensors:
     def read_selected(self, key: str, sel: Selection, out: torch.Tensor) -> None:
         """This rank's part of one tensor (``sel``) into ``out`` (zeros where nothing is read), slice by slice
         from the memory map, after checking the whole tensor's shape."""
+        key = self._real(key)
         found = self.shape(key)
         if list(found) != list(sel.full_shape):
             raise CheckpointError(
@@ -199,6 +213,16 @@ def _load_experts(
         return _load_experts_part(t, cfg, name, shape, dtype, device, sel)
     if name in t:
         return _place(t.get(name, shape), dtype, device)
+    if ".mixer.experts." in name:  # Nemotron-H: ungated up_proj [E, I, H] / down_proj [E, H, I], per expert
+        prefix, _, leaf = name.partition(".mixer.experts.")
+        out = torch.empty(shape, dtype=dtype, device=device)
+        for e in range(shape[0]):
+            key = f"{prefix}.mixer.experts.{e}.{leaf}.weight"
+            if key not in t:
+                raise _missing(t.root, name, shape, f" or its per-expert form {key!r} (expected shape "
+                                                    f"{_fmt(shape[1:])})")
+            out[e].copy_(t.get(key, list(shape[1:])))
+        return out
     if cfg.experts.block == "gpt_oss":
         if f"{name}_blocks" in t:
             return _load_mxfp4(t, name, shape, dtype, device)
@@ -265,6 +289,12 @@ def _load_experts_part(t: _Tensors, cfg: MoEConfig, name: str, shape, dtype, dev
     return out
 
 
+def is_experts_param(name: str) -> bool:
+    """A routed experts' 3-D parameter (stored fused or per expert): ``mlp.experts.*``, Nemotron-H's
+    ``mixer.experts.*``."""
+    return ".mlp.experts." in name or ".mixer.experts." in name
+
+
 # MXFP4 (OCP microscaling FP4, e2m1): nibble -> value; the low nibble is the even column (integrations/mxfp4.py)
 FP4_VALUES = [+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
@@ -298,9 +328,15 @@ def _load_mxfp4(t: _Tensors, name: str, shape, dtype, device) -> torch.Tensor:
     return out
 
 
+_MTP_ARCHITECTURES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+
+
 def _ignored_key(key: str, cfg: MoEConfig) -> bool:
-    """Tensors HF does not load either: DeepSeek-V3's multi-token-prediction layers after the last layer."""
-    if cfg.architecture != "deepseek_v3":
+    """Tensors HF does not load either: the multi-token-prediction layers after the last layer (DeepSeek-V3,
+    GLM-4.5 / 4.7), and the config's ``ignored_keys`` (Qwen3-Next's ``mtp.*``, a Qwen3.5 checkpoint's vision tower)."""
+    if any(re.search(pattern, key) for pattern in cfg.ignored_keys):
+        return True
+    if cfg.architecture not in _MTP_ARCHITECTURES:
         return False
     m = re.match(r"model\.layers\.(\d+)\.", key)
     return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
@@ -338,12 +374,12 @@ def load_model(
             bar = None
 
     with ExitStack() as stack:
-        tensors = _Tensors(root, stack)
+        tensors = _Tensors(root, stack, cfg.key_prefixes)
         for name, meta in params:
             shape = tuple(meta.shape)
             pdtype = model.param_dtype(name, tdtype)
             sel = selections.get(name)
-            if ".mlp.experts." in name:
+            if is_experts_param(name):
                 value = _load_experts(tensors, cfg, name, shape, pdtype, device, sel)
             else:
                 value = _load_direct(tensors, cfg, name, shape, pdtype, device, sel)
@@ -362,7 +398,7 @@ def load_model(
         bar.close()
 
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = model.model.embedding().weight
     model.init_buffers(device)
     leftover = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if leftover:  # a bug in the key mapping, not in the checkpoint

@@ -41,8 +41,8 @@ from .models import PARSERS
 from .models.common import DTYPE_ALIASES, UnsupportedModelError, int_list
 
 __all__ = [
-    "DTYPE_ALIASES", "SUPPORTED_ARCHITECTURES", "AttentionSpec", "ExpertsSpec", "MLASpec", "MoEConfig", "RopeSpec",
-    "RouterSpec", "UnsupportedModelError", "config_from_dict", "load_config",
+    "DTYPE_ALIASES", "SUPPORTED_ARCHITECTURES", "AttentionSpec", "ExpertsSpec", "LinearAttentionSpec", "MLASpec",
+    "MambaSpec", "MoEConfig", "RopeSpec", "RouterSpec", "UnsupportedModelError", "config_from_dict", "load_config",
 ]
 
 
@@ -93,6 +93,51 @@ class MLASpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5; transformers ``*GatedDeltaNet``): a short causal convolution over
+    q/k/v, then the gated delta rule over a per-sequence matrix state [num_v_heads, head_k_dim, head_v_dim], a
+    gated RMSNorm and out_proj."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+    # "qkvz": Qwen3-Next's in_proj_qkvz + in_proj_ba (q, k, v, z and b, a grouped per key head); "split": Qwen3.5's
+    # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+    projections: str = "split"
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """Mamba-2 layers (Nemotron-H; transformers ``NemotronHMamba2Mixer``): in_proj -> (gate, x B C, dt), a short
+    causal convolution over x B C, the selective scan over a per-sequence state [num_heads, head_dim, state_size],
+    a grouped gated RMSNorm and out_proj."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj / out_proj biases (use_bias)
+    chunk_size: int = 128
+    time_step_min: float = 0.0  # dt is clamped to [time_step_min, inf) (HF's time_step_limit)
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     num_heads: int
     num_kv_heads: int  # MLA: equal to num_heads (the latent is expanded to one key/value head per query head)
@@ -104,6 +149,11 @@ class AttentionSpec:
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     sinks: bool = False  # GPT-OSS: a learned per-head logit joins each softmax
     mla: MLASpec | None = None  # set: DeepSeek multi-head latent attention instead of grouped-query
+    # Qwen3-Next / Qwen3.5: q_proj also yields a per-head gate; the attention output is multiplied by its sigmoid
+    # before o_proj
+    output_gate: bool = False
+    rotary: bool = True  # False: no position embedding (Nemotron-H's attention layers)
+    norm_offset: bool = False  # q/k norms compute x_normed * (1 + weight) in float32 (Qwen3-Next / Qwen3.5)
 
     @property
     def kind(self) -> str:
@@ -134,6 +184,10 @@ class ExpertsSpec:
     # "deepseek" (mlp.gate, mlp.experts, mlp.shared_experts), "gpt_oss" (mlp.router, mlp.experts with biases,
     # transposed [E, H, 2I] / [E, I, H], interleaved gate/up, clamped SwiGLU)
     block: str = "default"
+    # "silu": SwiGLU experts (gate_up_proj [E, 2I, H]); "relu2": Nemotron-H's ungated experts, relu(x)^2
+    # (up_proj [E, I, H]), whose outputs are summed in float32 (HF's NemotronHExperts)
+    activation: str = "silu"
+    latent_size: int = 0  # Nemotron-H moe_latent_size: the experts run in this width (fc1/fc2_latent_proj); 0 = none
     shared_intermediate_size: int = 0  # 0 = no shared expert
     shared_gate: bool = False  # Qwen2-MoE: sigmoid(Linear(H, 1)) scales the shared expert
     shared_bias: bool = False  # DeepSeek-V2 mlp_bias: biases on the shared experts
@@ -163,10 +217,30 @@ class MoEConfig:
     hidden_act: str = "silu"
     intermediate_size: int = 0  # dense (non-MoE) layers' MLP
     mlp_bias: bool = False  # DeepSeek-V2 mlp_bias: biases on the dense MLPs
+    # Hybrid models. ``layer_types``: per layer its token mixer, "attention" (the default for every layer when
+    # empty), "linear_attention" (Gated DeltaNet, ``linear_attention``), "mamba" (Mamba-2, ``mamba``) or "none"
+    # (a Nemotron-H block that is only an MLP or MoE). ``block_style`` "pair": every layer is input_layernorm ->
+    # mixer, post_attention_layernorm -> MLP or MoE; "single" (Nemotron-H): every layer is one norm and one
+    # sublayer (its mixer, or for "none" its MLP / MoE).
+    layer_types: tuple[str, ...] = ()
+    block_style: str = "pair"
+    linear_attention: LinearAttentionSpec | None = None
+    mamba: MambaSpec | None = None
+    norm_offset: bool = False  # Qwen3-Next / Qwen3.5 RMSNorm: x_normed * (1 + weight), in float32
+    # Checkpoint keys: (our prefix, the checkpoint's) alternatives, e.g. Nemotron-H's "backbone." for "model.", a
+    # Qwen3.5 checkpoint with a vision tower's "model.language_model."; and regexes of keys HF ignores too (MTP
+    # layers, the vision tower)
+    key_prefixes: tuple[tuple[str, str], ...] = ()
+    ignored_keys: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.router.num_experts != self.experts.num_experts:
             raise ValueError(f"router has {self.router.num_experts} experts, experts spec {self.experts.num_experts}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"{len(self.layer_types)} layer_types for {self.num_hidden_layers} layers")
+        for kind, spec in (("linear_attention", self.linear_attention), ("mamba", self.mamba)):
+            if kind in self.layer_types and spec is None:
+                raise ValueError(f"{kind} layers without a {kind} spec")
 
     @property
     def num_experts(self) -> int:
@@ -184,6 +258,37 @@ class MoEConfig:
     def routed_experts_dtype(self) -> str:
         return routed_experts_dtype(self.num_experts)
 
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "attention"
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Layers with a KV cache."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.layer_type(i) == "attention")
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """Layers that keep a fixed-size state per sequence (linear attention, Mamba) instead of a KV cache."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.layer_type(i) in ("linear_attention", "mamba"))
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.recurrent_layers)
+
+    def has_mlp(self, i: int) -> bool:
+        """Whether layer i has an MLP or MoE sublayer (every layer of a "pair" model; Nemotron-H's "none" blocks)."""
+        return self.block_style == "pair" or self.layer_type(i) == "none"
+
+    @property
+    def prefix_caching_off_reason(self) -> str | None:
+        """Why this model cannot use the prefix cache (None: it can)."""
+        if self.is_hybrid:
+            kinds = sorted({self.layer_type(i) for i in self.recurrent_layers})
+            return (f"hybrid model: its {' and '.join(k.replace('_', ' ') for k in kinds)} layers keep one recurrent "
+                    "state per sequence, not per KV block, so a cached prefix cannot be resumed; prefix caching is "
+                    "off for this model")
+        return None
+
     def metadata(self) -> dict:
         """What a client needs to interpret routed experts arrays (JSON-able)."""
         return {
@@ -193,6 +298,7 @@ class MoEConfig:
             "num_experts": self.num_experts,
             "num_experts_per_tok": self.num_experts_per_tok,
             "routed_experts_dtype": self.routed_experts_dtype,
+            **({"layer_types": list(self.layer_types)} if self.layer_types else {}),
         }
 
     def to_dict(self) -> dict:
@@ -212,12 +318,15 @@ def _build(fields: dict) -> MoEConfig:
     """A parser's nested dicts -> MoEConfig with its specs."""
     attention = dict(fields["attention"])
     mla = attention.pop("mla", None)
+    linear, mamba = fields.get("linear_attention"), fields.get("mamba")
     return MoEConfig(**{
         **fields,
         "rope": RopeSpec(**fields["rope"]),
         "attention": AttentionSpec(**attention, mla=MLASpec(**mla) if mla is not None else None),
         "router": RouterSpec(**fields["router"]),
         "experts": ExpertsSpec(**fields["experts"]),
+        "linear_attention": LinearAttentionSpec(**linear) if linear is not None else None,
+        "mamba": MambaSpec(**mamba) if mamba is not None else None,
     })
 
 

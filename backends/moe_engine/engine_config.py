@@ -151,7 +151,9 @@ class EngineConfig:
                                                                             head_dims),
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=int(self.kv_cache_memory_bytes or 0),
-            enable_prefix_caching=self.enable_prefix_caching,
+            # hybrid models keep one recurrent state per sequence, not per block: no prefix cache (the reason:
+            # MoEConfig.prefix_caching_off_reason, in /v1/models)
+            enable_prefix_caching=self.enable_prefix_caching and cfg.prefix_caching_off_reason is None,
             enable_routed_experts=self.enable_routed_experts,
             max_waiting=self.max_waiting,
             cuda_graphs=cuda and not self.enforce_eager and graph_tokens > 0,
@@ -222,6 +224,9 @@ def check_parallel(cfg, tensor_parallel_size: int, expert_parallel: bool) -> Non
         raise ValueError(f"the tensor-parallel size must be >= 1, got {N}")
     if N == 1:
         return
+    if cfg.is_hybrid:
+        raise ValueError(f"{cfg.architecture}: tensor parallelism is not supported for hybrid models (linear-attention "
+                         f"/ Mamba layers are not sharded); use --tensor-parallel-size 1")
     att = cfg.attention
     if att.num_heads % N:
         raise ValueError(f"num_attention_heads ({att.num_heads}) is not divisible by the tensor-parallel size {N}")

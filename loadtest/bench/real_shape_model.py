@@ -91,7 +91,59 @@ TINY = {
     "vocab_size": 1024,
 }
 
-SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY}
+# Qwen3.5-35B-A3B's text model as transformers' Qwen3_5MoeTextConfig defaults give it (the vision tower is out of
+# scope): 40 layers, 3 of 4 Gated DeltaNet (16 key / 32 value heads of 128), full attention 16 q / 2 kv heads of 256
+# with an output gate and rotary on a quarter of each head, 256 experts top-8 of width 512 plus a gated shared
+# expert of 512, vocabulary 248,320.
+QWEN3_5_35B_A3B = {
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+    "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "hidden_act": "silu", "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8, "num_experts": 256,
+    "layer_types": ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(40)],
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+
+# Nemotron-3-Nano-30B-A3B's config.json, abridged to what the engine and transformers read: 52 blocks (23 Mamba-2,
+# 23 MoE, 6 attention), hidden 2688, Mamba-2 64 heads of 64 with state 128 in 8 groups, 128 squared-ReLU experts top-6
+# of width 1856 plus a shared expert of 3712, vocabulary 131,072 (~32B parameters: 63 GB in bf16, one H200)
+NEMOTRON_3_NANO_30B_A3B = {
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h", "vocab_size": 131072, "hidden_size": 2688,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", "num_hidden_layers": 52,
+    "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "mamba_num_heads": 64,
+    "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
+    "use_conv_bias": True, "use_bias": False, "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2",
+    "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True, "intermediate_size": 1856, "layer_norm_epsilon": 1e-5, "time_step_min": 0.001,
+    "max_position_embeddings": 262144, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+    "eos_token_id": 2, "num_nextn_predict_layers": 0, "residual_in_fp32": False, "mlp_bias": False,
+}
+
+TINY_QWEN3_5 = {
+    **QWEN3_5_35B_A3B, "vocab_size": 1024, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "head_dim": 64, "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
+    "num_experts": 16, "num_experts_per_tok": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+}
+
+TINY_NEMOTRON_H = {
+    **NEMOTRON_3_NANO_30B_A3B, "vocab_size": 1024, "hidden_size": 256, "hybrid_override_pattern": "ME*E",
+    "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 64, "mamba_num_heads": 8, "mamba_head_dim": 32,
+    "ssm_state_size": 32, "n_groups": 2, "chunk_size": 32, "n_routed_experts": 16, "num_experts_per_tok": 4,
+    "moe_intermediate_size": 128, "moe_shared_expert_intermediate_size": 128, "intermediate_size": 256,
+}
+
+SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
+          "nemotron-3-nano-30b-a3b": NEMOTRON_3_NANO_30B_A3B, "tiny-qwen3.5": TINY_QWEN3_5,
+          "tiny-nemotron-h": TINY_NEMOTRON_H}
 REAL_SHAPE = "qwen3-30b-a3b"
 
 Log = Callable[[str], None]
@@ -120,9 +172,9 @@ def init_std(name: str, init: str, num_layers: int) -> float | None:
     if name.endswith("norm.weight"):
         return None
     if init == "balanced":
-        if "embed_tokens" in name:
+        if "embed_tokens" in name or name.endswith("embeddings.weight"):
             return 1.0
-        if name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj", "down_proj.weight")):
             return 0.02 / (2 * num_layers) ** 0.5
     elif init != "std0.02":
         raise ValueError(f"unknown init {init!r}; known: {', '.join(INITS)}")
@@ -135,6 +187,9 @@ def fill_random_(model: nn.Module, seed: int, init: str = "balanced", log: Log |
     """Fill every parameter in place (``init_std``) from a generator seeded by (seed, parameter name), chunk by
     chunk so no temporary of a parameter's size exists. Returns the bytes filled; logs about every 10 GB."""
     params = list(model.named_parameters())  # a tied weight appears once
+    # transformers keeps the correction bias of sigmoid routers (DeepSeek-V3, GLM, Nemotron-H) as a buffer, the engine
+    # as a parameter: filled alike by name (to_empty left the buffer uninitialised)
+    params += [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
     num_layers = model.config.num_hidden_layers
     total = sum(p.nbytes for _, p in params)
     done, next_report, start = 0, 10e9, time.perf_counter()
@@ -222,23 +277,55 @@ def build_hf_model(raw: dict, device: torch.device, dtype: torch.dtype, seed: in
 # ----------------------------------------------------------------------------- rooflines
 
 
-def weight_bytes_per_token(cfg, elem: int) -> dict[str, int]:
-    """Weight bytes one decode token reads (batch 1): per layer the attention projections, q/k norms, layer
-    norms, router and the K chosen experts' gate_up + down; then the final norm, lm_head and one embedding
-    row. (A dense MLP layer, if any, reads its whole MLP.)"""
+def _mixer_elems(cfg) -> dict[str, int]:
+    """Weight elements of every layer's token mixer (attention projections and q/k norms; Gated DeltaNet and Mamba-2
+    projections, convolutions and small parameters) and of the layers' norms."""
     H, D, Hq, Hkv = cfg.hidden_size, cfg.attention.head_dim, cfg.attention.num_heads, cfg.attention.num_kv_heads
-    L, n_moe = cfg.num_hidden_layers, len(cfg.moe_layers)
-    qkv_bias = (Hq + 2 * Hkv) * D if cfg.attention.qkv_bias else 0
-    qk_norm = {"head": 2 * D, "full": (Hq + Hkv) * D}.get(cfg.attention.qk_norm, 0)
-    per_expert = 3 * cfg.experts.intermediate_size * H  # gate_up [2I, H] + down [H, I]
+    n_att = len(cfg.attention_layers)
+    att = cfg.attention
+    q_out = Hq * D * (2 if att.output_gate else 1)  # Qwen3-Next / 3.5: q_proj also yields the output gate
+    qkv_bias = (q_out + 2 * Hkv * D) if att.qkv_bias else 0
+    qk_norm = {"head": 2 * D, "full": (Hq + Hkv) * D}.get(att.qk_norm, 0)
+    norms = (2 if cfg.block_style == "pair" else 1) * cfg.num_hidden_layers + 1
+    out = {
+        "attention q/k/v/o projections": n_att * (H * q_out + 2 * H * Hkv * D + Hq * D * H + qkv_bias),
+        "q/k norms": n_att * qk_norm,
+        f"layer norms ({'2 per layer' if cfg.block_style == 'pair' else '1 per block'}) + final norm": norms * H,
+    }
+    n_lin = sum(cfg.layer_type(i) == "linear_attention" for i in range(cfg.num_hidden_layers))
+    if n_lin:
+        la = cfg.linear_attention
+        value = la.num_v_heads * la.head_v_dim
+        per = H * (la.conv_dim + value + 2 * la.num_v_heads) + la.conv_dim * la.conv_kernel + value * H
+        out["Gated DeltaNet projections, conv, out_proj"] = n_lin * (per + 2 * la.num_v_heads + la.head_v_dim)
+    n_mamba = sum(cfg.layer_type(i) == "mamba" for i in range(cfg.num_hidden_layers))
+    if n_mamba:
+        m = cfg.mamba
+        per = H * (m.intermediate_size + m.conv_dim + m.num_heads) + m.conv_dim * m.conv_kernel + m.intermediate_size * H
+        out["Mamba-2 projections, conv, out_proj"] = n_mamba * (per + 3 * m.num_heads + m.intermediate_size)
+    return out
+
+
+def weight_bytes_per_token(cfg, elem: int) -> dict[str, int]:
+    """Weight bytes one decode token reads (batch 1): per layer its token mixer (attention projections and q/k norms,
+    or a hybrid's Gated DeltaNet / Mamba-2 projections), norms, router, the K chosen experts (SwiGLU gate_up + down;
+    Nemotron-H's ungated up + down) and any shared expert; then the final norm, lm_head and one embedding row. (A
+    dense MLP layer, if any, reads its whole MLP.)"""
+    H = cfg.hidden_size
+    n_moe = len(cfg.moe_layers)
+    n_dense = sum(cfg.has_mlp(i) and i not in cfg.moe_layers for i in range(cfg.num_hidden_layers))
+    mats = 2 if cfg.experts.activation == "relu2" else 3  # ungated: up + down
+    width = cfg.experts.latent_size or H
+    per_expert = mats * cfg.experts.intermediate_size * width
+    shared = cfg.experts.shared_intermediate_size * H * mats + (H if cfg.experts.shared_gate else 0)
+    latent = 2 * H * cfg.experts.latent_size
     elems = {
-        "attention q/k/v/o projections": L * (H * Hq * D + 2 * H * Hkv * D + Hq * D * H + qkv_bias),
-        "q/k norms": L * qk_norm,
-        "layer norms (2 per layer) + final norm": (2 * L + 1) * H,
+        **_mixer_elems(cfg),
         "routers": n_moe * cfg.num_experts * H,
-        f"experts ({cfg.num_experts_per_tok} of {cfg.num_experts} per layer, gate_up + down)":
-            n_moe * cfg.num_experts_per_tok * per_expert,
-        "dense MLP layers": (L - n_moe) * 3 * cfg.intermediate_size * H,
+        f"experts ({cfg.num_experts_per_tok} of {cfg.num_experts} per layer, "
+        f"{'up + down' if mats == 2 else 'gate_up + down'})": n_moe * cfg.num_experts_per_tok * per_expert,
+        "shared experts": n_moe * (shared + latent),
+        "dense MLP layers": n_dense * (2 if cfg.hidden_act == "relu2" else 3) * cfg.intermediate_size * H,
         "lm_head": cfg.vocab_size * H,
         "embedding row": H,
     }
@@ -246,8 +333,22 @@ def weight_bytes_per_token(cfg, elem: int) -> dict[str, int]:
 
 
 def kv_bytes_per_token(cfg, elem: int) -> int:
-    """K and V of one token in every layer (grouped-query attention)."""
-    return cfg.num_hidden_layers * 2 * cfg.attention.num_kv_heads * cfg.attention.head_dim * elem
+    """K and V of one token in every attention layer (grouped-query attention)."""
+    return len(cfg.attention_layers) * 2 * cfg.attention.num_kv_heads * cfg.attention.head_dim * elem
+
+
+def state_bytes_per_sequence(cfg, elem: int) -> int:
+    """A hybrid model's recurrent states of one sequence (conv inputs in the model dtype, the recurrence's state
+    float32), every recurrent layer: what a decode step reads and writes back per sequence."""
+    total = 0
+    for i in cfg.recurrent_layers:
+        if cfg.layer_type(i) == "linear_attention":
+            la = cfg.linear_attention
+            total += la.conv_dim * la.conv_kernel * elem + la.num_v_heads * la.head_k_dim * la.head_v_dim * 4
+        else:
+            m = cfg.mamba
+            total += m.conv_dim * m.conv_kernel * elem + m.num_heads * m.head_dim * m.state_size * 4
+    return total
 
 
 def expected_distinct_experts(cfg, tokens: int) -> float:
@@ -265,21 +366,37 @@ def decode_step_bytes(cfg, elem: int, batch: int, mean_context: float) -> dict[s
     weights = sum(per_token.values()) - per_token[experts_key]
     weights += one_expert_all_layers * expected_distinct_experts(cfg, batch) + (batch - 1) * cfg.hidden_size * elem
     kv = batch * mean_context * kv_bytes_per_token(cfg, elem)
-    return {"weights": weights, "kv_cache": kv, "total": weights + kv}
+    states = 2 * batch * state_bytes_per_sequence(cfg, elem)  # hybrids: read and written back
+    out = {"weights": weights, "kv_cache": kv, "total": weights + kv + states}
+    if states:
+        out["recurrent_states"] = states
+    return out
 
 
 def prefill_matmul_flops(cfg, prompt_len: int, num_seqs: int) -> dict[str, float]:
     """Matmul FLOPs of prefilling ``num_seqs`` prompts of ``prompt_len`` tokens: 2 x weights touched per token
-    (projections, router, K experts, dense MLPs), causal attention QK^T and PV, and lm_head for the last token."""
-    H, D, Hq, Hkv = cfg.hidden_size, cfg.attention.head_dim, cfg.attention.num_heads, cfg.attention.num_kv_heads
-    L, n_moe = cfg.num_hidden_layers, len(cfg.moe_layers)
-    per_token = L * (H * Hq * D + 2 * H * Hkv * D + Hq * D * H)
-    per_token += n_moe * (cfg.num_experts * H + cfg.num_experts_per_tok * 3 * cfg.experts.intermediate_size * H)
-    per_token += (L - n_moe) * 3 * cfg.intermediate_size * H
+    (projections, router, K experts, shared experts, dense MLPs), causal attention QK^T and PV in the attention
+    layers, a hybrid's recurrences (Gated DeltaNet: ~6 Dk Dv per value head and token; Mamba-2: ~4 P N per head and
+    token), and lm_head for the last token."""
+    H, D, Hq = cfg.hidden_size, cfg.attention.head_dim, cfg.attention.num_heads
+    per_token = sum(v for k, v in weight_bytes_per_token(cfg, 1).items()
+                    if k not in ("lm_head", "embedding row", "q/k norms") and not k.startswith("layer norms"))
     linear = 2.0 * per_token * prompt_len * num_seqs
-    attention = 2.0 * Hq * D * prompt_len * (prompt_len + 1) * L * num_seqs  # QK^T + PV, causal half
+    attention = 2.0 * Hq * D * prompt_len * (prompt_len + 1) * len(cfg.attention_layers) * num_seqs  # causal half
+    recurrent = 0.0
+    for i in cfg.recurrent_layers:
+        if cfg.layer_type(i) == "linear_attention":
+            la = cfg.linear_attention
+            recurrent += 6.0 * la.num_v_heads * la.head_k_dim * la.head_v_dim
+        else:
+            recurrent += 4.0 * cfg.mamba.num_heads * cfg.mamba.head_dim * cfg.mamba.state_size
+    recurrent *= prompt_len * num_seqs
     lm_head = 2.0 * cfg.vocab_size * H * num_seqs
-    return {"linear": linear, "attention": attention, "lm_head": lm_head, "total": linear + attention + lm_head}
+    out = {"linear": linear, "attention": attention, "lm_head": lm_head,
+           "total": linear + attention + lm_head + recurrent}
+    if recurrent:
+        out["recurrent"] = recurrent
+    return out
 
 
 def bf16_dense_peak_flops(device: torch.device) -> float | None:

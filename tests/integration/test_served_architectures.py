@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -81,3 +82,81 @@ def test_served_routed_experts_equal_the_engine_forward(served):
         assert not arr[:, list(cfg.dense_layers)].any()  # dense-layer columns are never written
     # greedy: each generated token is the argmax after its prefix (float32 checkpoint, float32 serving)
     assert logits[len(prompt_ids) - 1 :].argmax(-1).tolist() == token_ids
+
+
+# The families added for issue 51: every endpoint, streaming and n > 1 on each one's own server (the older families
+# get these through the tiny model's tests/integration/test_openai_*.py).
+ALL_ENDPOINTS = ("glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe", "nemotron_h")
+
+
+def _engine_rows(ckpt, ids: list[int]) -> np.ndarray:
+    """The engine's own forward of ``ids`` in one step: routed ids [T, L, K], sorted within each row."""
+    return np.sort(reference_forward(load_model(ckpt, progress=False), ids)[1].numpy(), -1)
+
+
+def test_every_endpoint_streams_and_returns_n_choices(served):
+    import httpx
+    import openai
+
+    arch, server, ckpt = served
+    if arch not in ALL_ENDPOINTS:
+        pytest.skip("covered by the tiny model's endpoint tests")
+    cfg = load_config(ckpt)
+    moe = list(cfg.moe_layers)
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    card = {m.id: m for m in client.models.list().data}[arch].model_dump()
+    if cfg.is_hybrid:  # the prefix cache is off, and /v1/models says why; each layer's kind is listed
+        assert card["prefix_caching_enabled"] is False and "recurrent state" in card["prefix_caching_disabled_reason"]
+        assert card["layer_types"] == list(cfg.layer_types)
+    else:
+        assert card["prefix_caching_enabled"] is True and "layer_types" not in card
+
+    # chat, n = 2 sampled with a seed: the stream's text and rows equal the non-streamed response's
+    kw = dict(model=arch, messages=[{"role": "user", "content": "Route this."}], max_tokens=6, n=2,
+              temperature=0.9, seed=7, extra_body={"ignore_eos": True, "return_token_ids": True})
+    full = client.chat.completions.create(**kw)
+    texts, rows = {0: "", 1: ""}, {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                rows[c.index] = (c.model_extra or {}).get("routed_experts")
+    assert len(full.choices) == 2
+    for c in full.choices:
+        extra = c.model_extra
+        assert texts[c.index] == c.message.content
+        arr = decode(extra["routed_experts"])
+        np.testing.assert_array_equal(decode(rows[c.index]), arr)
+        ids = extra["prompt_token_ids"] + extra["token_ids"][:-1]
+        assert arr.shape == (len(ids), cfg.num_hidden_layers, cfg.num_experts_per_tok)
+        np.testing.assert_array_equal(np.sort(arr, -1)[:, moe], _engine_rows(ckpt, ids)[:, moe])
+
+    # completions, streamed, n = 2 greedy: both choices equal the non-streamed one
+    kw = dict(model=arch, prompt="Experts of every layer", max_tokens=5, temperature=0, n=2,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    one = client.completions.create(**{**kw, "n": 1}).choices[0]
+    got = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            got.setdefault(c.index, []).append(c)
+    assert sorted(got) == [0, 1]
+    for parts in got.values():
+        assert "".join(p.text for p in parts) == one.text
+        last = [p for p in parts if p.finish_reason][-1]
+        np.testing.assert_array_equal(decode(last.model_extra["routed_experts"]), decode(one.routed_experts))
+
+    # /inference/v1/generate: tokens in, tokens out, streamed and not
+    body = {"token_ids": [5, 17, 42, 99, 7], "sampling_params": {"max_tokens": 6, "temperature": 0.0,
+                                                                  "ignore_eos": True}}
+    url = server.root_url + "/inference/v1/generate"
+    gen = httpx.post(url, json=body, timeout=120).json()["choices"][0]
+    arr = decode(gen["routed_experts"])
+    ids = body["token_ids"] + gen["token_ids"][:-1]
+    np.testing.assert_array_equal(np.sort(arr, -1)[:, moe], _engine_rows(ckpt, ids)[:, moe])
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]] == gen["token_ids"]
+    final = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]][0]
+    np.testing.assert_array_equal(decode(final["routed_experts"]), arr)

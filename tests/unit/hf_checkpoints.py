@@ -17,6 +17,22 @@ still covers its peculiarities:
              norm_topk_prob, routed_scaling_factor 2.5, 1 shared expert, first_k_dense_replace=1;
 - gpt_oss:   8 experts top-2, router bias, random (non-zero) expert biases, swiglu_limit 0.1 (so the clamp
              bites), sinks, alternating sliding (window 8) / full layers, HF's default yarn rope.
+- glm4_moe:  16 experts top-4, sigmoid router with 4 groups / 2 kept and a NON-ZERO e_score_correction_bias,
+             norm_topk_prob, routed_scaling_factor 2.5, 1 shared expert, first_k_dense_replace=1, per-head q/k
+             norm, q/k/v bias (random, non-zero), head_dim 32 with partial rotary (factor 0.5: 16 dims rotate);
+- glm4_moe_lite: MLA with q_lora_rank, interleaved rope, 16 experts top-4, 4 groups / 2 kept, non-zero
+             correction bias, 2 shared experts, mlp_layer_types dense / sparse / sparse / dense / sparse.
+- qwen3_next: hybrid, layer_types linear / linear / full / linear / full (Gated DeltaNet with 2 key and 4 value
+             heads, fused in_proj_qkvz / in_proj_ba), gated attention with (1 + w) q/k norms and partial rotary
+             (head_dim 32, factor 0.25), 16 experts top-4 + sigmoid-gated shared expert, mlp_only_layers=[1];
+- qwen3_5_moe: the multimodal checkpoint (a tiny vision tower, text weights under model.language_model.), text
+             model hybrid linear / full / linear / linear / full, split in_proj_qkv / z / b / a, 16 experts top-4
+             + gated shared expert. Every (1 + w) norm weight gets random values (HF initialises them to 0).
+- nemotron_h: blocks Mamba-2 / MoE / attention / MLP / Mamba-2 / MoE / attention (every block kind; Mamba-2 with 4
+             heads of 16 in 2 groups, state 16, chunk_size 8 so that prompts span several scan chunks, conv bias),
+             attention without rotary, 16 squared-ReLU experts top-4 with a sigmoid router (4 groups / 2 kept,
+             non-zero correction bias, routed_scaling_factor 2), squared-ReLU shared expert; the Hub's
+             ``backbone.`` keys (transformers writes them so).
 """
 from __future__ import annotations
 
@@ -24,8 +40,17 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
-NEW_ARCHS = ("deepseek_v2", "deepseek_v3", "gpt_oss")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe",
+         "glm4_moe_lite", "qwen3_next", "qwen3_5_moe", "nemotron_h")
+NEW_ARCHS = ("deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe",
+             "nemotron_h")
+# Hybrid models (recurrent layers): no tensor parallelism, no prefix cache
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe", "nemotron_h")
+# Configs whose text model sits in ``text_config`` (keyword overrides go there)
+_TEXT_CONFIG_ARCHS = ("qwen3_5_moe",)
+
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_conv_kernel_dim=4)
 
 _MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4)
 
@@ -74,6 +99,40 @@ _CONFIGS: dict[str, tuple[str, dict]] = {
         n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=24,
         rope_parameters=_YARN_V3,
     )),
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        **_COMMON, head_dim=32, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
+        n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, first_k_dense_replace=1, n_group=4,
+        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+    )),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(
+        **{**_COMMON, **_MLA}, num_hidden_layers=5, intermediate_size=48, moe_intermediate_size=16,
+        n_routed_experts=16, n_shared_experts=2, num_experts_per_tok=4, n_group=4, topk_group=2,
+        routed_scaling_factor=1.8, q_lora_rank=24, mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"],
+    )),
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        **_COMMON, **_LINEAR, head_dim=32, num_hidden_layers=5, intermediate_size=48, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+        mlp_only_layers=[1],
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"],
+    )),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", dict(
+        text_config=dict(
+            **_COMMON, **_LINEAR, head_dim=32, num_hidden_layers=5, moe_intermediate_size=16,
+            shared_expert_intermediate_size=24, num_experts=16, num_experts_per_tok=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
+                         "full_attention"],
+        ),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64),
+        tie_word_embeddings=False,
+    )),
+    "nemotron_h": ("NemotronHConfig", dict(
+        **_COMMON, head_dim=16,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe",
+                           "full_attention"],
+        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
+        intermediate_size=48, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_routed_experts=16,
+        num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.0, norm_topk_prob=True,
+    )),
     "gpt_oss": ("GptOssConfig", dict(
         **_COMMON, head_dim=16, num_hidden_layers=3, intermediate_size=32, num_local_experts=8,
         num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.1,
@@ -89,6 +148,10 @@ def hf_config(arch: str, **overrides):
         raise ValueError(arch)
     cls_name, kwargs = _CONFIGS[arch]
     kwargs = {k: (dict(v) if isinstance(v, dict) else v) for k, v in kwargs.items()}  # configs mutate dicts
+    if arch in _TEXT_CONFIG_ARCHS:
+        top = {k: overrides.pop(k) for k in list(overrides) if k == "tie_word_embeddings"}
+        kwargs = {**kwargs, **top, "text_config": {**kwargs["text_config"], **overrides}}
+        overrides = {}
     return getattr(transformers, cls_name)(**{**kwargs, **overrides})
 
 
@@ -112,6 +175,8 @@ def _randomize_zero_inits(model, seed: int) -> None:
             t.copy_(torch.randn(t.shape, generator=g) * 0.05)
         elif name.endswith("norm.weight") and bool((t == 1).all()):
             t.copy_(1 + torch.randn(t.shape, generator=g) * 0.1)
+        elif name.endswith("norm.weight") and not t.any():  # Qwen3-Next's (1 + w) norms start at 0
+            t.copy_(torch.randn(t.shape, generator=g) * 0.1)
 
 
 def make_hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
@@ -120,7 +185,11 @@ def make_hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, 
 
     torch.manual_seed(seed)
     cfg = hf_config(arch, **overrides)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
+    if arch == "qwen3_5_moe":  # with its vision tower, as the Hub's checkpoints are
+        from transformers import Qwen3_5MoeForConditionalGeneration as cls
+        model = cls._from_config(cfg, attn_implementation="eager", experts_implementation="eager")
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
     _randomize_zero_inits(model, seed)
     return model.to(dtype).eval()
 
@@ -147,7 +216,8 @@ def hf_router_modules(model) -> dict[int, torch.nn.Module]:
     returning (logits, weights, ids)) for every MoE layer."""
     out = {}
     for i, layer in enumerate(model.model.layers):
-        gate = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
+        block = getattr(layer, "mlp", None) or getattr(layer, "mixer", None)  # Nemotron-H: the block's mixer
+        gate = getattr(block, "gate", None) or getattr(block, "router", None)
         if gate is not None and type(gate).__name__.lower().endswith("topkrouter"):
             out[i] = gate
     return out

@@ -149,3 +149,44 @@ def test_profile_divides_device_time_by_the_decode_steps_the_trace_holds():
     assert s["wall_per_step_ms"] == pytest.approx(0.1)
     assert s["busy_per_step_ms"] == pytest.approx(50e-3)
     assert s["classes_ms_per_step"] == pytest.approx({"expert GEMMs": 30e-3, "lm_head": 20e-3})
+
+
+def test_hybrid_real_shapes_and_their_rooflines():
+    """The issue's GPU shapes: Qwen3.5-35B-A3B's text model (transformers' defaults) and Nemotron-3-Nano-30B-A3B, with
+    the bytes a decode reads: weights (per layer kind), and per sequence the recurrent states read and written."""
+    from moe_engine.config import config_from_dict
+
+    q = config_from_dict(rsm.QWEN3_5_35B_A3B)
+    assert (q.hidden_size, q.num_hidden_layers, len(q.recurrent_layers), q.num_experts, q.num_experts_per_tok,
+            q.experts.intermediate_size, q.vocab_size) == (2048, 40, 30, 256, 8, 512, 248320)
+    per = rsm.weight_bytes_per_token(q, 2)
+    assert per["experts (8 of 256 per layer, gate_up + down)"] == 40 * 8 * 3 * 512 * 2048 * 2
+    assert per["shared experts"] == 40 * (3 * 512 * 2048 + 2048) * 2
+    # a GDN layer's state: 32 value heads x 128 x 128 float32, conv 8192 channels x 4 in bf16
+    assert rsm.state_bytes_per_sequence(q, 2) == 30 * (32 * 128 * 128 * 4 + 8192 * 4 * 2)
+    step = rsm.decode_step_bytes(q, 2, batch=4, mean_context=100)
+    assert step["recurrent_states"] == 2 * 4 * rsm.state_bytes_per_sequence(q, 2)
+    assert step["kv_cache"] == 4 * 100 * 10 * 2 * 2 * 256 * 2  # 10 attention layers, 2 kv heads of 256
+    n = config_from_dict(rsm.NEMOTRON_3_NANO_30B_A3B)
+    assert (len(n.moe_layers), len(n.recurrent_layers), len(n.attention_layers)) == (23, 23, 6)
+    per = rsm.weight_bytes_per_token(n, 2)
+    assert per["experts (6 of 128 per layer, up + down)"] == 23 * 6 * 2 * 1856 * 2688 * 2
+    assert rsm.prefill_matmul_flops(n, 16, 1)["recurrent"] == 23 * 4.0 * 64 * 64 * 128 * 16
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen3.5", "tiny-nemotron-h"])
+def test_hybrid_engine_and_transformers_models_get_identical_weights(shape):
+    from moe_engine.models.decoder import reference_forward
+
+    raw = rsm.SHAPES[shape]
+    model, cfg = rsm.build_engine_model(raw, torch.device("cpu"), torch.float32, seed=3)
+    hf = rsm.build_hf_model(raw, torch.device("cpu"), torch.float32, seed=3, attn_implementation="eager",
+                            experts_implementation="eager")
+    bias = [(n, b) for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")]  # HF: a buffer
+    mine, theirs = dict(model.named_parameters()), dict(list(hf.named_parameters()) + bias)
+    assert set(mine) == set(theirs)
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(reference_forward(model, ids)[0], ref, atol=1e-4, rtol=1e-4)

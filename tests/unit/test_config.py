@@ -29,9 +29,10 @@ def hf_written(arch, tmp_path) -> dict:
 
 def test_supported_list():
     assert SUPPORTED_ARCHITECTURES == (
-        "deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe",
+        "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "gpt_oss", "mixtral", "nemotron_h", "olmoe",
+        "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next",
     )
-    assert set(ARCHS) == set(SUPPORTED_ARCHITECTURES)
+    assert set(ARCHS) | {"qwen3_5_moe_text"} == set(SUPPORTED_ARCHITECTURES)  # (the text config: test_qwen3_next_fields)
 
 
 def test_metadata_and_moe_layers_from_transformers_configs(tmp_path):
@@ -43,6 +44,11 @@ def test_metadata_and_moe_layers_from_transformers_configs(tmp_path):
         "deepseek_v2": ((1, 2), 16, 4, 24),  # first_k_dense_replace=1; head_dim = qk_nope + qk_rope
         "deepseek_v3": ((1, 2), 16, 4, 24),
         "gpt_oss": ((0, 1, 2), 8, 2, 16),
+        "glm4_moe": ((1, 2), 16, 4, 32),  # first_k_dense_replace=1; explicit head_dim
+        "glm4_moe_lite": ((1, 2, 4), 16, 4, 24),  # mlp_layer_types; head_dim = qk_nope + qk_rope
+        "qwen3_next": ((0, 2, 3, 4), 16, 4, 32),  # mlp_only_layers=[1]
+        "qwen3_5_moe": ((0, 1, 2, 3, 4), 16, 4, 32),  # text_config of the multimodal config
+        "nemotron_h": ((1, 5), 16, 4, 16),  # the MoE blocks of layers_block_type
     }
     for arch, (moe_layers, E, K, D) in expect.items():
         d = tmp_path / arch
@@ -60,6 +66,7 @@ def test_metadata_and_moe_layers_from_transformers_configs(tmp_path):
             "num_experts": E,
             "num_experts_per_tok": K,
             "routed_experts_dtype": "uint8",
+            **({"layer_types": list(cfg.layer_types)} if cfg.is_hybrid else {}),
         }
         json.dumps(meta)
         assert cfg.torch_dtype == "float32" and cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1
@@ -129,6 +136,123 @@ def test_deepseek_and_gpt_oss_fields(tmp_path):
     assert go.experts.swiglu_limit == 0.1
     assert go.rope.type == "yarn" and go.rope.factor == 32.0 and go.rope.theta == 150000.0
     assert go.experts.quant == "none"
+
+
+def test_qwen3_next_fields(tmp_path):
+    import transformers
+
+    cfgs = {}
+    for arch in ("qwen3_next", "qwen3_5_moe"):
+        (tmp_path / arch).mkdir()
+        cfgs[arch] = config_from_dict(hf_written(arch, tmp_path / arch))
+    nxt, q35 = cfgs["qwen3_next"], cfgs["qwen3_5_moe"]
+    for c in (nxt, q35):
+        assert c.is_hybrid and c.norm_offset and c.attention.output_gate and c.attention.norm_offset
+        assert c.rope.dim == 8 and c.attention.head_dim == 32  # partial_rotary_factor 0.25
+        assert c.experts.shared_gate and c.experts.shared_intermediate_size == 24 and c.router.norm_topk_prob
+        assert c.linear_attention.num_v_heads == 4 and c.linear_attention.conv_dim == 2 * 2 * 16 + 4 * 16
+        assert c.prefix_caching_off_reason is not None
+    assert nxt.linear_attention.projections == "qkvz" and nxt.attention_layers == (2, 4) and nxt.dense_layers == (1,)
+    assert q35.linear_attention.projections == "split" and q35.recurrent_layers == (0, 2, 3)
+    assert q35.key_prefixes == (("model.", "model.language_model."),) and q35.architecture == "qwen3_5_moe"
+    # Qwen3.5-35B-A3B's text model as transformers' defaults give it (the issue's real shape)
+    text = config_from_dict(transformers.Qwen3_5MoeTextConfig().to_dict())
+    assert (text.hidden_size, text.num_hidden_layers, text.num_experts, text.num_experts_per_tok) == (2048, 40, 256, 8)
+    assert text.experts.intermediate_size == 512 and text.vocab_size == 248320 and len(text.attention_layers) == 10
+    assert text.layer_types[:4] == ("linear_attention",) * 3 + ("attention",) and text.architecture == "qwen3_5_moe_text"
+    default_next = config_from_dict(transformers.Qwen3NextConfig().to_dict())
+    assert default_next.num_experts == 512 and default_next.num_experts_per_tok == 10
+    assert default_next.routed_experts_dtype == "uint16"
+
+
+# Nemotron-3-Nano-30B-A3B's config.json, abridged to what the engine reads (hybrid_override_pattern: 23 Mamba-2, 23 MoE,
+# 6 attention blocks)
+NEMOTRON_3_NANO = {
+    "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "vocab_size": 131072, "hidden_size": 2688,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", "num_hidden_layers": 52,
+    "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "mamba_num_heads": 64,
+    "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
+    "use_conv_bias": True, "use_bias": False, "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2",
+    "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True, "intermediate_size": 1856, "layer_norm_epsilon": 1e-5, "time_step_min": 0.001,
+    "max_position_embeddings": 262144, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+    "eos_token_id": 2, "num_nextn_predict_layers": 0, "residual_in_fp32": False, "mlp_bias": False,
+}
+
+
+def test_nemotron_h_fields(tmp_path):
+    (tmp_path / "nh").mkdir()
+    nh = config_from_dict(hf_written("nemotron_h", tmp_path / "nh"))
+    assert nh.block_style == "single" and nh.layer_types == ("mamba", "none", "attention", "none", "mamba", "none",
+                                                              "attention")
+    assert nh.moe_layers == (1, 5) and nh.recurrent_layers == (0, 4) and nh.attention_layers == (2, 6)
+    assert not nh.attention.rotary and nh.norm_fp32_weight and nh.hidden_act == "relu2"
+    assert nh.experts.block == "nemotron_h" and nh.experts.activation == "relu2"
+    assert nh.experts.shared_intermediate_size == 24 and nh.router.kind == "deepseek_v3"
+    assert (nh.router.n_group, nh.router.topk_group, nh.router.routed_scaling_factor) == (4, 2, 2.0)
+    assert nh.mamba.chunk_size == 8 and nh.mamba.conv_dim == 4 * 16 + 2 * 2 * 16 and nh.mamba.time_step_min == 0.001
+    assert nh.key_prefixes == (("model.", "backbone."),)
+    nano = config_from_dict(NEMOTRON_3_NANO)
+    assert nano.num_hidden_layers == 52 and len(nano.moe_layers) == 23 and len(nano.recurrent_layers) == 23
+    assert len(nano.attention_layers) == 6 and nano.moe_layers[:3] == (1, 3, 6)
+    assert (nano.num_experts, nano.num_experts_per_tok, nano.mamba.num_heads) == (128, 6, 64)
+    assert nano.metadata()["moe_layers"] == list(nano.moe_layers)
+    assert nano.metadata()["layer_types"][:6] == ["mamba", "none", "mamba", "none", "mamba", "attention"]
+    with pytest.raises(UnsupportedModelError, match="hybrid_override_pattern"):
+        config_from_dict({**NEMOTRON_3_NANO, "hybrid_override_pattern": "MX"})
+
+
+def test_glm_fields(tmp_path):
+    cfgs = {}
+    for arch in ("glm4_moe", "glm4_moe_lite"):
+        (tmp_path / arch).mkdir()
+        cfgs[arch] = config_from_dict(hf_written(arch, tmp_path / arch))
+    glm, lite = cfgs["glm4_moe"], cfgs["glm4_moe_lite"]
+    for c in (glm, lite):  # DeepSeek-V3's router and MoE block
+        r = c.router
+        assert (r.kind, r.fp32, r.n_group, r.topk_group, r.norm_topk_prob) == ("deepseek_v3", True, 4, 2, True)
+        assert c.experts.block == "deepseek" and c.rms_norm_eps == 1e-5
+    assert glm.attention.kind == "gqa" and glm.attention.qk_norm == "head" and glm.attention.qkv_bias
+    assert not glm.attention.o_bias  # GLM's o_proj has no bias whatever attention_bias says
+    assert glm.rope.dim == 16 and glm.attention.head_dim == 32  # partial_rotary_factor 0.5 (HF's default)
+    assert glm.router.routed_scaling_factor == 2.5 and glm.experts.shared_intermediate_size == 16
+    assert lite.attention.kind == "mla" and lite.rope.style == "interleave" and lite.rope.dim == 8
+    assert lite.dense_layers == (0, 3) and lite.experts.shared_intermediate_size == 32
+    assert lite.router.routed_scaling_factor == 1.8
+    full = config_from_dict({**hf_written("glm4_moe", tmp_path / "glm4_moe"), "partial_rotary_factor": 1.0,
+                             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert full.rope.dim == 32 and full.rope.theta == 1e6
+    with pytest.raises(UnsupportedModelError, match="n_group"):
+        config_from_dict({**hf_written("glm4_moe", tmp_path / "glm4_moe"), "n_group": 3})
+    with pytest.raises(UnsupportedModelError, match="mlp_layer_types"):
+        config_from_dict({**hf_written("glm4_moe_lite", tmp_path / "glm4_moe_lite"), "mlp_layer_types": ["dense"]})
+
+
+def test_glm_shapes_of_transformers_defaults():
+    """GLM-4.5 (Glm4MoeConfig()'s defaults, head_dim as its Hub config) and GLM-4.7-Flash (Glm4MoeLiteConfig()'s), as transformers writes them;
+    GLM-4.5-Air's Hub config.json (abridged)."""
+    import transformers
+
+    glm = config_from_dict(transformers.Glm4MoeConfig(head_dim=128).to_dict())  # the Hub config states head_dim
+    assert glm.moe_layers == tuple(range(1, 46)) and (glm.num_experts, glm.num_experts_per_tok) == (128, 8)
+    assert glm.attention.head_dim == 128 and glm.rope.dim == 64 and glm.attention.num_kv_heads == 8
+    lite = config_from_dict(transformers.Glm4MoeLiteConfig().to_dict())
+    assert lite.moe_layers == tuple(range(1, 47)) and (lite.num_experts, lite.num_experts_per_tok) == (64, 4)
+    assert lite.attention.mla.q_lora_rank == 768 and lite.attention.head_dim == 256 and lite.rope.dim == 64
+    assert lite.experts.shared_intermediate_size == 1536 and lite.router.routed_scaling_factor == 1.8
+    air = config_from_dict({
+        "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 10944, "max_position_embeddings": 131072,
+        "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+        "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+        "num_hidden_layers": 46, "num_key_value_heads": 8, "num_nextn_predict_layers": 1,
+        "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+        "routed_scaling_factor": 1.0, "topk_group": 1, "torch_dtype": "bfloat16", "use_qk_norm": False,
+        "vocab_size": 151552, "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329,
+    })
+    assert air.rope.dim == 64 and air.rope.theta == 1e6 and air.attention.qkv_bias and air.attention.qk_norm == "none"
+    assert air.moe_layers == tuple(range(1, 46)) and air.eos_token_ids == (151329, 151336, 151338)
 
 
 # Hub config.json files of the real checkpoints (as published; values abridged to what the engine reads).
@@ -228,7 +352,8 @@ def test_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_config(tmp_path)
     llama = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 10}
-    with pytest.raises(UnsupportedModelError, match=r"'llama' is not a Mixture-of-Experts model; supported MoE architectures: deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe"):
+    with pytest.raises(UnsupportedModelError, match=r"'llama' is not a Mixture-of-Experts model; supported MoE architectures: "
+                       + ", ".join(SUPPORTED_ARCHITECTURES)):
         load_config(write(tmp_path, llama))
     with pytest.raises(UnsupportedModelError, match=r"model_type 'llama4_text' is not supported; supported MoE architectures: deepseek_v2, "):
         config_from_dict({**llama, "model_type": "llama4_text"})

@@ -76,6 +76,14 @@ class LaunchCounter:
             monkeypatch.setattr(module_of(name), name, counted)
 
 
+OWN_EXPERTS = ("gpt_oss", "nemotron_h")  # experts off the fused route / GEMM / combine path
+
+
+def num_norms(cfg) -> int:
+    """The decoder's RMSNorms: 2 per layer (Nemotron-H's blocks: 1) and the final one."""
+    return (2 if cfg.block_style == "pair" else 1) * cfg.num_hidden_layers + 1
+
+
 def forward_both_ways(model, ids, within_rounding: bool = False, expert_gemms: bool = True):
     """(op-by-op, fused) forwards. ``expert_gemms=False`` keeps torch's expert GEMMs on a GPU: fused_moe.py sums
     in its own order (bit-identical in bf16 on the H200, not in float32; test_fused_moe.py bounds it)."""
@@ -105,12 +113,13 @@ def test_fused_forward_is_bit_identical_for_every_architecture(arch, bf16_checkp
         assert torch.equal(logits, ref_logits), (arch, n, (logits - ref_logits).abs().max())
         assert torch.equal(routed, ref_routed), (arch, n)
         # every norm is fused (2 per layer + the final one; with the layer inputs' residual adds)
-        assert counter.calls["rms_norm_tail"] >= 2 * model.config.num_hidden_layers + 1
-        if model.config.attention.mla is None:  # MLA keeps its own attention (latent cache, complex/interleaved rope)
+        assert counter.calls["rms_norm_tail"] >= num_norms(model.config)
+        # MLA keeps its own attention (latent cache, complex/interleaved rope); Nemotron-H's has no rotary
+        if model.config.attention.mla is None and model.config.attention.rotary:
             # k/v go into the cache inside qk_norm_rope's launch: no store_kv launch of its own
-            assert counter.calls["qk_norm_rope"] == model.config.num_hidden_layers
+            assert counter.calls["qk_norm_rope"] == len(model.config.attention_layers)  # hybrids: attention layers
             assert "store_kv" not in counter.calls
-        if arch != "gpt_oss":  # GPT-OSS's biased clamped experts keep their own path
+        if arch not in OWN_EXPERTS:  # GPT-OSS's and Nemotron-H's experts keep their own path
             assert counter.calls["combine"] == len(model.config.moe_layers)
             assert counter.calls["route"] == len(model.config.moe_layers)
             assert counter.calls.get("_route_chunks", 0) == (0 if n == 6 else len(model.config.moe_layers))
@@ -337,6 +346,36 @@ def test_qk_norm_rope_writes_the_cache_exactly_as_store_kv(norm):
     assert not torch.equal(cache_k, fill) and torch.equal(cache_k.view(-1, Hk, D)[1], fill.view(-1, Hk, D)[1])
 
 
+@pytest.mark.parametrize("norm", ["none", "head"])
+@pytest.mark.parametrize("rotary_dims", [4, 8])  # of head_dim 16: GLM-4.5's factor 0.5, Qwen3-Next's 0.25
+def test_qk_norm_rope_rotates_only_the_first_dims_of_a_partial_rotary(norm, rotary_dims):
+    """Partial rotary: the kernel rotates the first R dims of each head (cos/sin [T, R]) and passes the rest through
+    (after the norm), bit for bit what the op-by-op norm and ``apply_rotary`` give, as HF's apply_rotary_pos_emb."""
+    from moe_engine.layers.norm import RMSNorm
+    from moe_engine.layers.rotary import apply_rotary
+
+    dtype, T, D, Hq, Hk = torch.bfloat16, 5, 16, 4, 2
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(T, Hq * D, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(T, Hk * D, generator=g).to(dtype).to(DEVICE)
+    angles = torch.randn(T, rotary_dims // 2, generator=g).repeat(1, 2)
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    qn, kn = q.view(T, Hq, D), k.view(T, Hk, D)
+    extra = ()
+    if norm == "head":
+        nq, nk = RMSNorm(D, 1e-6).to(DEVICE, dtype), RMSNorm(D, 1e-6).to(DEVICE, dtype)
+        with torch.no_grad():
+            nq.weight.copy_(1 + 0.1 * torch.randn(D, generator=g))
+            nk.weight.copy_(1 + 0.1 * torch.randn(D, generator=g))
+        qn, kn = nq(qn), nk(kn)
+        q_var = q.view(T, Hq, D).float().pow(2).mean(-1, keepdim=True)
+        k_var = k.view(T, Hk, D).float().pow(2).mean(-1, keepdim=True)
+        extra = (q_var, k_var, nq.weight, nk.weight, 1e-6)
+    q_out, k_out = rotary_kernels.qk_norm_rope(q, k, cos, sin, D, norm, *extra)
+    assert torch.equal(q_out, apply_rotary(qn, cos, sin)) and torch.equal(k_out, apply_rotary(kn, cos, sin))
+    assert torch.equal(q_out[..., rotary_dims:], qn[..., rotary_dims:])  # passed through
+
+
 def test_route_and_combine_give_the_same_bits_however_the_work_is_split(monkeypatch):
     """route's pairs per program and combine's columns per program (the launch granularity a decode step's
     latency depends on, and combine's defaults by step size) change nothing: combine equals the op-by-op weighted
@@ -415,8 +454,8 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
         # every layer norm (and the final one) in one pass; after a MoE layer without shared experts, with its
         # combine in the same launch
         deferred = counter.calls.get("combine_rms_norm", 0)
-        assert counter.calls["rms_norm"] + deferred >= 2 * L + 1
-        if arch != "gpt_oss":  # GPT-OSS's biased clamped experts keep their own path
+        assert counter.calls["rms_norm"] + deferred >= num_norms(model.config)
+        if arch not in OWN_EXPERTS:  # GPT-OSS's and Nemotron-H's experts keep their own path
             assert counter.calls.get("combine", 0) + deferred == len(model.config.moe_layers), arch
             shared = model.config.experts.shared_intermediate_size
             assert deferred == (0 if shared else len(model.config.moe_layers)), arch
@@ -438,8 +477,13 @@ def test_fusions_within_rounding_keep_every_architectures_expert_ids(arch, bf16_
                 assert counter.calls.get("softmax_topk_route", 0) == (moe if n == 1 else 0), (arch, n)
                 assert counter.calls.get("route", 0) == (0 if n == 1 else moe), (arch, n)
             assert "combine_rms_norm" not in counter.calls, (arch, n)  # fewer tokens than the threshold
+        if model.config.linear_attention is not None:  # Gated DeltaNet's input projections: one GEMM too
+            model.use_fused_kernels(True, within_rounding=True)
+            gdn = model.model.layers[model.config.recurrent_layers[0]].linear_attn
+            assert gdn._joined_weight() is not None
+            model.use_fused_kernels(False)
         if model.config.attention.mla is None:  # q/k/v weights laid out as one tensor: one GEMM
-            attn = model.model.layers[0].self_attn
+            attn = model.model.layers[model.config.attention_layers[0]].self_attn
             assert attn._qkv_weight() is not None
             assert attn.k_proj.weight.data_ptr() == attn.q_proj.weight.data_ptr() + attn.q_proj.weight.nbytes
 

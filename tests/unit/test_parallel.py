@@ -33,7 +33,7 @@ from moe_engine.errors import EngineStoppedError
 from moe_engine.models.decoder import reference_forward
 
 from ..tolerances import assert_close_across_batches
-from .hf_checkpoints import ARCHS, make_hf_model, save_gpt_oss_mxfp4, save_hf_checkpoint
+from .hf_checkpoints import ARCHS, HYBRID_ARCHS, hf_config, make_hf_model, save_gpt_oss_mxfp4, save_hf_checkpoint
 from .parallel_harness import rank_processes, two_ranks
 from .test_replay import Result
 
@@ -179,10 +179,19 @@ def test_parallel_sizes_are_checked_before_loading(tiny_checkpoint):
         check_parallel(six, 4, expert_parallel=True)
 
 
+def test_hybrid_models_refuse_tensor_parallelism(tmp_path):
+    for arch in HYBRID_ARCHS:
+        hf_config(arch).save_pretrained(tmp_path / arch)
+        cfg = load_config(tmp_path / arch)
+        check_parallel(cfg, 1, expert_parallel=False)
+        with pytest.raises(ValueError, match="hybrid"):
+            check_parallel(cfg, 2, expert_parallel=True)
+
+
 # ----------------------------------------------------------------------------- every architecture, model level
 
 # (architecture, config overrides, how the checkpoint stores the experts): per expert as on the Hub by default
-CASES = [(arch, {}, "hub") for arch in ARCHS] + [
+CASES = [(arch, {}, "hub") for arch in ARCHS if arch not in HYBRID_ARCHS] + [
     ("mixtral", dict(num_key_value_heads=1), "hub"),  # one KV head, replicated on both ranks
     ("qwen3_moe", dict(vocab_size=255), "fused"),  # vocabulary parts of 128 + 127 (zero-padded); 3-D experts
     ("gpt_oss", {}, "mxfp4"),  # experts as the Hub stores gpt-oss: MXFP4 blocks and scales

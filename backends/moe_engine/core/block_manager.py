@@ -123,6 +123,9 @@ class BlockTable:
     # The cached block that stands for the last registered block of this table, with its generation: what the
     # next block registers as its parent (None before the first block).
     link: tuple[int, int] | None = None
+    # Hybrid models: the sequence's recurrent-state slot (kv_cache.py / layers/recurrent.py), held while it holds
+    # blocks (handed out with its first blocks, released with them: at its end or preemption)
+    state_slot: int | None = None
 
 
 class BlockManager:
@@ -134,8 +137,11 @@ class BlockManager:
         routing_shape: tuple[int, int] | None = None,  # (num_hidden_layers, top_k): store rows with cached blocks
         routing_dtype: type = np.uint16,
         watermark: float = 0.01,
+        num_state_slots: int = 0,  # hybrid models: recurrent-state slots (one per running sequence)
     ):
         self.num_blocks = num_blocks
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: lowest first
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
@@ -174,7 +180,8 @@ class BlockManager:
         keep routing rows of ``cfg`` (MoEConfig), stored in the dtype the API sends them in."""
         shape = (cfg.num_hidden_layers, cfg.num_experts_per_tok) if settings.keep_routing_rows else None
         return cls(num_blocks, settings.block_size, settings.enable_prefix_caching, routing_shape=shape,
-                   routing_dtype=np.dtype(cfg.routed_experts_dtype))
+                   routing_dtype=np.dtype(cfg.routed_experts_dtype),
+                   num_state_slots=settings.max_num_seqs if cfg.is_hybrid else 0)
 
     # ------------------------------------------------------------------ queries
 
@@ -300,10 +307,17 @@ class BlockManager:
     def allocate(self, table: BlockTable, num_tokens: int) -> bool:
         """Grow ``table`` to cover ``num_tokens`` tokens; False (and nothing taken) if the blocks are not free."""
         need = self.blocks_for(num_tokens) - len(table.blocks)
+        slot = self.num_state_slots and table.state_slot is None
+        if slot and not self.free_state_slots:
+            return False  # (not reached: the scheduler runs at most one sequence per slot)
         if need <= 0:
+            if slot:
+                table.state_slot = self.free_state_slots.pop()
             return True
         if need > self.num_free:
             return False
+        if slot:
+            table.state_slot = self.free_state_slots.pop()
         for _ in range(need):
             b, _ = self.free.popitem(last=False)  # least recently freed: the coldest cached prefix goes first
             self._evict(b)
@@ -322,6 +336,9 @@ class BlockManager:
         table.blocks.clear()
         table.hashes.clear()
         table.link = None
+        if table.state_slot is not None:
+            self.free_state_slots.append(table.state_slot)
+            table.state_slot = None
 
     def _evict(self, b: int) -> None:
         h = self.block_hash[b]

@@ -101,8 +101,9 @@ class DecodeGraphs:
     """Captured decode forwards, keyed by (batch bucket, the key bucket ``graph_len`` gives, capture on/off, weights
     on/off)."""
 
-    # Staging rows: token id, position, slot, sequence length.
-    _IDS, _POS, _SLOT, _LEN = range(4)
+    # Staging rows: token id, position, slot, sequence length, recurrent-state slot (hybrid models).
+    _IDS, _POS, _SLOT, _LEN, _STATE = range(5)
+    _ROWS = 5
 
     def __init__(
         self,
@@ -124,16 +125,17 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.max_blocks = -(-max_model_len // bs)
         self.use_kernels = use_kernels  # attention through paged_attention.py's kernels
-        device = kv[0].k.device
-        # Staged on the host, copied in one transfer: [4, B] scalars, then the block tables [B, max_blocks].
+        device = kv.device
+        # Staged on the host, copied in one transfer: [5, B] scalars, then the block tables [B, max_blocks].
         # Two staging buffers, alternating: with overlapped decode the previous step's copy may not have run yet.
-        width = 4 * max_batch + max_batch * self.max_blocks
+        R = self._ROWS
+        width = R * max_batch + max_batch * self.max_blocks
         self._host = [torch.zeros(width, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self._host_np = [h.numpy() for h in self._host]
         self._parity = 0
         self._inputs = torch.zeros(width, dtype=torch.long, device=device)
-        self._scalars = self._inputs[: 4 * max_batch].view(4, max_batch)
-        self._tables = self._inputs[4 * max_batch :].view(max_batch, self.max_blocks)
+        self._scalars = self._inputs[: R * max_batch].view(R, max_batch)
+        self._tables = self._inputs[R * max_batch :].view(max_batch, self.max_blocks)
         self._arange = torch.arange(max_batch + 1, dtype=torch.long, device=device)
         self._zeros = torch.zeros(max_batch, dtype=torch.long, device=device)
         # Every graph writes its logits into this one buffer (a per-graph output would hold [B, V] float32
@@ -141,7 +143,7 @@ class DecodeGraphs:
         self.logits = torch.empty(max_batch, model.config.vocab_size, dtype=torch.float32, device=device)
         self._graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.replays: collections.Counter = collections.Counter()  # per graph key: steps that replayed it
-        self._kv_heads = sorted({layer.k.shape[2] for layer in kv})  # distinct kv-head counts of the layers
+        self._kv_heads = sorted({layer.k.shape[2] for layer in kv.kv_layers})  # distinct kv-head counts of the layers
         self._graph_len = {(B, Lk): self._longest_alike(B, Lk) for B in self.batch_sizes for Lk in self.kv_lens}
         self.pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=device)  # capture and warm-up run off the default stream
@@ -152,7 +154,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(
         self, token_ids: list[int] | torch.Tensor, positions: list[int], tables: list[list[int]], capture: bool,
-        capture_weights: bool = False,
+        capture_weights: bool = False, state_slots: list[int] | None = None,
     ) -> torch.Tensor:
         """One decode step of n sequences at ``positions`` with block ``tables``; returns their logits [n, V]
         float32 (a view of the buffer every graph writes, valid until the next replay). Routing rows land in
@@ -162,16 +164,17 @@ class DecodeGraphs:
         B = _round_up(self.batch_sizes, n)
         Lk = self.graph_len(B, _round_up(self.kv_lens, max(positions) + 1))
         nb = -(-Lk // self.block_size)
-        bs, M = self.block_size, self.max_batch
+        bs, M, R = self.block_size, self.max_batch, self._ROWS
         self._parity ^= 1
         host = self._host_np[self._parity]  # numpy view of pinned staging memory (cheaper than torch indexing)
-        scalars = host[: 4 * M].reshape(4, M)
-        table_rows = host[4 * M :].reshape(M, self.max_blocks)
+        scalars = host[: R * M].reshape(R, M)
+        table_rows = host[R * M :].reshape(M, self.max_blocks)
         on_device = isinstance(token_ids, torch.Tensor)
         pos = np.asarray(positions, dtype=np.int64)
         scalars[self._IDS, :n] = 0 if on_device else token_ids
         scalars[self._POS, :n] = pos
         scalars[self._LEN, :n] = pos + 1
+        scalars[self._STATE, :n] = 0 if state_slots is None else state_slots
         for i, table in enumerate(tables):
             w = min(len(table), nb)
             table_rows[i, :w] = table[:w]
@@ -236,10 +239,10 @@ class DecodeGraphs:
 
     def _stage_padding(self, B: int, Lk: int) -> None:
         """Static inputs of B rows that are all padding, for a capture or a warm-up at Lk keys."""
-        M = self.max_batch
+        M, R = self.max_batch, self._ROWS
         self._parity ^= 1
         host = self._host_np[self._parity]
-        self._pad(host[: 4 * M].reshape(4, M), host[4 * M :].reshape(M, self.max_blocks), 0, B,
+        self._pad(host[: R * M].reshape(R, M), host[R * M :].reshape(M, self.max_blocks), 0, B,
                   -(-Lk // self.block_size))
         self._upload(B)
 
@@ -249,17 +252,17 @@ class DecodeGraphs:
             scalars[self._IDS : self._POS + 1, n:B] = 0
             scalars[self._SLOT, n:B] = self.kv.null_block * self.block_size
             scalars[self._LEN, n:B] = 1
+            scalars[self._STATE, n:B] = self.kv.null_state_slot
             table_rows[n:B, :nb] = self.kv.null_block
 
     def _upload(self, B: int) -> None:
         """The staged scalars and the first B table rows to the device. This staging buffer's previous copy (two
         steps ago) finished before that step's results were read."""
-        M = self.max_batch
-        self._inputs[: 4 * M + B * self.max_blocks].copy_(self._host[self._parity][: 4 * M + B * self.max_blocks],
-                                                         non_blocking=True)
+        n = self._ROWS * self.max_batch + B * self.max_blocks
+        self._inputs[:n].copy_(self._host[self._parity][:n], non_blocking=True)
 
     def _forward(self, B: int, Lk: int, capture: bool, capture_weights: bool) -> None:
-        ids, positions, slots, seq_lens = (self._scalars[i, :B] for i in range(4))
+        ids, positions, slots, seq_lens, state_slots = (self._scalars[i, :B] for i in range(self._ROWS))
         nb = -(-Lk // self.block_size)
         batch = ForwardBatch(
             positions=positions,
@@ -275,6 +278,7 @@ class DecodeGraphs:
             max_seq_len=Lk,
             block_size=self.block_size,
             use_kernels=self.use_kernels,
+            state_slots=state_slots,
         )
         routing = StepRouting(ids=self.capture_buf if capture else None,
                               weights=self.weights_buf if capture_weights else None)

@@ -7,6 +7,10 @@ p lives in block ``block_table[p // block_size]`` at offset ``p % block_size``; 
 (block_manager.py); this module only allocates memory and says how many blocks a budget holds.
 
 The last block is never handed out: CUDA-graph padding rows write their keys there (``null_block``).
+
+Hybrid models: a layer whose ``kv_layout`` entry is a ``StateSpec`` (linear attention, Mamba) has no blocks but a
+``LayerState`` (layers/recurrent.py): its states for ``num_state_slots`` sequence slots and one null slot, at fixed
+addresses, allocated here beside the blocks and counted in the same budget (``state_bytes``).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 
 from ..layers.attend import ForwardBatch, LayerKV
 from ..layers.experts import StepRouting
+from ..layers.recurrent import LayerState, StateSpec
 
 log = logging.getLogger(__name__)
 
@@ -31,42 +36,61 @@ class KVSpec:
     v_dim: int
 
 
-def bytes_per_block(specs: list[KVSpec], block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(specs: list[KVSpec | StateSpec], block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return sum(s.num_kv_heads * (s.k_dim + s.v_dim) for s in specs) * block_size * elem
+    return sum(s.num_kv_heads * (s.k_dim + s.v_dim) for s in specs if isinstance(s, KVSpec)) * block_size * elem
 
 
-def blocks_for_budget(specs: list[KVSpec], block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+def state_bytes(specs: list[KVSpec | StateSpec], num_slots: int, dtype: torch.dtype) -> int:
+    """Bytes of the recurrent layers' states for ``num_slots`` sequences and the null slot (0 without such layers)."""
+    return sum(s.nbytes(dtype) for s in specs if isinstance(s, StateSpec)) * (num_slots + 1) if num_slots else 0
+
+
+def blocks_for_budget(specs: list[KVSpec | StateSpec], block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
     """Blocks that fit ``budget_bytes`` (the null block included)."""
     return int(budget_bytes // bytes_per_block(specs, block_size, dtype))
 
 
 class KVCache:
     def __init__(
-        self, specs: list[KVSpec], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+        self, specs: list[KVSpec | StateSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
+        device: torch.device | str, num_state_slots: int = 4,
     ):
         if num_blocks < 2:
             raise ValueError(f"a KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.null_block = num_blocks - 1
-        self.layers = [
-            LayerKV(
+        self.device = torch.device(device)
+        hybrid = any(isinstance(s, StateSpec) for s in specs)
+        self.num_state_slots = num_state_slots if hybrid else 0  # sequences with a recurrent state at once
+        # per layer: its KV blocks, its recurrent states, or None (a Nemotron-H MLP / MoE block keeps nothing)
+        self.layers: list[LayerKV | LayerState | None] = [
+            None if s is None else LayerState.allocate(s, num_state_slots, dtype, device) if isinstance(s, StateSpec)
+            else LayerKV(
                 k=torch.zeros(num_blocks, block_size, s.num_kv_heads, s.k_dim, dtype=dtype, device=device),
                 v=torch.zeros(num_blocks, block_size, s.num_kv_heads, s.v_dim, dtype=dtype, device=device),
             )
             for s in specs
         ]
-        self.nbytes = sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
+        self.kv_layers = [layer for layer in self.layers if isinstance(layer, LayerKV)]
+        self.state_nbytes = sum(layer.nbytes for layer in self.layers if isinstance(layer, LayerState))
+        self.nbytes = sum(layer.k.nbytes + layer.v.nbytes for layer in self.kv_layers) + self.state_nbytes
+
+    @property
+    def null_state_slot(self) -> int:
+        """The state slot CUDA-graph padding rows write (no sequence's)."""
+        return self.num_state_slots
 
     @classmethod
     def for_sequences(
-        cls, specs: list[KVSpec], num_seqs: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
-        block_size: int = 16,
+        cls, specs: list[KVSpec | StateSpec], num_seqs: int, max_len: int, dtype: torch.dtype,
+        device: torch.device | str, block_size: int = 16,
     ) -> "KVCache":
-        """A cache in which sequence s owns the fixed blocks ``sequence_blocks(s)`` (reference runs, tests)."""
+        """A cache in which sequence s owns the fixed blocks ``sequence_blocks(s)`` and state slot s (reference
+        runs, tests)."""
         per_seq = -(-max_len // block_size)
-        cache = cls(specs, num_seqs * per_seq + 1, block_size, dtype, device)
+        cache = cls(specs, num_seqs * per_seq + 1, block_size, dtype, device, num_state_slots=num_seqs)
         cache._per_seq = per_seq
         return cache
 
@@ -87,7 +111,9 @@ CPU_KV_BUDGET = 2 << 30  # CPU default: 2 GiB, or less when max_num_seqs full-le
 def kv_cache_budget(model: torch.nn.Module, specs: list[KVSpec], settings) -> int:
     """KV-cache bytes (``settings``: the engine's ResolvedConfig): ``kv_cache_memory_bytes`` when given; on CUDA the share ``gpu_memory_utilization`` of the
     GPU's memory minus what is in use (weights, other processes), a profiled peak step's activations and the same
-    again for the decode graphs' pool; on CPU ``CPU_KV_BUDGET`` capped at what max_num_seqs full sequences need."""
+    again for the decode graphs' pool; on CPU ``CPU_KV_BUDGET`` capped at what max_num_seqs full sequences need.
+    Hybrid models' recurrent states (``state_bytes`` for max_num_seqs slots) come out of this budget too
+    (runner.py's ``build_runner`` sizes the blocks from what they leave)."""
     if settings.kv_cache_memory_bytes:
         return settings.kv_cache_memory_bytes
     block_size, max_num_seqs, step_tokens = settings.block_size, settings.max_num_seqs, settings.step_tokens
@@ -96,7 +122,7 @@ def kv_cache_budget(model: torch.nn.Module, specs: list[KVSpec], settings) -> in
     dtype = next(model.parameters()).dtype
     if device.type != "cuda":
         need = (max_num_seqs * -(-max_model_len // block_size) + 1) * bytes_per_block(specs, block_size, dtype)
-        return min(CPU_KV_BUDGET, need)
+        return min(CPU_KV_BUDGET, need + state_bytes(specs, max_num_seqs, dtype))
     peak = profile_peak_activation(model, specs, block_size, step_tokens, max_num_seqs)
     torch.cuda.synchronize(device)
     # Memory this process's caching allocator holds but no tensor uses (a previous engine's KV cache, the

@@ -23,7 +23,7 @@ from ..layers.attend import ForwardBatch
 from ..layers.experts import StepRouting
 from .cuda_graphs import DecodeGraphs
 from ..engine_config import ResolvedConfig
-from .kv_cache import KVCache, blocks_for_budget, kv_cache_budget
+from .kv_cache import KVCache, blocks_for_budget, kv_cache_budget, state_bytes
 from .prefill_graphs import PrefillGraphs
 from .sampling import Sampler
 from .scheduler import StepPlan, StepResult
@@ -58,6 +58,7 @@ class StepInputs:
     context: list[int]  # [B] tokens in cache before the step
     query_lens: list[int]  # [B] tokens forwarded
     tables: list[list[int]]  # [B] block tables (the same block ids on every rank)
+    state_slots: list[int] | None = None  # [B] recurrent-state slots (hybrid models), else None
     want_routing: bool = False  # capture routed experts (rank 0)
     want_weights: bool = False  # ... and their combine weights
     forced: tuple[np.ndarray, np.ndarray] | None = None  # replay: (mask [T] bool, ids [T, L, K] int64)
@@ -105,7 +106,8 @@ class ReleasableMemory:
 
     def allocate_kv(self) -> None:
         """The KV cache again, as it was sized at start (zeros); graphs follow with ``reset_graphs``."""
-        self.kv = KVCache(self.model.kv_layout(), self._kv_blocks, self.block_size, self.dtype, self.device)
+        self.kv = KVCache(self.model.kv_layout(), self._kv_blocks, self.block_size, self.dtype, self.device,
+                          num_state_slots=self.num_state_slots)
 
 
 def graphs_off_reason(model: torch.nn.Module, settings: ResolvedConfig) -> str | None:
@@ -125,13 +127,20 @@ def build_runner(model: torch.nn.Module, settings: ResolvedConfig, group=None) -
 
     model.use_fused_kernels(settings.fused_kernels, within_rounding=False if settings.exact_kernels else None)
     specs = model.kv_layout()
+    dtype = next(model.parameters()).dtype
     budget = kv_cache_budget(model, specs, settings)
-    num_blocks = blocks_for_budget(specs, settings.block_size, next(model.parameters()).dtype, budget)
+    # hybrid models: every running sequence's recurrent states (and the null slot) first, the blocks from the rest
+    states = state_bytes(specs, settings.max_num_seqs, dtype)
+    if states:
+        log.info("recurrent states: %.3f GiB for %d sequences (%d linear-attention / Mamba layers)", states / 2**30,
+                 settings.max_num_seqs, len(model.config.recurrent_layers))
+    num_blocks = blocks_for_budget(specs, settings.block_size, dtype, budget - states)
     if group is not None:
         num_blocks = group.min_int(num_blocks)
     if (num_blocks - 1) * settings.block_size < settings.max_model_len:
         raise ValueError(
-            f"the KV cache ({budget / 2**30:.2f} GiB, {num_blocks - 1} blocks of {settings.block_size} tokens) cannot "
+            f"the KV cache ({budget / 2**30:.2f} GiB, {num_blocks - 1} blocks of {settings.block_size} tokens"
+            + (f" after {states / 2**30:.2f} GiB of recurrent states" if states else "") + ") cannot "
             f"hold one sequence of max_model_len={settings.max_model_len}; raise the KV budget or lower max_model_len"
         )
     runner = ModelRunner(model, num_blocks, settings)
@@ -147,7 +156,9 @@ class ModelRunner(ReleasableMemory):
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = s.block_size
-        self.kv = KVCache(model.kv_layout(), num_blocks, s.block_size, self.dtype, self.device)
+        self.num_state_slots = s.max_num_seqs  # hybrid models: one recurrent-state slot per running sequence
+        self.kv = KVCache(model.kv_layout(), num_blocks, s.block_size, self.dtype, self.device,
+                          num_state_slots=self.num_state_slots)
         self.null_block = self.kv.null_block
         self.step_tokens = S = s.step_tokens
         L, K = self.routing_shape = cfg.num_hidden_layers, cfg.num_experts_per_tok
@@ -253,6 +264,7 @@ class ModelRunner(ReleasableMemory):
         step = StepInputs(
             ids=ids, context=list(context), query_lens=[n for _, n in items],
             tables=[seq.table.blocks for seq, _ in items], want_routing=want_routing, want_weights=want_weights,
+            state_slots=[seq.table.state_slot for seq, _ in items] if self.kv.num_state_slots else None,
             forced=forced, samplers=list(plan.samplers), score_rows=score[0] if score else [],
         )
         step.graph = (self.graphs is not None and T == len(items) and forced is None and not scoring
@@ -291,14 +303,15 @@ class ModelRunner(ReleasableMemory):
         routing is captured where the runner has a capture buffer (rank 0 only)."""
         if step.graph:
             logits = self.graphs.run(step.ids if input_ids is None else input_ids, step.context, step.tables,
-                                     step.want_routing, step.want_weights)  # [T, V]
+                                     step.want_routing, step.want_weights, step.state_slots)  # [T, V]
             return (logits if len(step.samplers) == len(step.context) else logits[step.samplers]), None
         if step.prefill_graph:
             logits = self.prefill_graphs.run(step.ids if input_ids is None else input_ids, step.context,
                                              step.query_lens, step.tables, step.want_routing, step.want_weights)
             return (logits if len(step.samplers) == len(step.context) else logits[step.samplers]), None
         batch = ForwardBatch.build(step.tables, step.context, step.query_lens, self.device, self.block_size,
-                                   self.null_block, split_parts=not self.use_kernels)  # parts: reference path only
+                                   self.null_block, split_parts=not self.use_kernels,  # parts: reference path only
+                                   state_slots=step.state_slots)
         batch.use_kernels = self.use_kernels
         if input_ids is None:
             input_ids = upload(np.array(step.ids, dtype=np.int64), self.device)

@@ -201,11 +201,11 @@ def _shard_vocab(s: _Sharder, model: nn.Module, group) -> None:
     cfg = model.config
     V, H = cfg.vocab_size, cfg.hidden_size
     (v0, v1), per = _vocab_rows(V, s.world, s.rank)
-    embed = model.model.embed_tokens
+    embed = model.model.embedding()
     s.take(embed, "weight", {0: ((v0, v1),)}, local=(per, H))
-    model.model.embed_tokens = VocabParallelEmbedding(embed.weight, v0, v1, group)
+    model.model.set_embedding(VocabParallelEmbedding(embed.weight, v0, v1, group))
     if cfg.tie_word_embeddings:
-        head_weight = model.model.embed_tokens.weight
+        head_weight = model.model.embedding().weight
     else:
         s.take(model.lm_head, "weight", {0: ((v0, v1),)}, local=(per, H))
         head_weight = model.lm_head.weight

@@ -49,8 +49,11 @@ if triton is not None:
 
     @triton.jit
     def _store_normed(out_ptr, x, rstd, w_ptr, cols, m, DT: tl.constexpr, FP32_WEIGHT: tl.constexpr):
-        """The tail both norm kernels share: weight * (x * rstd).to(dtype) (GPT-OSS: the product in float32)."""
+        """The tail both norm kernels share: weight * (x * rstd).to(dtype) (GPT-OSS: the product in float32;
+        FP32_WEIGHT == 2, Qwen3-Next's offset norm: (1 + weight) * (x * rstd) in float32)."""
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if FP32_WEIGHT == 2:
+            w = 1.0 + w
         if FP32_WEIGHT:
             y = _round(w * (x * rstd), DT)
         else:

@@ -27,15 +27,17 @@ if triton is not None:
         x_ptr, var_ptr, w_ptr, cos_ptr, sin_ptr, row, sx, H, h0, eps,
         HEAD_NORM: tl.constexpr, HAS_NORM: tl.constexpr, D: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr, VAR_HERE: tl.constexpr,
+        R: tl.constexpr,
     ):
         """[BLOCK_H, BLOCK_D] of one token, heads h0..h0+BLOCK_H-1 of its H: RMSNorm tail (full width: h0 = 0 and
-        every head in the block; or per head), then rotary (half style). VAR_HERE: the mean of squares is summed
-        here instead of read from var_ptr (torch's mean)."""
+        every head in the block; or per head), then rotary (half style) of the first R dims of each head (partial
+        rotary: the others pass through). VAR_HERE: the mean of squares is summed here instead of read from
+        var_ptr (torch's mean)."""
         h = h0 + tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         m = (h < H) & (d < D)
-        half: tl.constexpr = D // 2
-        partner = tl.where(d < half, d + half, d - half)  # rotate_half: [-x2, x1]
+        half: tl.constexpr = R // 2
+        partner = tl.where(d < half, d + half, tl.where(d < R, d - half, d))  # rotate_half: [-x2, x1]
         x = tl.load(x_ptr + row * sx + h * D + d, mask=m, other=0.0).to(tl.float32)
         xp = tl.load(x_ptr + row * sx + h * D + partner, mask=m, other=0.0).to(tl.float32)
         if HAS_NORM:
@@ -58,10 +60,13 @@ if triton is not None:
                 wp = tl.load(w_ptr + h * D + partner, mask=m, other=0.0).to(tl.float32)
             x = _round(w * _round(x * rstd, DT), DT)
             xp = _round(wp * _round(xp * rstd, DT), DT)
-        cos = tl.load(cos_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + row * R + d, mask=d < R, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + row * R + d, mask=d < R, other=0.0).to(tl.float32)
         rot = tl.where(d < half, -xp, xp)
-        return _round(_round(x * cos, DT) + _round(rot * sin, DT), DT), h, d, m
+        y = _round(_round(x * cos, DT) + _round(rot * sin, DT), DT)
+        if R < D:
+            y = tl.where(d < R, y, x)
+        return y, h, d, m
 
     @triton.jit
     def _qk_norm_rope_kernel(
@@ -71,7 +76,7 @@ if triton is not None:
         v_ptr, sv, ck_ptr, cv_ptr, slot_ptr, sck, sck_h, scv, scv_h,
         HEAD_NORM: tl.constexpr, HAS_NORM: tl.constexpr, D: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr, VAR_HERE: tl.constexpr,
-        STORE_KV: tl.constexpr, PDL: tl.constexpr,
+        STORE_KV: tl.constexpr, PDL: tl.constexpr, R: tl.constexpr,
     ):
         """Token program_id(0), heads block program_id(1): the first cdiv(Hq, BLOCK_H) blocks are q's, the rest
         k's -> normed (optional) and rotated, [BLOCK_H, D] out. A full-width norm (not HEAD_NORM) needs every head
@@ -84,12 +89,12 @@ if triton is not None:
         blk = tl.program_id(1)
         if blk < q_blocks:
             y, h, d, m = _normed_rotated(q_ptr, qvar_ptr, qw_ptr, cos_ptr, sin_ptr, row, sq, Hq, blk * BLOCK_H, eps,
-                                         HEAD_NORM, HAS_NORM, D, BLOCK_H, BLOCK_D, DT, VAR_HERE)
+                                         HEAD_NORM, HAS_NORM, D, BLOCK_H, BLOCK_D, DT, VAR_HERE, R)
             tl.store(qout_ptr + row * Hq * D + h * D + d, y.to(qout_ptr.dtype.element_ty), mask=m)
         else:
             y, h, d, m = _normed_rotated(k_ptr, kvar_ptr, kw_ptr, cos_ptr, sin_ptr, row, sk, Hk,
                                          (blk - q_blocks) * BLOCK_H, eps,
-                                         HEAD_NORM, HAS_NORM, D, BLOCK_H, BLOCK_D, DT, VAR_HERE)
+                                         HEAD_NORM, HAS_NORM, D, BLOCK_H, BLOCK_D, DT, VAR_HERE, R)
             k_out = y.to(kout_ptr.dtype.element_ty)
             tl.store(kout_ptr + row * Hk * D + h * D + d, k_out, mask=m)
             if STORE_KV:
@@ -121,8 +126,8 @@ if triton is not None:
 def qk_norm_rope(
     q: torch.Tensor,  # [T, Hq*D] (or [T, Hq, D])
     k: torch.Tensor,  # [T, Hk*D]
-    cos: torch.Tensor,  # [T, D] model dtype
-    sin: torch.Tensor,  # [T, D]
+    cos: torch.Tensor,  # [T, R] model dtype, R <= D rotary dims (partial rotary: the rest pass through)
+    sin: torch.Tensor,  # [T, R]
     head_dim: int,
     norm: str = "none",  # "none", "full" (one norm over all heads) or "head" (per head)
     q_var: torch.Tensor | None = None,  # [T, 1] or [T, Hq, 1] float32: torch's mean of the squares
@@ -174,7 +179,7 @@ def qk_norm_rope(
             cos.contiguous(), sin.contiguous(), eps, *kv_args,
             HEAD_NORM=norm == "head", HAS_NORM=has_norm, D=D,
             BLOCK_H=block_h, BLOCK_D=_pow2(D), DT=_DT[q.dtype], VAR_HERE=var_here,
-            STORE_KV=kv_cache is not None, PDL=pdl(q.device),
+            STORE_KV=kv_cache is not None, PDL=pdl(q.device), R=cos.shape[-1],
         )
     return q_out, k_out
 

@@ -80,6 +80,13 @@ class ForwardBatch:
     # position 0, from the first with DENSE_PREFILL_MIN_TOKENS on (see the module docstring and ``build``).
     dense_from: int | None = None
     use_kernels: bool = False  # attention through paged_attention.py's kernels (set by the runner)
+    # Hybrid models' recurrent layers (layers/recurrent.py): each sequence's state slot [B] long, and on the host
+    # (eager steps; None in a captured decode step) the slots, each sequence's tokens before the step and where
+    # its tokens start in T
+    state_slots: torch.Tensor | None = None
+    state_slots_host: list[int] | None = None
+    context_lens: list[int] | None = None
+    query_starts: list[int] | None = None
     _masks: dict = field(default_factory=dict, repr=False)
     _int32: dict = field(default_factory=dict, repr=False)
 
@@ -102,6 +109,7 @@ class ForwardBatch:
         null_block: int = 0,
         split_parts: bool = True,
         dense_prefill_min: int | None = None,  # None: DENSE_PREFILL_MIN_TOKENS (read at each call)
+        state_slots: list[int] | None = None,  # recurrent-state slot of each sequence (None: slot b for sequence b)
     ) -> "ForwardBatch":
         """Host-side construction from per-sequence (blocks, tokens already cached, new tokens). Each table
         must cover the sequence's context + new tokens."""
@@ -127,21 +135,23 @@ class ForwardBatch:
         slots = tables[token_seq, positions // block_size] * block_size + positions % block_size  # [T]
         last = cu[1:] - 1  # [B]
         # One host->device copy for all fields, split as views; it does not wait for the step in flight.
+        state = np.asarray(list(range(B)) if state_slots is None else state_slots, dtype=np.int64).reshape(B)
         packed = upload(np.concatenate([positions, slots, tables.reshape(-1), seq_lens, cu, token_seq, token_qidx,
-                                        last]), device)
+                                        last, state]), device)
         names = ("positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "token_seq", "token_qidx",
-                 "last_token_index")
-        fields = dict(zip(names, torch.split(packed, [T, T, B * nb, B, B + 1, T, T, B])))
+                 "last_token_index", "state_slots")
+        fields = dict(zip(names, torch.split(packed, [T, T, B * nb, B, B + 1, T, T, B, B])))
         fields["block_tables"] = fields["block_tables"].view(B, nb)
+        fields.update(state_slots_host=state.tolist(), context_lens=ctx_arr.tolist(), query_starts=cu[:-1].tolist())
         parts = None
         nd = 0  # leading decode rows (the scheduler plans decodes first)
         while nd < B and query_lens[nd] == 1:
             nd += 1
         if split_parts and 0 < nd < B:
-            sub = [(block_tables[:nd], context_lens[:nd], query_lens[:nd]),
-                   (block_tables[nd:], context_lens[nd:], query_lens[nd:])]
+            sub = [(block_tables[:nd], context_lens[:nd], query_lens[:nd], state[:nd].tolist()),
+                   (block_tables[nd:], context_lens[nd:], query_lens[nd:], state[nd:].tolist())]
             parts = [
-                (lo, hi, cls.build(*args, device, block_size, null_block, split_parts=False))
+                (lo, hi, cls.build(*args[:3], device, block_size, null_block, split_parts=False, state_slots=args[3]))
                 for (lo, hi), args in zip(((0, nd), (nd, T)), sub)
             ]
         dense_from = B  # the trailing run of prompts from position 0 (2+ tokens: not a decode) ...

@@ -27,13 +27,15 @@ class Attention(nn.Module):
         self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
         self.clip_qkv = spec.clip_qkv
         self.qk_norm = spec.qk_norm
-        self.q_proj = nn.Linear(H, self.num_heads * D, bias=spec.qkv_bias)
+        self.output_gate, self.rotary = spec.output_gate, spec.rotary
+        # output_gate (Qwen3-Next): q_proj yields [query (D), gate (D)] per head
+        self.q_proj = nn.Linear(H, self.num_heads * D * (2 if spec.output_gate else 1), bias=spec.qkv_bias)
         self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * D, H, bias=spec.o_bias)
         if spec.qk_norm == "head":
-            self.q_norm = RMSNorm(D, norm_eps)
-            self.k_norm = RMSNorm(D, norm_eps)
+            self.q_norm = RMSNorm(D, norm_eps, offset=spec.norm_offset)
+            self.k_norm = RMSNorm(D, norm_eps, offset=spec.norm_offset)
         elif spec.qk_norm == "full":
             self.q_norm = RMSNorm(self.num_heads * D, norm_eps)
             self.k_norm = RMSNorm(self.num_kv_heads * D, norm_eps)
@@ -57,7 +59,9 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache: LayerKV) -> Tensor:
         T = x.shape[0]
         q, k, v = self._qkv(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
-        if self.fused and self.rope_style == "half" and self.clip_qkv is None and cos.shape[-1] == self.head_dim \
+        if self.output_gate or not self.rotary:
+            return self._forward_gated(q, k, v, cos, sin, batch, cache)
+        if self.fused and self.rope_style == "half" and self.clip_qkv is None and cos.shape[-1] <= self.head_dim \
                 and self.tp_slices is None:
             # [T, Hq, D], [T, Hkv, D]; k and v written into the cache by the same launch
             q, k = self._fused_norm_rope(q, k, cos, sin, (v, cache.k, cache.v, batch.slot_mapping))
@@ -78,6 +82,35 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin, self.rope_style), apply_rotary(k, cos, sin, self.rope_style)
         out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
+
+    def _forward_gated(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch,
+                       cache: LayerKV) -> Tensor:
+        """Qwen3-Next / Qwen3.5 (HF ``Qwen3NextAttention``): q and its gate from one projection, per-head q/k norms
+        (their own modules: (1 + weight) norms), rotary of the first R dims, attention, ``out * sigmoid(gate)``,
+        o_proj; Nemotron-H: no rotary. Fused: the norms' kernels, then rotary and the KV-cache write in one
+        ``qk_norm_rope`` launch (no norm in it), bit for bit the op-by-op values."""
+        T, Hq, D = q.shape[0], self.num_heads, self.head_dim
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(T, Hq, 2 * D).chunk(2, dim=-1)  # [T, Hq, D] each
+            gate = gate.reshape(T, Hq * D)
+        q = q.reshape(T, Hq, D)
+        k = k.view(T, self.num_kv_heads, D)
+        v = v.view(T, self.num_kv_heads, D)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary and self.fused and self.rope_style == "half" and self.tp_slices is None:
+            q, k = rotary_kernels.qk_norm_rope(q, k, cos, sin, D, kv_cache=(v, cache.k, cache.v, batch.slot_mapping))
+            out = attend_stored(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)
+        else:
+            if self.rotary:
+                q, k = apply_rotary(q, cos, sin, self.rope_style), apply_rotary(k, cos, sin, self.rope_style)
+            out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)  # [T, Hq, D]
+        out = out.reshape(T, Hq * D)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return linear_kernels.decode_linear(out, self.o_proj.weight, self.o_proj.bias, self.within_rounding,
+                                            linear_kernels.O_PROJ_SMALL_LINEAR_TOKENS)  # [T, H]
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The q, k and v projections: one GEMM over [Wq; Wk; Wv] when ``fuse_qkv`` laid the three weights out

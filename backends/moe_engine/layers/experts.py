@@ -430,3 +430,49 @@ class GptOssExperts(nn.Module):
     def _gathered(self, x: Tensor, ids: Tensor) -> Tensor:
         gate_up = torch.einsum("th,tkho->tko", x, self.gate_up_proj[ids]) + self.gate_up_proj_bias[ids]
         return torch.einsum("tki,tkih->tkh", self._act(gate_up), self.down_proj[ids]) + self.down_proj_bias[ids]
+
+
+class Relu2Experts(nn.Module):
+    """Nemotron-H experts (HF ``NemotronHExperts``): ungated, up_proj [E, I, H], down_proj [E, H, I],
+    ``down(relu(up(x)) ** 2)``; each output times its float32 routing weight is summed in float32 in ascending expert
+    order (HF accumulates into float32 zeros with ``index_add_``), then cast to the model dtype. Runs torch's grouped
+    GEMM where it has one (no host sync), else one matmul per expert; no Triton expert kernels."""
+
+    supports_fused = False
+
+    def __init__(self, spec: ExpertsSpec, hidden_size: int):
+        super().__init__()
+        E, H, I = spec.num_experts, hidden_size, spec.intermediate_size
+        self.num_experts = E
+        self.up_proj = nn.Parameter(torch.empty(E, I, H), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
+        self.first_expert: int | None = None
+
+    def graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        if not grouped_mm_capturable(device, dtype):
+            return f"Nemotron-H experts need torch's grouped GEMM without a host sync ({dtype} on this GPU: use bfloat16)"
+        return None
+
+    def forward(self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None,
+                weights_capture: Tensor | None = None) -> Tensor:
+        _capture(capture, ids)
+        _capture_weights(weights_capture, weights)
+        if ids.shape[0] == 0:
+            return torch.zeros_like(x)
+        tok, slot = group_by_expert(ids)
+        if x.is_cuda and grouped_mm_works(x.device, x.dtype):
+            flat = ids.reshape(-1)
+            counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat))
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            h = _GMM(x[tok], self.up_proj.transpose(1, 2), offs=offs)
+            y = _GMM(torch.square(F.relu(h)), self.down_proj.transpose(1, 2), offs=offs)
+        else:
+            counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()  # host sync
+            outs = [self._expert(e, rows) for e, rows in enumerate(torch.split(x[tok], counts)) if rows.shape[0]]
+            y = torch.cat(outs)
+        y = y * weights[tok, slot, None]  # float32
+        return sum_in_expert_order(y, ids, tok, slot).to(x.dtype)
+
+    def _expert(self, e: int, rows: Tensor) -> Tensor:
+        return F.linear(torch.square(F.relu(F.linear(rows, self.up_proj[e]))), self.down_proj[e])

@@ -7,21 +7,31 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ExpertsSpec, RouterSpec
-from .experts import NO_ROUTING, ExpertOutputs, Experts, GptOssExperts, LayerRouting
+from .experts import NO_ROUTING, ExpertOutputs, Experts, GptOssExperts, LayerRouting, Relu2Experts
 from .routing import make_router
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: dense layers and shared experts (Qwen2-MoE, DeepSeek)."""
+    """SwiGLU MLP: dense layers and shared experts (Qwen2-MoE, DeepSeek); ``act="relu2"``: Nemotron-H's ungated
+    MLP, down_proj(relu(up_proj(x)) ** 2) (no gate_proj)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu"):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.act = act
+        if act == "silu":
+            self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.act == "relu2":
+            return self.down_proj(relu2(self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def relu2(x: Tensor) -> Tensor:
+    """HF ``ReLUSquaredActivation``: square(relu(x))."""
+    return torch.square(F.relu(x))
 
 
 class MoEBlock(nn.Module):
@@ -87,3 +97,27 @@ class GptOssMoE(nn.Module):
     def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING) -> Tensor:
         ids, weights = self.router(x, routing.forced)  # [T, K] sorted descending, [T, K] model dtype
         return self.experts(x, ids, weights, routing.ids, routing.weights)
+
+
+class NemotronHMoE(nn.Module):
+    """Nemotron-H (HF ``NemotronHMoE``): DeepSeek-V3's sigmoid router (float32, correction bias, groups, scaling) ->
+    ungated squared-ReLU experts summed in float32 (optionally in a latent space: fc1 / fc2_latent_proj) + an
+    ungated squared-ReLU shared expert."""
+
+    def __init__(self, router: RouterSpec, experts: ExpertsSpec, hidden_size: int):
+        super().__init__()
+        self.gate = make_router(router, hidden_size)
+        latent = experts.latent_size
+        self.experts = Relu2Experts(experts, latent or hidden_size)
+        self.shared_experts = MLP(hidden_size, experts.shared_intermediate_size, bias=experts.shared_bias, act="relu2")
+        if latent:
+            self.fc1_latent_proj = nn.Linear(hidden_size, latent, bias=experts.shared_bias)
+            self.fc2_latent_proj = nn.Linear(latent, hidden_size, bias=experts.shared_bias)
+
+    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING) -> Tensor:
+        ids, weights = self.gate(x, routing.forced)  # [T, K] int64 (unsorted), float32
+        h = self.fc1_latent_proj(x) if hasattr(self, "fc1_latent_proj") else x
+        out = self.experts(h, ids, weights, routing.ids, routing.weights)
+        if hasattr(self, "fc2_latent_proj"):
+            out = self.fc2_latent_proj(out)
+        return out + self.shared_experts(x)

@@ -11,10 +11,13 @@ from .experts import ExpertOutputs
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, fp32_weight: bool = False):
+    """``offset`` (Qwen3-Next / Qwen3.5, weights initialised to 0): ``(x_normed * (1 + weight)).to(dtype)`` with the
+    product in float32; the kernels take it as weight mode 2 (``fp32_weight``: 0 HF's usual tail, 1 GPT-OSS's)."""
+
+    def __init__(self, dim: int, eps: float, fp32_weight: bool = False, offset: bool = False):
         super().__init__()
         self.eps = eps
-        self.fp32_weight = fp32_weight
+        self.fp32_weight = 2 if offset else fp32_weight
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.fused = False  # kernels/norm.py (set by MoEForCausalLM.use_fused_kernels)
         self.within_rounding = False  # one-pass kernel, equal within float32 summation order (ditto)
@@ -28,6 +31,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_weight == 2:  # Qwen3-Next: normed * (1 + weight), in float32
+            return (x * (1.0 + self.weight.float())).to(dtype)
         if self.fp32_weight:  # GPT-OSS: (weight * normed).to(input dtype), the product in float32
             return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)  # HF: weight * normed.to(input dtype)

@@ -118,7 +118,12 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor | None, style: str = "half") -> Tensor:
-    """x [T, heads, R]; (cos, sin) [T, R] or (freqs_cis [T, R/2] complex, None) for the "complex" style."""
+    """x [T, heads, D]; (cos, sin) [T, R] or (freqs_cis [T, R/2] complex, None) for the "complex" style. R < D
+    (partial rotary, GLM-4.5 / Qwen3-Next, half style): the first R dims rotate, the rest pass through, as HF's
+    ``apply_rotary_pos_emb`` (rotate ``x[..., :R]``, then concatenate ``x[..., R:]``)."""
+    if style != "complex" and cos.shape[-1] < x.shape[-1]:
+        R = cos.shape[-1]
+        return torch.cat([apply_rotary(x[..., :R], cos, sin, style), x[..., R:]], dim=-1)
     if style == "complex":  # DeepSeek-V2: consecutive pairs as complex numbers, rotated in float32
         xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
         return torch.view_as_real(xc * cos[:, None]).flatten(-2).type_as(x)

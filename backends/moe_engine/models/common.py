@@ -63,10 +63,13 @@ def rope(
     allowed: tuple[str, ...] = ("default", "linear"),
     default_params: dict | None = None,
     style: str = "half",
+    partial_rotary: float | None = None,
 ) -> dict:
     """``RopeSpec`` fields from rope_parameters (transformers v5) or legacy rope_theta + rope_scaling; ``dim`` =
-    rotary dims per head. yarn keys get the defaults of transformers' ``_compute_yarn_parameters`` (layers/rotary.py
-    derives the correction range and attention factor from them)."""
+    head dims the rotary could cover. yarn keys get the defaults of transformers' ``_compute_yarn_parameters``
+    (layers/rotary.py derives the correction range and attention factor from them). ``partial_rotary``: the
+    family rotates only the first ``int(dim * partial_rotary_factor)`` dims (GLM-4.5, Qwen3-Next; the factor from
+    rope_parameters or the top level, else this default); None: a factor other than 1 is refused."""
     params = rope_params(raw) or dict(default_params or {})
     theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -75,7 +78,11 @@ def rope(
             f"{arch}: rope type {rope_type!r} is not supported (supported: {', '.join(allowed)})"
         )
     prf = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
-    if prf not in (None, 1, 1.0):
+    if partial_rotary is not None:
+        dim = int(dim * float(prf if prf is not None else partial_rotary))  # HF: int(head_dim * factor)
+        if dim <= 0 or dim % 2:
+            raise UnsupportedModelError(f"{arch}: partial_rotary_factor={prf} gives {dim} rotary dims (need even > 0)")
+    elif prf not in (None, 1, 1.0):
         raise UnsupportedModelError(f"{arch}: partial_rotary_factor={prf} is not supported")
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     out = dict(
@@ -115,6 +122,8 @@ def common(
     rope_style: str = "half",
     allow_quant: tuple[str, ...] = (),
     eps: float = 1e-6,
+    partial_rotary: float | None = None,
+    acts: tuple[str, ...] = ("silu",),
 ) -> dict:
     """The fields every architecture reads: MoEConfig's top level, ``rope`` and ``attention`` (grouped-query
     shape, full attention in every layer). ``eps`` is the config class's default rms_norm_eps."""
@@ -122,15 +131,16 @@ def common(
     heads = int(req(raw, "num_attention_heads", arch))
     kv_heads = raw.get("num_key_value_heads") or heads
     head_dim = (raw.get("head_dim") if head_dim_key else None) or hidden // heads
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"{arch}: hidden_act {act!r} is not supported (supported: silu)")
+    act = raw.get("hidden_act", acts[0])
+    if act not in acts:
+        raise UnsupportedModelError(f"{arch}: hidden_act {act!r} is not supported (supported: {', '.join(acts)})")
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?")
         if method not in allow_quant:
             raise UnsupportedModelError(f"{arch}: quantized checkpoints ({method}) are not supported")
     layers = int(req(raw, "num_hidden_layers", arch))
-    rope_fields = rope(raw, default_theta, arch, int(rope_dim or head_dim), rope_types, default_rope, rope_style)
+    rope_fields = rope(raw, default_theta, arch, int(rope_dim or head_dim), rope_types, default_rope, rope_style,
+                       partial_rotary)
     return dict(
         architecture=arch,
         vocab_size=int(req(raw, "vocab_size", arch)),

@@ -41,31 +41,54 @@ from ..kernels import support as kernel_support
 from ..layers.attend import ForwardBatch, LayerKV
 from ..layers.attention import Attention
 from ..layers.experts import NO_ROUTING, TRITON_GEMM_MAX_PAIRS, ExpertOutputs, Experts, LayerRouting, StepRouting
+from ..layers.linear_attention import GatedDeltaNet
+from ..layers.mamba import Mamba2Mixer
 from ..layers.mla import MLAttention
-from ..layers.moe import MLP, DeepseekMoE, GptOssMoE, MoEBlock
+from ..layers.moe import MLP, DeepseekMoE, GptOssMoE, MoEBlock, NemotronHMoE
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from ..layers.routing import Router
 
-MOE_BLOCKS: dict[str, type[nn.Module]] = {"default": MoEBlock, "deepseek": DeepseekMoE, "gpt_oss": GptOssMoE}
+MOE_BLOCKS: dict[str, type[nn.Module]] = {"default": MoEBlock, "deepseek": DeepseekMoE, "gpt_oss": GptOssMoE,
+                                          "nemotron_h": NemotronHMoE}
 
 
 ATTENTIONS: dict[str, type[nn.Module]] = {"gqa": Attention, "mla": MLAttention}
 
 
 class DecoderLayer(nn.Module):
+    """input_layernorm -> token mixer (``self_attn``, or Gated DeltaNet ``linear_attn`` in a hybrid's linear-attention
+    layers) -> post_attention_layernorm -> MLP or MoE block (``mlp``)."""
+
     def __init__(self, cfg: MoEConfig, layer_idx: int):
         super().__init__()
         self.is_moe = layer_idx in cfg.moe_layers
-        attention = ATTENTIONS[cfg.attention.kind]
-        self.self_attn = attention(cfg.attention, cfg.rope, cfg.hidden_size, cfg.rms_norm_eps, layer_idx)
+        self.kind = cfg.layer_type(layer_idx)
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg.linear_attention, cfg.hidden_size, cfg.rms_norm_eps)
+        else:
+            attention = ATTENTIONS[cfg.attention.kind]
+            self.self_attn = attention(cfg.attention, cfg.rope, cfg.hidden_size, cfg.rms_norm_eps, layer_idx)
         if self.is_moe:
             self.mlp = MOE_BLOCKS[cfg.experts.block](cfg.router, cfg.experts, cfg.hidden_size)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight, cfg.norm_offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight,
+                                                cfg.norm_offset)
         self.tp = None  # tensor parallelism (sharding.py): attention and MLP outputs are this rank's partial sums
+
+    def cache_spec(self):
+        """This layer's kv_layout entry: KV heads and dims, or a recurrent layer's ``StateSpec``."""
+        if self.kind == "linear_attention":
+            return self.linear_attn.state_spec()
+        a = self.self_attn
+        return KVSpec(a.num_kv_heads, a.head_dim, a.head_dim)
+
+    def _mix(self, normed: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache) -> Tensor:
+        if self.kind == "linear_attention":
+            return self.linear_attn(normed, batch, cache)
+        return self.self_attn(normed, cos, sin, batch, cache)
 
     def _reduce(self, partial: Tensor) -> Tensor:
         return partial if self.tp is None else self.tp.all_reduce(partial.contiguous())
@@ -85,7 +108,7 @@ class DecoderLayer(nn.Module):
         # output reaches the next norm (the next layer's, or the final one: RMSNorms share their kernel
         # settings) as ExpertOutputs when that norm's one-pass kernel can also do the combine.
         x, normed = self.input_layernorm.add_forward(x, delta)
-        attn = self._reduce(self.self_attn(normed, cos, sin, batch, cache))
+        attn = self._reduce(self._mix(normed, cos, sin, batch, cache))
         h, normed = self.post_attention_layernorm.add_forward(x, attn)
         if not self.is_moe:
             return h, self._reduce(self.mlp(normed))
@@ -96,13 +119,77 @@ class DecoderLayer(nn.Module):
         return h, self._reduce(self.mlp(normed, routing))
 
 
+class SingleBlock(nn.Module):
+    """A Nemotron-H block (HF ``NemotronHBlock``): ``norm`` -> one sublayer ``mixer`` (Mamba-2, attention, an MLP or
+    an MoE block) -> the residual add."""
+
+    def __init__(self, cfg: MoEConfig, layer_idx: int):
+        super().__init__()
+        self.is_moe = layer_idx in cfg.moe_layers
+        self.kind = cfg.layer_type(layer_idx)
+        H = cfg.hidden_size
+        self.norm = RMSNorm(H, cfg.rms_norm_eps, cfg.norm_fp32_weight, cfg.norm_offset)
+        if self.kind == "mamba":
+            self.mixer = Mamba2Mixer(cfg.mamba, H, cfg.rms_norm_eps)
+        elif self.kind == "attention":
+            self.mixer = ATTENTIONS[cfg.attention.kind](cfg.attention, cfg.rope, H, cfg.rms_norm_eps, layer_idx)
+        elif self.is_moe:
+            self.mixer = MOE_BLOCKS[cfg.experts.block](cfg.router, cfg.experts, H)
+        else:
+            self.mixer = MLP(H, cfg.intermediate_size, bias=cfg.mlp_bias, act=cfg.hidden_act)
+        self.tp = None
+
+    @property
+    def mlp(self) -> nn.Module | None:
+        """The MLP or MoE block (what a two-sublayer layer calls ``mlp``), None for a Mamba or attention block."""
+        return self.mixer if self.kind == "none" else None
+
+    @property
+    def self_attn(self) -> nn.Module | None:
+        """The attention (what a two-sublayer layer calls ``self_attn``), None for another block."""
+        return self.mixer if self.kind == "attention" else None
+
+    def cache_spec(self):
+        if self.kind == "mamba":
+            return self.mixer.state_spec()
+        if self.kind == "attention":
+            a = self.mixer
+            return KVSpec(a.num_kv_heads, a.head_dim, a.head_dim)
+        return None  # no cache
+
+    def forward(self, x: Tensor, delta, cos: Tensor, sin: Tensor, batch: ForwardBatch, cache,
+                routing: LayerRouting) -> tuple[Tensor, Tensor]:
+        x, normed = self.norm.add_forward(x, delta)
+        if self.kind == "mamba":
+            return x, self.mixer(normed, batch, cache)
+        if self.kind == "attention":
+            return x, self.mixer(normed, cos, sin, batch, cache)
+        if self.is_moe:
+            return x, self.mixer(normed, routing)
+        return x, self.mixer(normed)
+
+
 class MoEModel(nn.Module):
+    """Embedding, layers, final norm. Module names as HF's: ``embed_tokens`` / ``norm``; Nemotron-H's
+    (``block_style`` "single") ``embeddings`` / ``norm_f``."""
+
     def __init__(self, cfg: MoEConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight)
+        self.names = ("embeddings", "norm_f") if cfg.block_style == "single" else ("embed_tokens", "norm")
+        setattr(self, self.names[0], nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+        layer = SingleBlock if cfg.block_style == "single" else DecoderLayer
+        self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        setattr(self, self.names[1], RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_weight, cfg.norm_offset))
         self.rotary_emb = RotaryEmbedding(cfg.rope)
+
+    def embedding(self) -> nn.Module:
+        return getattr(self, self.names[0])
+
+    def set_embedding(self, module: nn.Module) -> None:
+        setattr(self, self.names[0], module)
+
+    def final_norm(self) -> RMSNorm:
+        return getattr(self, self.names[1])
 
 
 class MoEForCausalLM(nn.Module):
@@ -112,17 +199,17 @@ class MoEForCausalLM(nn.Module):
         self.model = MoEModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = self.model.embedding().weight
         for p in self.parameters():
             p.requires_grad_(False)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.embedding().weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.embedding().weight.device
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """(Re)compute non-persistent buffers, e.g. after building on the meta device."""
@@ -133,8 +220,8 @@ class MoEForCausalLM(nn.Module):
         cfg, attn = self.config, self.config.attention
         if attn.mla is not None:  # compressed latent ("k") + shared rotated rope key ("v"), one "head"
             return [KVSpec(1, attn.mla.kv_lora_rank, attn.mla.qk_rope_head_dim) for _ in range(cfg.num_hidden_layers)]
-        # this rank's key/value heads (all of them unless sharded)
-        return [KVSpec(layer.self_attn.num_kv_heads, attn.head_dim, attn.head_dim) for layer in self.model.layers]
+        # this rank's key/value heads (all of them unless sharded); hybrid models' recurrent layers: their states
+        return [layer.cache_spec() for layer in self.model.layers]
 
     def use_fused_kernels(self, enabled: bool, within_rounding: bool | None = None) -> bool:
         """Switch the fused Triton kernels (kernels/, bit for bit the op-by-op results; on a GPU also the expert
@@ -148,10 +235,12 @@ class MoEForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention)) or getattr(m, "supports_fused", False):
                 m.fused = enabled
-            if isinstance(m, (RMSNorm, Attention, Router)):
+            if isinstance(m, (RMSNorm, Attention, Router, GatedDeltaNet, Mamba2Mixer)):
                 m.within_rounding = within_rounding
             if isinstance(m, Attention) and within_rounding:
                 m.fuse_qkv()
+            if isinstance(m, GatedDeltaNet) and within_rounding:
+                m.fuse_projections()
             if isinstance(m, Experts):
                 m.triton_gemm_max_pairs = TRITON_GEMM_MAX_PAIRS if on_gpu else 0
         return enabled
@@ -168,7 +257,10 @@ class MoEForCausalLM(nn.Module):
     def prefill_graph_unsafe_reason(self) -> str | None:
         """Why a step carrying prompt tokens cannot replay a CUDA graph where a decode step can (prefill_graphs.py),
         or None: every MoE layer must take the fused path, whose grouping of a step's pairs waits for nothing (off
-        it, expert parallelism and the op-by-op forward count each expert's rows on the host)."""
+        it, expert parallelism and the op-by-op forward count each expert's rows on the host). Hybrid models: the
+        recurrent layers' prompt chunks run one sequence at a time from host-side lengths."""
+        if self.config.is_hybrid:
+            return "a hybrid model's linear-attention / Mamba layers prefill each sequence from host-side lengths"
         for layer in self.model.layers:
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None and not (getattr(experts, "fused", False) and experts.first_expert is None):
@@ -180,7 +272,7 @@ class MoEForCausalLM(nn.Module):
         DeepSeek's router weight and e_score_correction_bias always float32 (``_keep_in_fp32_modules_strict``);
         GPT-OSS norms float32 when the model runs in float16 (``_keep_in_fp32_modules``)."""
         cfg = self.config
-        if cfg.router.fp32 and (name.endswith(".mlp.gate.weight") or name.endswith(".e_score_correction_bias")):
+        if cfg.router.fp32 and name.endswith((".mlp.gate.weight", ".mixer.gate.weight", ".e_score_correction_bias")):
             return torch.float32
         if cfg.norm_fp32_weight and dtype == torch.float16 and name.endswith("norm.weight"):
             return torch.float32
@@ -195,13 +287,13 @@ class MoEForCausalLM(nn.Module):
     ) -> Tensor:  # [T, H] final hidden states (after the final norm)
         T = input_ids.shape[0]
         routing = routing or StepRouting()
-        x = self.model.embed_tokens(input_ids)  # [T, H]
+        x = self.model.embedding()(input_ids)  # [T, H]
         cos, sin = self.model.rotary_emb(batch.positions, x.dtype)  # [T, R] each (complex style: [T, R/2], None)
         delta = None
         for i, layer in enumerate(self.model.layers):
             layer_routing = routing.layer(i, T) if layer.is_moe else NO_ROUTING
             x, delta = layer(x, delta, cos, sin, batch, kv[i], layer_routing)
-        return self.model.norm.add_forward(x, delta)[1]
+        return self.model.final_norm().add_forward(x, delta)[1]
 
     def compute_logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
         """[N, H] -> [N, V] float32 (the matmul runs in the model dtype, as HF), into ``out`` when given."""

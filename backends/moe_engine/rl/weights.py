@@ -47,6 +47,7 @@ from ..checkpoint import (
     _load_direct,
     _load_experts,
     _Tensors,
+    is_experts_param,
 )
 from ..config import MoEConfig, load_config
 from ..errors import InvalidRequestError
@@ -72,6 +73,7 @@ class _Headers(_Tensors):
     and return an empty meta tensor, so checkpoint.py's loaders run over a whole checkpoint without reading it."""
 
     def _check(self, key: str, shape, dtypes: frozenset[str]) -> None:
+        key = self._real(key)
         found = self.shape(key)
         if list(found) != list(shape):
             raise CheckpointError(
@@ -100,7 +102,7 @@ def _read(t: _Tensors, model: torch.nn.Module, name: str, like: torch.Tensor, de
     """Parameter ``name`` (shaped and typed like ``like``) read from the checkpoint as load_model reads it: under
     tensor parallelism only this rank's slices (the checkpoint's whole tensors are what the shapes are checked
     against)."""
-    load = _load_experts if ".mlp.experts." in name else _load_direct
+    load = _load_experts if is_experts_param(name) else _load_direct
     sel = getattr(model, "shard_selections", {}).get(name)
     return load(t, model.config, name, tuple(like.shape), like.dtype, device, sel)
 
@@ -138,7 +140,7 @@ def check_checkpoint(model: torch.nn.Module, path: str) -> Path:
                     f"model's is {live[diff]!r}"
                 )
         with ExitStack() as stack:
-            headers = _Headers(root, stack)
+            headers = _Headers(root, stack, cfg.key_prefixes)
             for name, p in model.named_parameters():
                 _read(headers, model, name, p, _META)
     except WeightUpdateError:
@@ -155,7 +157,7 @@ def load_checkpoint(model: torch.nn.Module, root: Path) -> int:
     at a time through host memory. Returns the bytes written."""
     written = 0
     with ExitStack() as stack:
-        tensors = _Tensors(root, stack)
+        tensors = _Tensors(root, stack, model.config.key_prefixes)
         for name, p in model.named_parameters():
             value = _read(tensors, model, name, p, torch.device("cpu"))
             p.copy_(value)
@@ -194,7 +196,11 @@ def checkpoint_targets(model: torch.nn.Module) -> dict[str, Target]:
         # the whole tensor's shape: under tensor parallelism a trainer still sends whole tensors
         shape = tuple(selections[name].full_shape) if name in selections else tuple(p.shape)
         out[name] = Target(name, shape)
-        if ".mlp.experts." in name:
+        if ".mixer.experts." in name:  # Nemotron-H: ungated, one tensor per expert on the Hub
+            prefix, _, leaf = name.partition(".mixer.experts.")
+            for e in range(shape[0]):
+                out[f"{prefix}.mixer.experts.{e}.{leaf}.weight"] = Target(name, shape[1:], (e, 0, shape[1]))
+        elif ".mlp.experts." in name:
             if cfg.experts.block == "gpt_oss":
                 continue  # GPT-OSS experts are stored fused (MXFP4 only on disk)
             prefix, _, leaf = name.partition(".mlp.experts.")
@@ -208,6 +214,9 @@ def checkpoint_targets(model: torch.nn.Module) -> dict[str, Target]:
             for block in blocks:
                 if block != "mlp":
                     out[name.replace(".mlp.", f".{block}.")] = out[name]
+    for ours, theirs in cfg.key_prefixes:  # the checkpoint's names of the same tensors (e.g. Nemotron-H's backbone.)
+        for name in [n for n in out if n.startswith(ours)]:
+            out.setdefault(theirs + name[len(ours):], out[name])
     return out
 
 
