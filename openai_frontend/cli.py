@@ -350,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         "engine_config": engine_config.to_json(),
         "num_threads": args.num_threads or "",
         "moe_metadata": json.dumps(metadata),
+        # Relative: in the model's folder of the private run directory (new for each moe-serve process). A restarted
+        # backend reads it to come back on the weights it last served (backends/moe/weights_state.py).
+        "weights_state_file": "weights_state.json",
     }
     repo = Path(args.model_repository)
     try:

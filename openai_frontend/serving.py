@@ -197,6 +197,9 @@ class ServingContext:
         self.model: ModelInfo | None = None  # set once the backend's metadata is loaded
         self.created = int(time.time())
         self.pending = 0  # choices in flight
+        # Set while the backend refuses generation because a restart lost the weights it served (a message saying
+        # they must be pushed again); every control answer updates it (serving_weights.py).
+        self.weights_lost: str | None = None
 
     def model_info(self) -> ModelInfo:
         """The model's metadata, or 503 while it is not loaded yet."""

@@ -51,6 +51,13 @@ from .triton_client import BackendError
 
 logger = logging.getLogger(__name__)
 
+# Every path rl_router serves: the API middleware checks the key on them before the body is read (app.py).
+RL_PATHS = frozenset({
+    "/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed", "/flush_cache",
+    "/pause_generation", "/continue_generation", "/release_memory_occupation", "/resume_memory_occupation",
+    "/get_weight_version", "/weight_version", "/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping",
+})
+
 
 async def _control(ctx: ServingContext, op: str, args: dict[str, Any]) -> dict[str, Any]:
     """The backend's control_result for ``op``; Triton / engine errors become OpenAI errors (503, 500)."""
@@ -58,9 +65,22 @@ async def _control(ctx: ServingContext, op: str, args: dict[str, Any]) -> dict[s
     if control is None:
         raise InternalServerError("this backend client has no control requests")
     try:
-        return await control(op, args)
+        result = await control(op, args)
     except BackendError as e:
         raise backend_error_to_openai(e, ctx.cfg.retry_after_s) from e
+    # Every answer says whether a restart lost the served weights (backends/moe/weights_state.py); /health reads it.
+    ctx.weights_lost = result.get("weights_lost")
+    return result
+
+
+async def refresh_weights_state(ctx: ServingContext) -> None:
+    """Ask the backend whether it serves the weights it should (after a restart; while /health says it does not)."""
+    if getattr(ctx.client, "control", None) is None:
+        return
+    try:
+        await _control(ctx, "get_weight_version", {})
+    except Exception as e:  # noqa: BLE001 - the backend is down: /health says so already
+        logger.warning("weight state unavailable: %s", e)
 
 
 async def engine_state(ctx: ServingContext) -> dict[str, Any]:
@@ -133,7 +153,12 @@ def rl_router(ctx: ServingContext) -> APIRouter:
     @router.get("/get_weight_version")
     @router.get("/weight_version")
     async def get_weight_version() -> JSONResponse:
-        return JSONResponse({"weight_version": (await _control(ctx, "get_weight_version", {})).get("weight_version")})
+        result = await _control(ctx, "get_weight_version", {})
+        if result.get("weights_lost"):  # null: no weights to serve until they are pushed again
+            return JSONResponse({"weight_version": None, "weights_lost": True,
+                                 "lost_weight_version": result.get("lost_weight_version"),
+                                 "message": result["weights_lost"]})
+        return JSONResponse({"weight_version": result.get("weight_version")})
 
     # vLLM's names (module docstring)
     @router.post("/reset_prefix_cache")

@@ -279,6 +279,7 @@ _KIND_PREFIXES = (
     ("invalid request: ", BackendError.INVALID),
     ("unavailable: ", BackendError.UNAVAILABLE),
 )
+WEIGHTS_LOST = "weights_lost"  # the backend's code (and the API's) for "push the weights again"
 _CANCELLED_MESSAGE = "request cancelled"  # the backend's whole message for a request Triton marked cancelled
 
 
@@ -293,6 +294,8 @@ def classify_error(message: str) -> BackendError:
         if message.startswith(prefix):
             rest = message[len(prefix) :]
             if kind == BackendError.UNAVAILABLE:  # the engine stopped, or its waiting queue is full
+                if rest.startswith(WEIGHTS_LOST + ": "):  # a restart could not bring the served weights back
+                    return BackendError(kind, rest[len(WEIGHTS_LOST) + 2 :], code=WEIGHTS_LOST)
                 if "not running" in rest:
                     return backend_unavailable(rest)
                 return BackendError(kind, rest, code="overloaded")
