@@ -165,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--request-timeout", type=float, default=3600.0,
         help="seconds a generation request may run; past it the request is cancelled and answered 504 (0: none)")
     add("--max-request-bytes", type=int, default=16 * 2**20, help="largest request body; larger ones get 413 (0: none)")
+    add("--max-response-logprobs", type=int, default=1 << 20,
+        help="logprob entries one response may carry (each token's logprob and its top alternatives, over every "
+             "choice and its max_tokens, prompt logprobs as often as the response repeats them); a request that "
+             "could return more gets 400 before any work (0: no limit)")
     add("--shutdown-timeout", type=float, default=30.0,
         help="on SIGTERM, seconds in-flight requests get to finish before they are ended with a 503")
     add("--max-backend-restarts", type=int, default=3,
@@ -426,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                 request_timeout_s=args.request_timeout or None,
                 trust_request_chat_template=args.trust_request_chat_template,
                 enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                max_response_logprobs=args.max_response_logprobs or None,
             )
         )
         state = app.state.server_state

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 from fastapi import Request
 
+from .bounded import check_response_budget, off_loop, response_entries
 from .config import FrontendConfig
 from .errors import (
     BadRequestError,
@@ -44,7 +45,7 @@ from .errors import (
 from .generation import ChoiceDelta, ChoiceGroup, ChoiceResult, ChoiceRunner, ChoiceSpec
 from .http_utils import run_with_cancellation
 from .metrics import Metrics
-from .prompts import PromptInput, PromptSource
+from .prompts import ChatPrompt, CompletionPrompts, PromptInput, PromptSource
 from .protocol import INT64_MAX, INT64_MIN, GenerationRequestFields, StreamOptions, UsageInfo
 from .replay import check_replay
 from .tokenizer import Tokenizer
@@ -83,6 +84,9 @@ class GenerationPlan:
     max_tokens_param: str = "max_tokens"
     prompt_logprobs_param: str = "prompt_logprobs"
     replay_param: str = "replay_routed_experts"
+    # Whether each choice repeats its prompt's logprobs (vLLM's /v1/completions) or the response has one list per
+    # prompt (/inference/v1/generate): how often the response-size budget counts them (bounded.py).
+    prompt_logprobs_per_choice: bool = True
 
 
 class TokenUsage:
@@ -212,8 +216,12 @@ class ServingContext:
         """Check, admit and run one request (the module docstring lists the steps)."""
         self._check_request(plan)
         model = self.model_info()
-        prompts = plan.prompts.tokenize(self.tokenizer)
+        if _costly_prompts(plan.prompts):  # a chat template (up to its time cap), long texts: in a worker
+            prompts = await off_loop(plan.prompts.tokenize, self.tokenizer)
+        else:
+            prompts = plan.prompts.tokenize(self.tokenizer)
         specs = self._choice_specs(plan, prompts, model)
+        self._check_response_size(plan, prompts, specs)
         release = self._admit(len(specs))
         usage = TokenUsage([len(p.ids) for p in prompts], plan.n, self.metrics, self.cfg.enable_prompt_tokens_details)
         hooks = self.metrics.hooks()
@@ -253,6 +261,27 @@ class ServingContext:
                 f"most {limit} at once.",
                 param=plan.n_param,
             )
+
+    def _check_response_size(self, plan: GenerationPlan, prompts: list[PromptInput], specs: list[ChoiceSpec]) -> None:
+        """400 before any work when the response could carry more logprobs than --max-response-logprobs."""
+        if plan.logprobs is None and plan.prompt_logprobs is None:
+            return
+        copies = plan.n if plan.prompt_logprobs_per_choice else 1
+        prompt_lens = [len(p.ids) for p in prompts]
+        max_tokens = [s.request.max_tokens for s in specs]
+        entries = response_entries(choices_max_tokens=max_tokens, logprobs=plan.logprobs, prompt_lens=prompt_lens,
+                                   prompt_logprobs=plan.prompt_logprobs, prompt_copies=copies)
+        parts = [f"{len(specs)} choice(s)"]
+        token_part = prompt_part = 0
+        if plan.logprobs is not None:
+            token_part = sum(max_tokens) * (1 + plan.logprobs)
+            parts.append(f"up to {max(max_tokens)} tokens each with {plan.logprobs} top logprobs")
+        if plan.prompt_logprobs is not None:
+            prompt_part = entries - token_part
+            where = " in each choice" if copies > 1 else ""
+            parts.append(f"{sum(prompt_lens)} prompt tokens with {plan.prompt_logprobs} prompt logprobs{where}")
+        param = plan.prompt_logprobs_param if prompt_part > token_part else plan.logprobs_param
+        check_response_budget(entries, self.cfg.max_response_logprobs, detail=", ".join(parts), param=param)
 
     @staticmethod
     def _check_prompt_ids(ids: list[int], param: str, model: ModelInfo) -> None:
@@ -398,6 +427,17 @@ class ServingContext:
             await group.aclose()
             raise
         return ChoiceStream(group, deltas, primed, prompts, usage, self.metrics, self.cfg.retry_after_s)
+
+
+_LONG_TEXT_CHARS = 1 << 16  # completion prompts with more text than this are tokenized in a worker
+
+
+def _costly_prompts(source: PromptSource) -> bool:
+    if isinstance(source, ChatPrompt):
+        return True
+    if isinstance(source, CompletionPrompts):
+        return sum(len(p) for p in source.request.prompt if isinstance(p, str)) > _LONG_TEXT_CHARS
+    return False
 
 
 def _choice_seed(seed: int | None, i: int, n: int) -> int | None:

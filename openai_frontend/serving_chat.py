@@ -25,7 +25,8 @@ from .protocol import (
     now,
     random_id,
 )
-from .responses import json_response, sse_response
+from .bounded import json_body
+from .responses import sse_response
 from .routing_codec import Payloads
 from .serving import Finished, GenerationPlan, ServingContext
 
@@ -65,7 +66,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     def logprobs(lps):  # noqa: ANN001, ANN202
         return chat_logprobs(lps, ctx.tokenizer, top_n, as_ids=as_ids)
 
-    if isinstance(outcome, Finished):
+    def render(outcome: Finished) -> bytes:
         choices = [
             ChatCompletionResponseChoice(
                 index=r.index,
@@ -81,12 +82,12 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             )
             for r in outcome.results
         ]
-        return json_response(
-            ChatCompletionResponse(id=plan.request_id, created=created, model=model_name, choices=choices,
-                                   usage=outcome.usage,
-                                   prompt_token_ids=prompt_ids if token_ids_on else None),
-            payloads,
-        )
+        return payloads.dump(ChatCompletionResponse(id=plan.request_id, created=created, model=model_name,
+                                                    choices=choices, usage=outcome.usage,
+                                                    prompt_token_ids=prompt_ids if token_ids_on else None))
+
+    if isinstance(outcome, Finished):  # with logprobs: built in a worker (bounded.py)
+        return await json_body(lambda: render(outcome), heavy=bool(req.logprobs))
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
