@@ -14,9 +14,12 @@ and calls :meth:`ServingContext.generate` once, which, in this order:
    full) and starts them (:mod:`.generation`, which calls the backend through
    :mod:`.triton_client`);
 4. returns :class:`Finished` (every result) or, when streaming, a
-   :class:`ChoiceStream` in which every choice has already produced its first
-   delta, so backend errors (invalid request, queue full) still get their HTTP
-   status.
+   :class:`ChoiceStream` once every choice has produced its first delta or
+   :data:`STREAM_PRIME_S` passed, whichever comes first: backend errors
+   (invalid request, queue full, which come back at once) still get their HTTP
+   status, and a stream whose choices wait (more than ``--max-num-seqs``, a
+   paused engine) starts at once anyway; its waiting choices stream as they are
+   admitted.
 
 Usage (prompt and completion tokens) and the token counters of the metrics
 are counted in one place, :class:`TokenUsage`, as the tokens pass.  The
@@ -26,6 +29,7 @@ endpoint then renders the outcome into its response objects
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -157,12 +161,16 @@ class ChoiceStream:
     """
 
     def __init__(self, group: ChoiceGroup, deltas: AsyncIterator[ChoiceDelta], primed: list[ChoiceDelta],
-                 prompts: list[PromptInput], usage: TokenUsage, metrics: Metrics, retry_after_s: int) -> None:
+                 prompts: list[PromptInput], usage: TokenUsage, metrics: Metrics, retry_after_s: int,
+                 next_delta: asyncio.Future | None = None) -> None:
         self.prompts = prompts
         self.usage = usage
         self._group = group
         self._deltas = deltas
         self._primed = primed
+        self._next = next_delta  # the delta being awaited when the stream was handed over
+        # An SSE comment to send first when no delta is ready yet: the client gets bytes at once.
+        self.preamble: bytes | None = None if primed else b": waiting for the engine\n\n"
         self._metrics = metrics
         self._retry_after_s = retry_after_s
 
@@ -176,6 +184,15 @@ class ChoiceStream:
                 self.usage.add(d.index, len(d.token_ids))
                 self.usage.cached(d.index, d.num_cached_tokens)
                 yield d
+            if self._next is not None:
+                nxt, self._next = self._next, None
+                try:
+                    d = await nxt
+                except StopAsyncIteration:
+                    return
+                self.usage.add(d.index, len(d.token_ids))
+                self.usage.cached(d.index, d.num_cached_tokens)
+                yield d
             async for d in self._deltas:
                 self.usage.add(d.index, len(d.token_ids))
                 self.usage.cached(d.index, d.num_cached_tokens)
@@ -184,6 +201,8 @@ class ChoiceStream:
             raise backend_error_to_openai(e, self._retry_after_s) from e
 
     async def aclose(self) -> None:
+        if self._next is not None and not self._next.done():
+            self._next.cancel()
         await self._group.aclose()
         self.usage.close()
 
@@ -407,28 +426,40 @@ class ServingContext:
 
     async def _start_stream(self, group: ChoiceGroup, prompts: list[PromptInput], usage: TokenUsage,
                             raw_request: Request) -> ChoiceStream:
-        """Wait for the first delta of every choice, then hand the stream over."""
+        """Wait for the first delta of every choice, at most STREAM_PRIME_S, then hand the stream over."""
         deltas = group.deltas()
         primed: list[ChoiceDelta] = []
+        waiting: asyncio.Future | None = None  # never cancelled here: that would close the group
+        loop = asyncio.get_running_loop()
 
         async def prime() -> None:
+            nonlocal waiting
+            deadline = loop.time() + STREAM_PRIME_S
             seen: set[int] = set()
             while len(seen) < len(group.runners):
-                d = await deltas.__anext__()
+                waiting = asyncio.ensure_future(deltas.__anext__())
+                await asyncio.wait({waiting}, timeout=max(0.0, deadline - loop.time()))
+                if not waiting.done():
+                    return  # choices still wait for a slot (or the engine is paused): start the stream now
+                d, waiting = waiting.result(), None
                 primed.append(d)
                 seen.add(d.index)
 
         try:
             await run_with_cancellation(raw_request, prime())
-        except BackendError as e:
+        except BaseException as e:
+            if waiting is not None:
+                waiting.cancel()
             await group.aclose()
-            raise backend_error_to_openai(e, self.cfg.retry_after_s) from e
-        except BaseException:
-            await group.aclose()
+            if isinstance(e, BackendError):
+                raise backend_error_to_openai(e, self.cfg.retry_after_s) from e
             raise
-        return ChoiceStream(group, deltas, primed, prompts, usage, self.metrics, self.cfg.retry_after_s)
+        return ChoiceStream(group, deltas, primed, prompts, usage, self.metrics, self.cfg.retry_after_s, waiting)
 
 
+# How long a stream waits for the first delta of each choice before its headers go out. Errors of the backend come
+# back within milliseconds and still get their HTTP status; choices beyond the running slots do not hold it up.
+STREAM_PRIME_S = 0.25
 _LONG_TEXT_CHARS = 1 << 16  # completion prompts with more text than this are tokenized in a worker
 
 

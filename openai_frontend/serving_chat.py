@@ -99,15 +99,17 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         return payloads.sse(c)
 
     async def events() -> AsyncGenerator[bytes, None]:
+        # The role of every choice comes first, alone (as vLLM): the client has an event at once, also for choices
+        # that still wait for a running slot.
+        for index in range(req.n):
+            yield chunk(ChatCompletionResponseStreamChoice(
+                index=index,
+                delta=DeltaMessage(role="assistant", content=""),
+                logprobs=None,
+                finish_reason=None,
+                **({"prompt_token_ids": prompt_ids} if token_ids_on else {}),
+            ))
         async for d in outcome:
-            if d.first:  # the role comes alone, first
-                yield chunk(ChatCompletionResponseStreamChoice(
-                    index=d.index,
-                    delta=DeltaMessage(role="assistant", content=""),
-                    logprobs=None,
-                    finish_reason=None,
-                    **({"prompt_token_ids": prompt_ids} if token_ids_on else {}),
-                ))
             if d.text or d.last or d.logprobs or (token_ids_on and d.token_ids):
                 fields: dict[str, Any] = {}
                 if token_ids_on:

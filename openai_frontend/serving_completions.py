@@ -162,4 +162,5 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             yield payloads.sse(CompletionStreamResponse(id=plan.request_id, created=created, model=model_name,
                                                         choices=[], usage=outcome.usage.total()))
 
-    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected)
+    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected,
+                        preamble=outcome.preamble)

@@ -135,4 +135,5 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
             yield payloads.sse(GenerateStreamResponse(request_id=plan.request_id, choices=[],
                                                       usage=outcome.usage.total()))
 
-    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected)
+    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected,
+                        preamble=outcome.preamble)
