@@ -20,13 +20,17 @@ One request must never stall the others. Two things grow with a request's knobs 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Sequence
+import gc
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from pydantic import TypeAdapter
+from starlette.responses import Response
 
 from .errors import BadRequestError
 
@@ -43,10 +47,38 @@ OFF_LOOP_ENTRIES = 4096
 SLICE_ITEMS = 256
 
 
+_gc_lock = threading.Lock()
+_gc_holds = 0
+
+
+@contextlib.contextmanager
+def no_gc_pauses() -> Iterator[None]:
+    """While a worker builds a large response: no automatic garbage collection. The hundreds of thousands of objects
+    it makes would trigger full collections, each of which stops every thread, the event loop included, for tens of
+    milliseconds; they are freed by reference counting once the response is built, so nothing piles up."""
+    global _gc_holds
+    with _gc_lock:
+        _gc_holds += 1
+        if _gc_holds == 1:
+            gc.disable()
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_holds -= 1
+            if _gc_holds == 0:
+                gc.enable()
+
+
+def _in_worker(fn: Callable[..., T], *args: Any) -> T:
+    with no_gc_pauses():
+        return fn(*args)
+
+
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` in the render pool (the caller's context variables go along)."""
     ctx = contextvars.copy_context()
-    return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(ctx.run, fn, *args))
+    return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(ctx.run, _in_worker, fn, *args))
 
 
 def dump_list(adapter: TypeAdapter, items: Sequence[Any]) -> bytes:
@@ -83,9 +115,32 @@ def check_response_budget(entries: int, limit: int | None, *, detail: str, param
     )
 
 
-async def json_body(render: Callable[[], bytes], heavy: bool):  # noqa: ANN201 - starlette Response
-    """The JSON response ``render()`` builds: in a worker when ``heavy`` (logprobs), else right here."""
-    from starlette.responses import Response
+SEND_CHUNK_BYTES = 1 << 18  # a large body goes out in pieces of this size (flow-controlled, never copied whole)
 
-    body = await off_loop(render) if heavy else render()
-    return Response(content=body, media_type="application/json")
+
+class PiecesResponse(Response):
+    """A JSON response sent from a list of byte pieces (Payloads.dump_parts) in slices of at most
+    :data:`SEND_CHUNK_BYTES`, with its Content-Length: a 70 MB body is neither joined nor copied on the loop."""
+
+    media_type = "application/json"
+
+    def __init__(self, pieces: list[bytes]) -> None:  # noqa: super().__init__ would want one body
+        self.pieces = [p for p in pieces if p]
+        self.status_code = 200
+        self.background = None
+        size = sum(len(p) for p in self.pieces)
+        self.raw_headers = [(b"content-length", str(size).encode()), (b"content-type", b"application/json")]
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        for piece in self.pieces:
+            view = memoryview(piece)
+            for i in range(0, len(view), SEND_CHUNK_BYTES):
+                await send({"type": "http.response.body", "body": bytes(view[i : i + SEND_CHUNK_BYTES]),
+                            "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def json_body(render: Callable[[], list[bytes]], heavy: bool):  # noqa: ANN201 - an ASGI response
+    """The JSON response whose pieces ``render()`` builds: in a worker when ``heavy`` (logprobs), else right here."""
+    return PiecesResponse(await off_loop(render) if heavy else render())

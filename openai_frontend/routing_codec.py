@@ -226,6 +226,14 @@ class Payloads:
         body = model.model_dump_json(warnings=False).encode()
         if not self._parts:
             return prefix + body + suffix if prefix or suffix else body
+        return b"".join(self._splice(body, prefix, suffix))
+
+    def dump_parts(self, model) -> list[bytes]:  # noqa: ANN001 - pydantic model
+        """The pieces ``dump`` would join (a large body is sent piece by piece, never copied whole)."""
+        body = model.model_dump_json(warnings=False).encode()
+        return self._splice(body, b"", b"") if self._parts else [body]
+
+    def _splice(self, body: bytes, prefix: bytes, suffix: bytes) -> list[bytes]:
         marker = b'"' + self._prefix.encode()
         pieces = [prefix]
         pos = 0
@@ -242,7 +250,7 @@ class Payloads:
             pos = end + 2  # the closing quote starts the next piece
         pieces.append(body[pos:])
         pieces.append(suffix)
-        return b"".join(pieces)
+        return pieces
 
     def sse(self, model) -> bytes:  # noqa: ANN001 - pydantic model
         """The model as one server-sent event."""

@@ -14,12 +14,13 @@ and calls :meth:`ServingContext.generate` once, which, in this order:
    full) and starts them (:mod:`.generation`, which calls the backend through
    :mod:`.triton_client`);
 4. returns :class:`Finished` (every result) or, when streaming, a
-   :class:`ChoiceStream` once every choice has produced its first delta or
-   :data:`STREAM_PRIME_S` passed, whichever comes first: backend errors
-   (invalid request, queue full, which come back at once) still get their HTTP
-   status, and a stream whose choices wait (more than ``--max-num-seqs``, a
-   paused engine) starts at once anyway; its waiting choices stream as they are
-   admitted.
+   :class:`ChoiceStream` once the first choice has produced its first delta or
+   :data:`STREAM_PRIME_S` passed, whichever comes first; the other choices
+   start then. So a backend error (an invalid request, which comes back at
+   once and alike for every choice) still gets its HTTP status, and the stream
+   starts at once whatever ``n`` (choices beyond ``--max-num-seqs`` stream as
+   they are admitted, a paused engine sends nothing yet); a later error is an
+   SSE event.
 
 Usage (prompt and completion tokens) and the token counters of the metrics
 are counted in one place, :class:`TokenUsage`, as the tokens pass.  The
@@ -178,6 +179,8 @@ class ChoiceStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[ChoiceDelta]:
+        # The other choices start now, once the response's headers went out (65 or 256 gRPC streams take a while).
+        self._group.start()
         primed, self._primed = self._primed, []
         try:
             for d in primed:
@@ -426,24 +429,20 @@ class ServingContext:
 
     async def _start_stream(self, group: ChoiceGroup, prompts: list[PromptInput], usage: TokenUsage,
                             raw_request: Request) -> ChoiceStream:
-        """Wait for the first delta of every choice, at most STREAM_PRIME_S, then hand the stream over."""
+        """Start the first choice, wait for its first delta (at most STREAM_PRIME_S), start the others, hand the
+        stream over."""
+        group.start(1)
         deltas = group.deltas()
         primed: list[ChoiceDelta] = []
         waiting: asyncio.Future | None = None  # never cancelled here: that would close the group
-        loop = asyncio.get_running_loop()
 
         async def prime() -> None:
             nonlocal waiting
-            deadline = loop.time() + STREAM_PRIME_S
-            seen: set[int] = set()
-            while len(seen) < len(group.runners):
-                waiting = asyncio.ensure_future(deltas.__anext__())
-                await asyncio.wait({waiting}, timeout=max(0.0, deadline - loop.time()))
-                if not waiting.done():
-                    return  # choices still wait for a slot (or the engine is paused): start the stream now
+            waiting = asyncio.ensure_future(deltas.__anext__())
+            await asyncio.wait({waiting}, timeout=STREAM_PRIME_S)
+            if waiting.done():  # else the engine is paused, or busy: start the stream now all the same
                 d, waiting = waiting.result(), None
                 primed.append(d)
-                seen.add(d.index)
 
         try:
             await run_with_cancellation(raw_request, prime())
@@ -457,8 +456,8 @@ class ServingContext:
         return ChoiceStream(group, deltas, primed, prompts, usage, self.metrics, self.cfg.retry_after_s, waiting)
 
 
-# How long a stream waits for the first delta of each choice before its headers go out. Errors of the backend come
-# back within milliseconds and still get their HTTP status; choices beyond the running slots do not hold it up.
+# How long a stream waits for its first choice's first delta before its headers go out. Errors of the backend come
+# back within milliseconds and still get their HTTP status; a paused or busy engine does not hold the headers up.
 STREAM_PRIME_S = 0.25
 _LONG_TEXT_CHARS = 1 << 16  # completion prompts with more text than this are tokenized in a worker
 

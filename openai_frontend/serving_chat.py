@@ -66,7 +66,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     def logprobs(lps):  # noqa: ANN001, ANN202
         return chat_logprobs(lps, ctx.tokenizer, top_n, as_ids=as_ids)
 
-    def render(outcome: Finished) -> bytes:
+    def render(outcome: Finished) -> list[bytes]:
         choices = [
             ChatCompletionResponseChoice(
                 index=r.index,
@@ -82,7 +82,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             )
             for r in outcome.results
         ]
-        return payloads.dump(ChatCompletionResponse(id=plan.request_id, created=created, model=model_name,
+        return payloads.dump_parts(ChatCompletionResponse(id=plan.request_id, created=created, model=model_name,
                                                     choices=choices, usage=outcome.usage,
                                                     prompt_token_ids=prompt_ids if token_ids_on else None))
 

@@ -77,7 +77,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             prompt_json[p_idx] = None if value is None else dump_list(PROMPT_LOGPROBS, value)
         return prompt_json[p_idx]
 
-    def render(outcome: Finished) -> bytes:
+    def render(outcome: Finished) -> list[bytes]:
         choices = []
         for r in outcome.results:
             prompt = prompts[r.index // n]
@@ -102,7 +102,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             )
             choice.prompt_logprobs = payloads.raw(scores_json(r.index // n, r.prompt_logprobs))
             choices.append(choice)
-        return payloads.dump(CompletionResponse(id=plan.request_id, created=created, model=model_name,
+        return payloads.dump_parts(CompletionResponse(id=plan.request_id, created=created, model=model_name,
                                                 choices=choices, usage=outcome.usage))
 
     if isinstance(outcome, Finished):  # with logprobs: built in a worker (bounded.py)

@@ -72,7 +72,7 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
         tokenizer = ctx.tokenizer if sp.detokenize else None
         return prompt_logprobs(prompt_ids, s, tokenizer, sp.prompt_logprobs) if sp.prompt_logprobs is not None else None
 
-    def render(outcome: Finished) -> bytes:
+    def render(outcome: Finished) -> list[bytes]:
         p_json = scores(outcome.results[0].prompt_logprobs) if outcome.results else None
         response = GenerateResponse(
             request_id=plan.request_id,
@@ -94,7 +94,7 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
             usage=outcome.usage,
         )
         response.prompt_logprobs = payloads.raw(None if p_json is None else dump_list(PROMPT_LOGPROBS, p_json))
-        return payloads.dump(response)
+        return payloads.dump_parts(response)
 
     if isinstance(outcome, Finished):  # with logprobs: built in a worker (bounded.py)
         return await json_body(lambda: render(outcome), heavy=sp.logprobs is not None or sp.prompt_logprobs is not None)
