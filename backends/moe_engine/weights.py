@@ -122,8 +122,9 @@ def _same_model_fields(cfg: MoEConfig) -> dict:
 
 
 def check_checkpoint(model: torch.nn.Module, path: str) -> Path:
-    """Check that checkpoint ``path`` holds every parameter of the live model, with its shape and a float dtype
-    (headers only, nothing is read). Returns the checkpoint directory; raises WeightUpdateError."""
+    """Check that checkpoint ``path`` holds every parameter of the live model, with its shape and a float dtype, and
+    finite values (``check_finite`` reads each tensor once). Returns the checkpoint directory; raises
+    WeightUpdateError."""
     root = Path(path)
     try:
         is_dir = root.is_dir()
@@ -145,6 +146,7 @@ def check_checkpoint(model: torch.nn.Module, path: str) -> Path:
             headers = _Headers(root, stack)
             for name, p in model.named_parameters():
                 _read(headers, model, name, p, _META)
+            _check_finite(headers, root)  # a NaN / Inf tensor: refused before anything is written
     except WeightUpdateError:
         raise
     except Exception as exc:  # CheckpointError, a missing shard, an unreadable header, an unsupported config
@@ -153,31 +155,27 @@ def check_checkpoint(model: torch.nn.Module, path: str) -> Path:
     return root
 
 
-_SCAN_ELEMENTS = 1 << 26  # elements read at once by check_finite (256 MB of float32)
+_SCAN_ELEMENTS = 1 << 26  # elements read at once by the finiteness check (256 MB of float32)
 
 
 @torch.no_grad()
-def check_finite(model: torch.nn.Module, root: Path) -> None:
-    """Raise WeightUpdateError naming the first tensor of checkpoint ``root`` (among those the model reads, checked by
-    ``check_checkpoint``) that holds a NaN or an infinity: nothing is written, the old weights stay. Reads through the
-    memory map in slices of the leading dimension."""
-    with ExitStack() as stack:
-        headers = _Headers(root, stack)
-        for name, p in model.named_parameters():
-            _read(headers, model, name, p, _META)
-        for key in sorted(headers.used):
-            sl = headers._open(headers.key_file[key]).get_slice(key)
-            if sl.get_dtype() not in _FLOAT_FILE_DTYPES:
-                continue  # MXFP4 blocks / scales
-            shape = sl.get_shape()
-            rows = shape[0] if shape else 1
-            per_row = max(1, int(torch.Size(shape[1:]).numel())) if shape else 1
-            step = max(1, _SCAN_ELEMENTS // per_row)
-            for lo in range(0, rows, step):
-                part = sl[lo:lo + step] if shape else sl[:]
-                if not torch.isfinite(part).all():
-                    raise WeightUpdateError(f"checkpoint {root} cannot replace the served weights: tensor {key!r} "
-                                            f"holds NaN or infinite values", param="model_path")
+def _check_finite(headers: _Headers, root: Path) -> None:
+    """Raise WeightUpdateError naming the first tensor the model reads from checkpoint ``root`` (``headers.used``,
+    after a headers pass) that holds a NaN or an infinity: nothing is written, the old weights stay. Reads through
+    the memory map in slices of the leading dimension."""
+    for key in sorted(headers.used):
+        sl = headers._open(headers.key_file[key]).get_slice(key)
+        if sl.get_dtype() not in _FLOAT_FILE_DTYPES:
+            continue  # MXFP4 blocks / scales
+        shape = sl.get_shape()
+        rows = shape[0] if shape else 1
+        per_row = max(1, int(torch.Size(shape[1:]).numel())) if shape else 1
+        step = max(1, _SCAN_ELEMENTS // per_row)
+        for lo in range(0, rows, step):
+            part = sl[lo:lo + step] if shape else sl[:]
+            if not torch.isfinite(part).all():
+                raise WeightUpdateError(f"checkpoint {root} cannot replace the served weights: tensor {key!r} holds "
+                                        f"NaN or infinite values", param="model_path")
 
 
 @torch.no_grad()
