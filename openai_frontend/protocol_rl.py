@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from .protocol import _Base, _unsupported
+from .protocol import _unsupported
+from .protocol import _ValidUnicode as _Base  # strict types, valid Unicode
 
 
 class UpdateWeightsFromDiskRequest(_Base):

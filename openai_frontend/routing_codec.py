@@ -78,6 +78,8 @@ def decode_routed_experts(encoded: str) -> np.ndarray:
 class ArrayDecodeError(ValueError):
     """A request's base64 ``.npy`` field is not what it must be; the message says what is wrong."""
 
+    code = "invalid_replay"  # the API's error code (its only use: a replay_routed_experts array)
+
 
 def decode_int_array(encoded: object, ndim: int) -> np.ndarray:
     """base64 of ``.npy`` bytes holding an ``ndim``-D array of any integer dtype -> that array (read-only view).

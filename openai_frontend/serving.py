@@ -262,7 +262,8 @@ class ServingContext:
         if plan.model is not None and plan.model != self.cfg.served_model_name:
             raise model_not_found(plan.model)
         if plan.stream_options is not None and not plan.stream:
-            raise BadRequestError("stream_options can only be set when stream is true.", param="stream_options")
+            raise BadRequestError("stream_options can only be set when stream is true.", param="stream_options",
+                                  code="unsupported_combination")
         if plan.logprobs is not None and plan.logprobs > self.cfg.max_logprobs:
             raise BadRequestError(f"{plan.logprobs_param} must be at most {self.cfg.max_logprobs}.",
                                   param=plan.logprobs_param)
@@ -271,17 +272,18 @@ class ServingContext:
                                   param=plan.prompt_logprobs_param)
         if plan.options.return_routed_weights and not self.cfg.enable_routed_experts:
             raise BadRequestError("return_routed_weights needs routed-experts capture, which this server has off "
-                                  "(--disable-routed-experts).", param="return_routed_weights")
+                                  "(--disable-routed-experts).", param="return_routed_weights",
+                                  code="unsupported_combination")
         if plan.options.replay_routed_experts is not None and plan.prompts.count > 1:
             raise BadRequestError(f"{plan.replay_param} forces the routing of one prompt; this request has "
-                                  f"{plan.prompts.count}.", param=plan.replay_param)
+                                  f"{plan.prompts.count}.", param=plan.replay_param, code="invalid_replay")
         # More choices than the server could ever run at once: 400 (not 503, retrying would not help).
         n, num_prompts, limit = plan.n, plan.prompts.count, self.cfg.max_pending_requests
         if n * num_prompts > limit:
             raise BadRequestError(
                 f"The request asks for {n * num_prompts} choices (n={n} x {num_prompts} prompts); the server runs at "
                 f"most {limit} at once.",
-                param=plan.n_param,
+                param=plan.n_param, code="too_many_choices",
             )
 
     def _check_response_size(self, plan: GenerationPlan, prompts: list[PromptInput], specs: list[ChoiceSpec]) -> None:
@@ -308,7 +310,7 @@ class ServingContext:
     @staticmethod
     def _check_prompt_ids(ids: list[int], param: str, model: ModelInfo) -> None:
         if not ids:
-            raise BadRequestError("The prompt is empty (no tokens).", param=param)
+            raise BadRequestError("The prompt is empty (no tokens).", param=param, code="empty_prompt")
         bad = next((t for t in ids if t < 0 or t >= model.vocab_size), None)
         if bad is not None:
             raise BadRequestError(
@@ -353,7 +355,7 @@ class ServingContext:
                 raise BadRequestError(
                     f"routed_experts_prompt_start ({prompt_start}) must be smaller than the number of prompt "
                     f"tokens ({len(prompt.ids)}).",
-                    param="routed_experts_prompt_start",
+                    param="routed_experts_prompt_start", code="invalid_prompt_start",
                 )
             replay = None
             if opts.replay_routed_experts is not None:

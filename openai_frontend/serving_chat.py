@@ -33,7 +33,7 @@ from .serving import Finished, GenerationPlan, ServingContext
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
     if req.top_logprobs and not req.logprobs:
-        raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs", code="unsupported_combination")
     if req.prompt_logprobs is not None:
         raise BadRequestError("prompt_logprobs is supported on /v1/completions and /inference/v1/generate, not on "
                               "chat completions.", param="prompt_logprobs")

@@ -35,7 +35,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from .errors import BadRequestError, InternalServerError
+from .errors import BadRequestError, InternalServerError, NotFoundError, OpenAIError
 from .http_utils import check_api_key
 from .protocol_rl import (
     ContinueGenerationRequest,
@@ -101,8 +101,11 @@ def _answer(result: dict[str, Any], **extra: Any) -> JSONResponse:
             "weight_version": result.get("weight_version"), **extra}
     if body["success"]:
         return JSONResponse(body)
-    cls = InternalServerError if result.get("internal") else BadRequestError
-    err = cls(body["message"], param=result.get("param"))
+    if result.get("code") in ("checkpoint_not_found", "weight_update_group_not_found"):  # nothing there by that name
+        err: OpenAIError = NotFoundError(body["message"], param=result.get("param"), code=result["code"])
+    else:
+        cls = InternalServerError if result.get("internal") else BadRequestError
+        err = cls(body["message"], param=result.get("param"))
     return JSONResponse({**body, **err.to_dict()}, status_code=err.status_code)
 
 
@@ -166,7 +169,7 @@ def rl_router(ctx: ServingContext) -> APIRouter:
         return await run("flush_cache", FlushCacheRequest())
 
     @router.post("/sleep")
-    async def sleep(level: int = 1) -> JSONResponse:
+    async def sleep(level: int = Query(1, ge=1, le=2)) -> JSONResponse:
         if level not in (1, 2):
             raise BadRequestError(f"level must be 1 or 2, got {level}", param="level")
         return await run("release_memory_occupation", MemoryOccupationRequest())

@@ -404,6 +404,8 @@ class TritonPythonModel:
             result = {"success": True, **reply.future.result()}
         elif isinstance(exc, EngineError):  # refused: nothing changed
             result = {"success": False, "message": str(exc), "param": getattr(exc, "param", None)}
+            if getattr(exc, "code", None):  # e.g. checkpoint_not_found
+                result["code"] = exc.code
         else:
             result = {"success": False, "message": f"{reply.op} failed: {exc!r}", "internal": True}
         result["weight_version"] = self.engine.weight_version

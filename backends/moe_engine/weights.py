@@ -63,6 +63,8 @@ _META = torch.device("meta")
 class WeightUpdateError(InvalidRequestError):
     """A weight update was refused (nothing was written): the message names the first mismatching tensor."""
 
+    code: str | None = None  # checkpoint_not_found, weight_update_group_not_found: the API answers 404
+
 
 # --------------------------------------------------------------------------------------------- from disk
 
@@ -127,11 +129,14 @@ def check_checkpoint(model: torch.nn.Module, path: str) -> Path:
     WeightUpdateError."""
     root = Path(path)
     try:
-        is_dir = root.is_dir()
+        is_dir, why = root.is_dir(), "is not a directory"
     except OSError as exc:  # a name too long for the file system, ...
-        raise WeightUpdateError(f"model_path is not a usable path: {exc.strerror}", param="model_path") from exc
+        is_dir, why = False, f"is not a usable path ({exc.strerror})"
     if not is_dir:
-        raise WeightUpdateError(f"model_path {path!r} is not a directory", param="model_path")
+        err = WeightUpdateError(f"model_path {path[:200]!r}{'...' if len(path) > 200 else ''} {why}",
+                                param="model_path")
+        err.code = "checkpoint_not_found"
+        raise err
     cfg: MoEConfig = model.config
     try:
         if (root / "config.json").is_file():
@@ -427,8 +432,10 @@ class UpdateGroups:
         with self._lock:
             entry = self._groups.get(group_name)
         if entry is None:
-            raise WeightUpdateError(f"no weight update group {group_name!r}: call init_weights_update_group first",
+            err = WeightUpdateError(f"no weight update group {group_name!r}: call init_weights_update_group first",
                                     param="group_name")
+            err.code = "weight_update_group_not_found"
+            raise err
         pg, backend = entry
         return pg, (self.device if backend == "nccl" else torch.device("cpu"))
 

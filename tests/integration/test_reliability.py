@@ -278,8 +278,12 @@ def test_lifecycle_endpoints_check_the_key_before_the_body_and_refuse_a_path_too
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", (path, r.text)
     r = http.post("/update_weights_from_disk", json={"model_path": "/tmp/" + "x" * 5000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model_path", r.text
-    r = http.post("/update_weights_from_disk", json={"model_path": "/tmp/" + "x" * 300})  # one name over NAME_MAX
-    assert r.status_code == 400 and "too long" in r.json()["error"]["message"], r.text
+    # No checkpoint can be there (one name over NAME_MAX), or none is: 404, nothing changed.
+    for path in ("/tmp/" + "x" * 300, "/tmp/no-such-checkpoint"):
+        r = http.post("/update_weights_from_disk", json={"model_path": path})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "checkpoint_not_found", r.text
+        assert r.json()["success"] is False and r.json()["weight_version"] == "B"
+    assert "too long" in r.json()["error"]["message"] or "not a directory" in r.json()["error"]["message"]
 
 
 # ------------------------------------------------------------------------------------------------ bounded work
