@@ -74,6 +74,11 @@ _WEIGHT_VERSION = {
 }
 _IS_SLEEPING = {"type": "object", "required": ["is_sleeping"], "properties": {"is_sleeping": {"type": "boolean"}}}
 
+# With "stream": true, each server-sent event: `data:` a JSON chunk of the endpoint's stream format (an error object
+# once the stream started and then failed), the last `data: [DONE]`.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] at the end"},
+                             "event": {"type": "string"}}}
 _GENERATION = (400, 401, 404, 413, 503, 504)
 _CONTROL = (400, 401, 404, 413, 503)
 _STATUSES: dict[str, tuple[int, ...]] = {
@@ -143,7 +148,7 @@ def _generation_fields(limits: dict[str, int]) -> dict[str, Any]:
                              {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": ids}}],
                    "description": "a text, texts, token ids or lists of token ids"},
         "priority": {"const": 0, "default": 0},
-        "kv_transfer_params": {"type": "null"}, "features": {"type": "null"},
+        "kv_transfer_params": {"type": "null"}, "features": {"type": "null"}, "suffix": {"type": "null"},
     }
 
 
@@ -214,6 +219,9 @@ def documented_openapi(app: FastAPI) -> dict[str, Any]:
             if path in _SUCCESS:
                 responses["200"] = _SUCCESS[path]
             statuses = _STATUSES.get(path, ())
+            if statuses is _GENERATION:  # "stream": true answers server-sent events
+                responses.setdefault("200", {"description": "Successful Response"}).setdefault("content", {})[
+                    "text/event-stream"] = {"schema": _SSE_EVENT}
             if path in RL_PATHS:
                 statuses = _CONTROL if method == "post" or "requestBody" in op else (401, 503)
                 if path in ("/get_weight_version", "/weight_version"):

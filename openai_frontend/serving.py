@@ -351,6 +351,9 @@ class ServingContext:
         for p_idx, prompt in enumerate(prompts):
             self._check_prompt_ids(prompt.ids, plan.prompts.param, model)
             max_tokens = self._resolve_max_tokens(len(prompt.ids), plan, model)
+            if opts.min_tokens and opts.min_tokens > max_tokens:
+                raise BadRequestError(f"min_tokens ({opts.min_tokens}) must be at most max_tokens ({max_tokens}).",
+                                      param="min_tokens", code="unsupported_combination")
             if prompt_start and prompt_start >= len(prompt.ids):
                 raise BadRequestError(
                     f"routed_experts_prompt_start ({prompt_start}) must be smaller than the number of prompt "
