@@ -181,7 +181,7 @@ class TritonPythonModel:
         self._weights_state = WeightsState(state_file or None)
         restored = self._weights_state.restored(checkpoint)
         self._weights_lost, self._lost_version = restored.lost, restored.lost_version
-        self._control_ops = 0  # engine-thread control ops submitted and not answered yet
+        self._control_futures: set = set()  # engine-thread control ops not answered yet (running() while they run)
         device = _param(params, "device", "auto")
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -374,15 +374,13 @@ class TritonPythonModel:
             raise InvalidRequestError(f"control {op}: {exc}", param="control") from exc
         log.info("control %s %s", op, {k: v for k, v in body.items() if k not in ("names", "dtypes", "shapes")})
         outputs = _requested(request)
-        engine_thread = op in ENGINE_THREAD_OPS
-        if engine_thread:
+        if op in ENGINE_THREAD_OPS:
             with self._lock:
-                self._control_ops += 1
+                self._control_futures.add(future)
 
         def done(f) -> None:
-            if engine_thread:
-                with self._lock:
-                    self._control_ops -= 1
+            with self._lock:
+                self._control_futures.discard(f)
             if not f.cancelled() and f.exception() is None:
                 self._weights_state.record(op, body, self.engine.weight_version)
                 if op in ("update_weights_from_disk", "update_weights_from_distributed") and self._weights_lost:
@@ -476,8 +474,8 @@ class TritonPythonModel:
         ("moe_engine_paused", "gauge", "1 while generation is paused (pause_generation)", {"paused": {}}),
         ("moe_engine_sleeping", "gauge", "1 while memory is released (release_memory_occupation, /sleep)",
          {"sleeping": {}}),
-        ("moe_engine_control_ops", "gauge", "Control operations on the engine thread not answered yet (a weight "
-         "update holds steps back while it loads)", {"control_ops": {}}),
+        ("moe_engine_control_ops", "gauge", "Control operations the engine thread runs now (a weight update holds "
+         "steps back while it loads)", {"control_ops": {}}),
         ("moe_engine_weights_lost", "gauge", "1 while generation is refused because a restart could not bring the "
          "served weights back (pushed again: 0)", {"weights_lost": {}}),
     )
@@ -503,7 +501,7 @@ class TritonPythonModel:
         last = self._metrics["_last"]
         stats = dict(self.engine.stats(), alive=0 if self.engine.dead is not None else 1,
                      paused=int(bool(self.engine.paused)), sleeping=int(bool(self.engine.released)),
-                     control_ops=self._control_ops, weights_lost=int(self._weights_lost is not None))
+                     control_ops=self._running_control_ops(), weights_lost=int(self._weights_lost is not None))
         for key, value in stats.items():
             if key not in self._metrics or key.startswith("_"):
                 continue
@@ -514,6 +512,14 @@ class TritonPythonModel:
                 last[key] = value
             else:
                 metric.set(value)
+
+    def _running_control_ops(self) -> int:
+        """Control ops the engine thread is running now (a Future is running() from when the engine takes it up
+        until its result): while one runs, no step runs, on purpose. One still waiting (a weight update letting the
+        requests before it finish) does not count: steps go on meanwhile, and a stall then is a stall."""
+        with self._lock:
+            futures = list(self._control_futures)
+        return sum(1 for f in futures if f.running())
 
     def _poll_cancellations(self) -> None:
         with self._lock:
