@@ -99,17 +99,15 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         return payloads.sse(c)
 
     async def events() -> AsyncGenerator[bytes, None]:
-        # The role of every choice comes first, alone (as vLLM): the client has an event at once, also for choices
-        # that still wait for a running slot.
-        for index in range(req.n):
-            yield chunk(ChatCompletionResponseStreamChoice(
-                index=index,
-                delta=DeltaMessage(role="assistant", content=""),
-                logprobs=None,
-                finish_reason=None,
-                **({"prompt_token_ids": prompt_ids} if token_ids_on else {}),
-            ))
         async for d in outcome:
+            if d.first:  # the role comes alone, first (a choice still waiting for a running slot: when admitted)
+                yield chunk(ChatCompletionResponseStreamChoice(
+                    index=d.index,
+                    delta=DeltaMessage(role="assistant", content=""),
+                    logprobs=None,
+                    finish_reason=None,
+                    **({"prompt_token_ids": prompt_ids} if token_ids_on else {}),
+                ))
             if d.text or d.last or d.logprobs or (token_ids_on and d.token_ids):
                 fields: dict[str, Any] = {}
                 if token_ids_on:
@@ -130,4 +128,5 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             yield payloads.sse(ChatCompletionStreamResponse(id=plan.request_id, created=created, model=model_name,
                                                             choices=[], usage=outcome.usage.total()))
 
-    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected)
+    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected,
+                        preamble=outcome.preamble)

@@ -123,7 +123,9 @@ class BackendRequest:
         scalars = (
             ("max_tokens", self.max_tokens, np.int32),
             ("temperature", self.temperature, np.float32),
-            ("top_p", self.top_p, np.float32),
+            # a top_p under float32's smallest normal number would reach the engine as 0 (refused): it keeps the most
+            # likely token either way
+            ("top_p", None if self.top_p is None else max(self.top_p, float(np.finfo(np.float32).tiny)), np.float32),
             ("top_k", self.top_k, np.int32),
             ("seed", self.seed, np.int64),
             ("ignore_eos", self.ignore_eos, np.bool_),
