@@ -104,9 +104,22 @@ class CodedValueError(ValueError):
         self.code = code
 
 
+def _integral_floats_to_int(value: Any) -> Any:
+    """JSON has one number type, and JSON Schema (the OpenAPI document) counts 5.0 as the integer 5: an integer field
+    takes it. 5.5, "5" and true stay what they are (refused where an integer is due)."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral_floats_to_int(v) for k, v in value.items()}
+    if isinstance(value, list) and not all(type(v) is int for v in value):  # long id lists: the common case fast
+        return [_integral_floats_to_int(v) for v in value]
+    return value
+
+
 class _ValidUnicode(_Base):
     """Request bodies: every string, ids and names included, must be valid Unicode (400 otherwise). Types are
-    strict, as the OpenAPI document states them: "5" and 5.0 are not integers, 1 is not a boolean."""
+    strict, as the OpenAPI document states them: "5" and 5.5 are not integers (5.0 is, as JSON Schema counts), 1 is
+    not a boolean."""
 
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
@@ -114,7 +127,7 @@ class _ValidUnicode(_Base):
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
         check_unicode(data)
-        return data
+        return _integral_floats_to_int(data)
 
 
 def _unsupported(name: str, neutral: Any):
