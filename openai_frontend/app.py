@@ -18,6 +18,7 @@ numbers, never request content).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -50,7 +51,7 @@ from .serving import ServingContext
 from .serving_chat import create_chat_completion
 from .serving_completions import create_completion
 from .serving_generate import create_generate
-from .serving_weights import engine_state, rl_router
+from .serving_weights import RL_PATHS, engine_state, refresh_weights_state, rl_router
 from .tokenizer import Tokenizer
 from .triton_client import ModelInfo, TritonClient
 
@@ -87,7 +88,9 @@ class _FrontMiddleware:
             await send(message)
 
         try:
-            if self.api_key is not None and (path.startswith(_PROTECTED_PREFIXES) or path in _PROTECTED_PATHS):
+            # The key is checked before anything reads the body (the RL endpoints included: no key, no parsing).
+            if self.api_key is not None and (path.startswith(_PROTECTED_PREFIXES) or path in _PROTECTED_PATHS
+                                             or path in RL_PATHS):
                 headers = dict(scope.get("headers") or [])
                 auth = headers.get(b"authorization")
                 try:
@@ -156,6 +159,9 @@ async def _load_model_info(ctx: ServingContext, timeout_s: float) -> None:
         ctx.tokenizer.set_max_model_len(info.max_model_len)  # text longer than any prompt that fits: 400 early
         ctx.model = info
         logger.info("serving %s: %s", ctx.cfg.served_model_name, info)
+        # Start-up objects (tokenizer, modules) out of the collector's way: a full collection then only walks what
+        # requests made, and pauses the event loop for less.
+        gc.freeze()
         return
 
 
@@ -172,6 +178,7 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
         if own_engine:
             old, ctx.client = ctx.client, TritonClient(cfg.triton_grpc_url, cfg.triton_model_name, cfg.triton_headers)
             await old.close()
+            await refresh_weights_state(ctx)  # did the restart bring the served weights back?
 
     state.on_backend_up = reconnect
 
@@ -215,6 +222,11 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
             return shutting_down(cfg.retry_after_s).to_response()
         if state.backend_error is not None:
             return backend_unavailable(cfg.retry_after_s).to_response()
+        if ctx.weights_lost is not None:
+            await refresh_weights_state(ctx)  # pushed again, maybe straight through Triton
+            if ctx.weights_lost is not None:
+                return ServiceUnavailableError(ctx.weights_lost, retry_after_s=cfg.retry_after_s,
+                                               code="weights_lost").to_response()
         if ctx.model is not None and await ctx.client.is_ready():
             return Response(status_code=200)
         return ServiceUnavailableError("Triton or the model is not ready.", code="not_ready").to_response()

@@ -347,16 +347,17 @@ class ChoiceGroup:
         self._tasks: list[asyncio.Task] = []
         self._queue: asyncio.Queue = asyncio.Queue()
         self._closed = False
-        self._started = False
 
     async def results(self) -> list[ChoiceResult]:
         async for _ in self.deltas():
             pass
         return [r.result() for r in self.runners]
 
-    def _start(self) -> None:
-        self._started = True
-        for r in self.runners:
+    def start(self, count: int | None = None) -> None:
+        """Start the first ``count`` choices (None: all); those already started are left alone. A stream starts
+        one, then the rest once the first answered (ServingContext._start_stream)."""
+        end = len(self.runners) if count is None else min(count, len(self.runners))
+        for r in self.runners[len(self._tasks) : end]:
             self._tasks.append(asyncio.create_task(self._pump(r)))
 
     async def _pump(self, runner: ChoiceRunner) -> None:
@@ -371,8 +372,8 @@ class ChoiceGroup:
         self._queue.put_nowait(None)
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        if not self._started:
-            self._start()
+        if not self._tasks:
+            self.start()
         remaining = len(self.runners)
         try:
             while remaining:

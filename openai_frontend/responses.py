@@ -31,14 +31,19 @@ def sse_response(
     *,
     on_close: Callable[[], Awaitable[None]],
     on_disconnect: Callable[[], None],
+    preamble: bytes | None = None,
 ) -> SSEResponse:
     """Stream ``events`` (each one ``data: ...`` event), then ``[DONE]``.
 
     ``on_close`` runs however the stream ends (it cancels the choices still
     running); ``on_disconnect`` when the client went away first.
+    ``preamble`` (an SSE comment, which clients skip) goes first when no event
+    is ready yet, so the client has bytes at once.
     """
 
     async def body() -> AsyncIterator[str | bytes]:
+        if preamble:
+            yield preamble
         try:
             async with contextlib.aclosing(events):
                 async for event in events:

@@ -25,14 +25,15 @@ from .protocol import (
     now,
     random_id,
 )
-from .responses import json_response, sse_response
+from .bounded import json_body
+from .responses import sse_response
 from .routing_codec import Payloads
 from .serving import Finished, GenerationPlan, ServingContext
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
     if req.top_logprobs and not req.logprobs:
-        raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs", code="unsupported_combination")
     if req.prompt_logprobs is not None:
         raise BadRequestError("prompt_logprobs is supported on /v1/completions and /inference/v1/generate, not on "
                               "chat completions.", param="prompt_logprobs")
@@ -65,7 +66,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     def logprobs(lps):  # noqa: ANN001, ANN202
         return chat_logprobs(lps, ctx.tokenizer, top_n, as_ids=as_ids)
 
-    if isinstance(outcome, Finished):
+    def render(outcome: Finished) -> list[bytes]:
         choices = [
             ChatCompletionResponseChoice(
                 index=r.index,
@@ -81,12 +82,12 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             )
             for r in outcome.results
         ]
-        return json_response(
-            ChatCompletionResponse(id=plan.request_id, created=created, model=model_name, choices=choices,
-                                   usage=outcome.usage,
-                                   prompt_token_ids=prompt_ids if token_ids_on else None),
-            payloads,
-        )
+        return payloads.dump_parts(ChatCompletionResponse(id=plan.request_id, created=created, model=model_name,
+                                                    choices=choices, usage=outcome.usage,
+                                                    prompt_token_ids=prompt_ids if token_ids_on else None))
+
+    if isinstance(outcome, Finished):  # with logprobs: built in a worker (bounded.py)
+        return await json_body(lambda: render(outcome), heavy=bool(req.logprobs))
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -99,7 +100,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
     async def events() -> AsyncGenerator[bytes, None]:
         async for d in outcome:
-            if d.first:  # the role comes alone, first
+            if d.first:  # the role comes alone, first (a choice still waiting for a running slot: when admitted)
                 yield chunk(ChatCompletionResponseStreamChoice(
                     index=d.index,
                     delta=DeltaMessage(role="assistant", content=""),
@@ -127,4 +128,5 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             yield payloads.sse(ChatCompletionStreamResponse(id=plan.request_id, created=created, model=model_name,
                                                             choices=[], usage=outcome.usage.total()))
 
-    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected)
+    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected,
+                        preamble=outcome.preamble)

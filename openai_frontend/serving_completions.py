@@ -15,7 +15,8 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from starlette.responses import Response
 
-from .logprobs_format import completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs
+from .bounded import dump_list, json_body, off_loop
+from .logprobs_format import PROMPT_LOGPROBS, completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs
 from .prompts import CompletionPrompts, PromptInput
 from .protocol import (
     CompletionRequest,
@@ -26,7 +27,7 @@ from .protocol import (
     now,
     random_id,
 )
-from .responses import json_response, sse_response
+from .responses import sse_response
 from .routing_codec import Payloads
 from .serving import Finished, GenerationPlan, ServingContext
 
@@ -66,7 +67,17 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     def scores(p: PromptInput, s):  # noqa: ANN001, ANN202 - PromptScores | None
         return prompt_logprobs(p.ids, s, ctx.tokenizer, shown_prompt_n) if shown_prompt_n is not None else None
 
-    if isinstance(outcome, Finished):
+    # vLLM's format repeats a prompt's logprobs on each of its choices: built and serialised once per prompt
+    # (bounded.py), spliced into each.
+    prompt_json: dict[int, bytes | None] = {}
+
+    def scores_json(p_idx: int, s) -> bytes | None:  # noqa: ANN001 - PromptScores | None
+        if p_idx not in prompt_json:
+            value = scores(prompts[p_idx], s)
+            prompt_json[p_idx] = None if value is None else dump_list(PROMPT_LOGPROBS, value)
+        return prompt_json[p_idx]
+
+    def render(outcome: Finished) -> list[bytes]:
         choices = []
         for r in outcome.results:
             prompt = prompts[r.index // n]
@@ -77,26 +88,25 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                 if echo_lp:
                     logprobs = join_logprobs(echo_logprobs(prompt.ids, r.prompt_logprobs, ctx.tokenizer, top_n,
                                                            as_ids=as_ids), logprobs)
-            choices.append(
-                CompletionResponseChoice(
-                    index=r.index,
-                    text=prefix + r.text,
-                    logprobs=logprobs,
-                    finish_reason=r.finish_reason,
-                    stop_reason=r.stop_reason,
-                    token_ids=r.token_ids if token_ids_on else None,
-                    prompt_logprobs=scores(prompt, r.prompt_logprobs),
-                    prompt_token_ids=prompt.ids if token_ids_on else None,
-                    routed_experts=payloads.ref(r.routed_experts),
-                    routed_weights=payloads.ref(r.routed_weights),
-                    weight_version=r.weight_version,
-                )
+            choice = CompletionResponseChoice(
+                index=r.index,
+                text=prefix + r.text,
+                logprobs=logprobs,
+                finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason,
+                token_ids=r.token_ids if token_ids_on else None,
+                prompt_token_ids=prompt.ids if token_ids_on else None,
+                routed_experts=payloads.ref(r.routed_experts),
+                routed_weights=payloads.ref(r.routed_weights),
+                weight_version=r.weight_version,
             )
-        return json_response(
-            CompletionResponse(id=plan.request_id, created=created, model=model_name, choices=choices,
-                               usage=outcome.usage),
-            payloads,
-        )
+            choice.prompt_logprobs = payloads.raw(scores_json(r.index // n, r.prompt_logprobs))
+            choices.append(choice)
+        return payloads.dump_parts(CompletionResponse(id=plan.request_id, created=created, model=model_name,
+                                                choices=choices, usage=outcome.usage))
+
+    if isinstance(outcome, Finished):  # with logprobs: built in a worker (bounded.py)
+        return await json_body(lambda: render(outcome), heavy=req.logprobs is not None or shown_prompt_n is not None)
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -135,7 +145,6 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                         finish_reason=d.finish_reason,
                         stop_reason=d.stop_reason,
                         token_ids=d.token_ids if token_ids_on else None,
-                        prompt_logprobs=scores(prompt, d.prompt_logprobs) if d.prompt_logprobs is not None else None,
                         prompt_token_ids=prompt.ids if token_ids_on and d.first else None,
                         routed_experts=payloads.ref(d.routed_experts),
                         routed_weights=payloads.ref(d.routed_weights),
@@ -143,6 +152,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                     )
                 ],
             )
+            if d.prompt_logprobs is not None:  # built once per prompt, in a worker
+                p_json = await off_loop(scores_json, d.index // n, d.prompt_logprobs)
+                chunk.choices[0].prompt_logprobs = payloads.raw(p_json)
             if continuous:
                 chunk.usage = outcome.usage.choice(d.index)
             yield payloads.sse(chunk)
@@ -150,4 +162,5 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             yield payloads.sse(CompletionStreamResponse(id=plan.request_id, created=created, model=model_name,
                                                         choices=[], usage=outcome.usage.total()))
 
-    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected)
+    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected,
+                        preamble=outcome.preamble)

@@ -12,7 +12,8 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from starlette.responses import Response
 
-from .logprobs_format import chat_logprobs, prompt_logprobs
+from .bounded import dump_list, json_body, off_loop
+from .logprobs_format import PROMPT_LOGPROBS, chat_logprobs, prompt_logprobs
 from .prompts import TokenIdsPrompt
 from .protocol import (
     GenerateRequest,
@@ -22,7 +23,7 @@ from .protocol import (
     now,
     random_id,
 )
-from .responses import json_response, sse_response
+from .responses import sse_response
 from .routing_codec import Payloads
 from .serving import Finished, GenerationPlan, ServingContext
 
@@ -55,6 +56,7 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
         max_tokens_param="sampling_params.max_tokens",
         prompt_logprobs_param="sampling_params.prompt_logprobs",
         replay_param=replay_param,
+        prompt_logprobs_per_choice=False,  # one top-level list (the response has one prompt)
     )
     model_name = ctx.cfg.served_model_name
     token_ids_on = bool(sp.return_token_ids)
@@ -70,30 +72,32 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
         tokenizer = ctx.tokenizer if sp.detokenize else None
         return prompt_logprobs(prompt_ids, s, tokenizer, sp.prompt_logprobs) if sp.prompt_logprobs is not None else None
 
-    if isinstance(outcome, Finished):
-        return json_response(
-            GenerateResponse(
-                request_id=plan.request_id,
-                model=model_name,
-                created=now(),
-                choices=[
-                    GenerateResponseChoice(
-                        index=r.index,
-                        logprobs=logprobs(r.logprobs),
-                        finish_reason=r.finish_reason,
-                        token_ids=r.token_ids,
-                        prompt_token_ids=prompt_ids if token_ids_on else None,
-                        routed_experts=payloads.ref(r.routed_experts),
-                        routed_weights=payloads.ref(r.routed_weights),
-                        weight_version=r.weight_version,
-                    )
-                    for r in outcome.results
-                ],
-                usage=outcome.usage,
-                prompt_logprobs=scores(outcome.results[0].prompt_logprobs) if outcome.results else None,
-            ),
-            payloads,
+    def render(outcome: Finished) -> list[bytes]:
+        p_json = scores(outcome.results[0].prompt_logprobs) if outcome.results else None
+        response = GenerateResponse(
+            request_id=plan.request_id,
+            model=model_name,
+            created=now(),
+            choices=[
+                GenerateResponseChoice(
+                    index=r.index,
+                    logprobs=logprobs(r.logprobs),
+                    finish_reason=r.finish_reason,
+                    token_ids=r.token_ids,
+                    prompt_token_ids=prompt_ids if token_ids_on else None,
+                    routed_experts=payloads.ref(r.routed_experts),
+                    routed_weights=payloads.ref(r.routed_weights),
+                    weight_version=r.weight_version,
+                )
+                for r in outcome.results
+            ],
+            usage=outcome.usage,
         )
+        response.prompt_logprobs = payloads.raw(None if p_json is None else dump_list(PROMPT_LOGPROBS, p_json))
+        return payloads.dump_parts(response)
+
+    if isinstance(outcome, Finished):  # with logprobs: built in a worker (bounded.py)
+        return await json_body(lambda: render(outcome), heavy=sp.logprobs is not None or sp.prompt_logprobs is not None)
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -121,7 +125,9 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
                 ],
             )
             if d.prompt_logprobs is not None and not prompt_sent:
-                chunk.prompt_logprobs, prompt_sent = scores(d.prompt_logprobs), True
+                p_json = await off_loop(scores, d.prompt_logprobs)
+                chunk.prompt_logprobs = payloads.raw(None if p_json is None else dump_list(PROMPT_LOGPROBS, p_json))
+                prompt_sent = True
             if continuous:
                 chunk.usage = outcome.usage.choice(d.index)
             yield payloads.sse(chunk)
@@ -129,4 +135,5 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
             yield payloads.sse(GenerateStreamResponse(request_id=plan.request_id, choices=[],
                                                       usage=outcome.usage.total()))
 
-    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected)
+    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected,
+                        preamble=outcome.preamble)

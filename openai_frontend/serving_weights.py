@@ -35,7 +35,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from .errors import BadRequestError, InternalServerError
+from .errors import BadRequestError, InternalServerError, NotFoundError, OpenAIError
 from .http_utils import check_api_key
 from .protocol_rl import (
     ContinueGenerationRequest,
@@ -51,6 +51,13 @@ from .triton_client import BackendError
 
 logger = logging.getLogger(__name__)
 
+# Every path rl_router serves: the API middleware checks the key on them before the body is read (app.py).
+RL_PATHS = frozenset({
+    "/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed", "/flush_cache",
+    "/pause_generation", "/continue_generation", "/release_memory_occupation", "/resume_memory_occupation",
+    "/get_weight_version", "/weight_version", "/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping",
+})
+
 
 async def _control(ctx: ServingContext, op: str, args: dict[str, Any]) -> dict[str, Any]:
     """The backend's control_result for ``op``; Triton / engine errors become OpenAI errors (503, 500)."""
@@ -58,9 +65,22 @@ async def _control(ctx: ServingContext, op: str, args: dict[str, Any]) -> dict[s
     if control is None:
         raise InternalServerError("this backend client has no control requests")
     try:
-        return await control(op, args)
+        result = await control(op, args)
     except BackendError as e:
         raise backend_error_to_openai(e, ctx.cfg.retry_after_s) from e
+    # Every answer says whether a restart lost the served weights (backends/moe/weights_state.py); /health reads it.
+    ctx.weights_lost = result.get("weights_lost")
+    return result
+
+
+async def refresh_weights_state(ctx: ServingContext) -> None:
+    """Ask the backend whether it serves the weights it should (after a restart; while /health says it does not)."""
+    if getattr(ctx.client, "control", None) is None:
+        return
+    try:
+        await _control(ctx, "get_weight_version", {})
+    except Exception as e:  # noqa: BLE001 - the backend is down: /health says so already
+        logger.warning("weight state unavailable: %s", e)
 
 
 async def engine_state(ctx: ServingContext) -> dict[str, Any]:
@@ -81,8 +101,11 @@ def _answer(result: dict[str, Any], **extra: Any) -> JSONResponse:
             "weight_version": result.get("weight_version"), **extra}
     if body["success"]:
         return JSONResponse(body)
-    cls = InternalServerError if result.get("internal") else BadRequestError
-    err = cls(body["message"], param=result.get("param"))
+    if result.get("code") in ("checkpoint_not_found", "weight_update_group_not_found"):  # nothing there by that name
+        err: OpenAIError = NotFoundError(body["message"], param=result.get("param"), code=result["code"])
+    else:
+        cls = InternalServerError if result.get("internal") else BadRequestError
+        err = cls(body["message"], param=result.get("param"))
     return JSONResponse({**body, **err.to_dict()}, status_code=err.status_code)
 
 
@@ -133,7 +156,12 @@ def rl_router(ctx: ServingContext) -> APIRouter:
     @router.get("/get_weight_version")
     @router.get("/weight_version")
     async def get_weight_version() -> JSONResponse:
-        return JSONResponse({"weight_version": (await _control(ctx, "get_weight_version", {})).get("weight_version")})
+        result = await _control(ctx, "get_weight_version", {})
+        if result.get("weights_lost"):  # null: no weights to serve until they are pushed again
+            return JSONResponse({"weight_version": None, "weights_lost": True,
+                                 "lost_weight_version": result.get("lost_weight_version"),
+                                 "message": result["weights_lost"]})
+        return JSONResponse({"weight_version": result.get("weight_version")})
 
     # vLLM's names (module docstring)
     @router.post("/reset_prefix_cache")
@@ -141,7 +169,7 @@ def rl_router(ctx: ServingContext) -> APIRouter:
         return await run("flush_cache", FlushCacheRequest())
 
     @router.post("/sleep")
-    async def sleep(level: int = 1) -> JSONResponse:
+    async def sleep(level: int = Query(1, ge=1, le=2)) -> JSONResponse:
         if level not in (1, 2):
             raise BadRequestError(f"level must be 1 or 2, got {level}", param="level")
         return await run("release_memory_occupation", MemoryOccupationRequest())

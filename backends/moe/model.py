@@ -47,6 +47,9 @@ from moe_engine.core.sampling import SamplingParams
 from moe_engine.engine import Engine, EngineConfig, Request, RequestOutput
 from moe_engine.errors import EngineError, EngineOverloadedError, EngineStoppedError, InvalidRequestError
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # modules beside this file (Triton loads it by path)
+from weights_state import WeightsState, lost_message  # noqa: E402
+
 log = logging.getLogger("moe_backend")
 
 # How often the response thread asks Triton about cancellations (one IPC call per open request, so not
@@ -108,6 +111,8 @@ CONTROL_OPS = {
 }
 # Ops that only read this instance's state; the others change it, and a request reaches one Triton instance.
 READ_ONLY_OPS = frozenset({"get_weight_version", "get_engine_info", "is_sleeping"})
+# Ops that run on the engine thread between steps (a long one holds steps back: not a stall, see _update_metrics).
+ENGINE_THREAD_OPS = frozenset(CONTROL_OPS) - READ_ONLY_OPS - {"init_weights_update_group"}
 
 
 def _param(params: dict, key: str, default: str = "") -> str:
@@ -164,13 +169,19 @@ class TritonPythonModel:
         faulthandler.enable(file=sys.stderr, all_threads=True)
         import torch
 
-        from moe_engine.checkpoint import load_model
-        from moe_engine.config import load_config
         from moe_engine.tiny import ensure_tiny_checkpoint
 
         model_config = json.loads(args["model_config"])
         params = model_config.get("parameters", {})
         checkpoint = _param(params, "checkpoint") or str(ensure_tiny_checkpoint())
+        # After a restart: the weights served before it (weights_state.py), not the start-up checkpoint.
+        state_file = _param(params, "weights_state_file")
+        if state_file and not os.path.isabs(state_file):
+            state_file = os.path.join(args["model_repository"], state_file)
+        self._weights_state = WeightsState(state_file or None)
+        restored = self._weights_state.restored(checkpoint)
+        self._weights_lost, self._lost_version = restored.lost, restored.lost_version
+        self._control_futures: set = set()  # engine-thread control ops not answered yet (running() while they run)
         device = _param(params, "device", "auto")
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -185,23 +196,23 @@ class TritonPythonModel:
             # Leave a core to tritonserver, the API and the response thread: on a 2-core host one engine
             # thread gave 1.5x the throughput of torch's default two (loadtest/reports/loadtest.md)
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-        log.info("loading %s (dtype=%s, device=%s)", checkpoint, dtype, device)
+        log.info("loading %s (dtype=%s, device=%s)", restored.checkpoint, dtype, device)
         t0 = time.monotonic()
-        self.cfg = load_config(checkpoint)
-        if ecfg.tensor_parallel_size > 1:  # this instance is rank 0; it starts the other ranks (ranks.py)
-            from moe_engine.distributed.ranks import build_parallel_engine
-
-            # KIND_GPU instances (data parallelism) get their first GPU from Triton; rank r uses first + r
-            gpu_instance = args.get("model_instance_kind") == "GPU"
-            first_gpu = int(args.get("model_instance_device_id") or 0) if gpu_instance else 0
-            self.engine = build_parallel_engine(checkpoint, dtype, device, self.cfg, ecfg, first_gpu=first_gpu)
-        else:
-            if device == "cuda" and args.get("model_instance_kind") == "GPU":
-                device = f"cuda:{args.get('model_instance_device_id') or 0}"
-            model = load_model(checkpoint, dtype=dtype, device=device)
-            self.engine = Engine(model, self.cfg, ecfg)
+        try:
+            self._load(restored.checkpoint, dtype, device, ecfg, args)
+        except Exception as exc:
+            if restored.checkpoint == checkpoint:
+                raise
+            # The last checkpoint loaded from disk is gone (a trainer cleaned it up) or broken: the start-up one,
+            # refusing generation until weights are pushed again.
+            self._weights_lost = lost_message(restored.weight_version, f"were loaded from {restored.checkpoint}, "
+                                                                         f"which cannot be loaded again ({exc})")
+            self._lost_version = restored.weight_version
+            log.error("restart: %s", self._weights_lost)
+            restored.weight_version = os.path.basename(os.path.normpath(checkpoint))
+            self._load(checkpoint, dtype, device, ecfg, args)
         log.info("loaded %s in %.1f s", self.cfg.architecture, time.monotonic() - t0)
-        self.engine.lifecycle.weight_version = os.path.basename(os.path.normpath(checkpoint))
+        self.engine.lifecycle.weight_version = restored.weight_version
         self.routing_enabled = ecfg.enable_routed_experts
 
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
@@ -216,6 +227,29 @@ class TritonPythonModel:
         self._responder.start()
         log.info("garbage collector: %d objects alive after start-up frozen (full collections skip them)",
                  freeze_start_up_objects())
+
+    def _load(self, checkpoint: str, dtype: str, device: str, ecfg: EngineConfig, args: dict) -> None:
+        """Build the engine on ``checkpoint`` (refused if a weight is NaN or infinite)."""
+        from moe_engine.checkpoint import load_model
+        from moe_engine.config import load_config
+
+        self.cfg = load_config(checkpoint)
+        if ecfg.tensor_parallel_size > 1:  # this instance is rank 0; it starts the other ranks (ranks.py)
+            from moe_engine.distributed.ranks import build_parallel_engine
+
+            # KIND_GPU instances (data parallelism) get their first GPU from Triton; rank r uses first + r
+            gpu_instance = args.get("model_instance_kind") == "GPU"
+            first_gpu = int(args.get("model_instance_device_id") or 0) if gpu_instance else 0
+            self.engine = build_parallel_engine(checkpoint, dtype, device, self.cfg, ecfg, first_gpu=first_gpu)
+        else:
+            if device == "cuda" and args.get("model_instance_kind") == "GPU":
+                device = f"cuda:{args.get('model_instance_device_id') or 0}"
+            model = load_model(checkpoint, dtype=dtype, device=device)
+            bad = next((n for n, p in model.named_parameters() if p.is_floating_point() and not p.isfinite().all()),
+                       None)
+            if bad is not None:
+                raise ValueError(f"checkpoint {checkpoint}: tensor {bad!r} holds NaN or infinite values")
+            self.engine = Engine(model, self.cfg, ecfg)
 
     # ------------------------------------------------------------------ request path
 
@@ -247,6 +281,8 @@ class TritonPythonModel:
         return None
 
     def _submit(self, request, sender) -> None:
+        if self._weights_lost is not None:  # after a restart that could not bring the served weights back
+            raise EngineStoppedError(f"weights_lost: {self._weights_lost}")
         ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
         if ids_t is None:
             raise InvalidRequestError("input_ids: missing", param="input_ids")
@@ -338,7 +374,22 @@ class TritonPythonModel:
             raise InvalidRequestError(f"control {op}: {exc}", param="control") from exc
         log.info("control %s %s", op, {k: v for k, v in body.items() if k not in ("names", "dtypes", "shapes")})
         outputs = _requested(request)
-        future.add_done_callback(lambda f: self._outputs.put(_ControlReply(sender, op, f, outputs)))
+        if op in ENGINE_THREAD_OPS:
+            with self._lock:
+                self._control_futures.add(future)
+
+        def done(f) -> None:
+            with self._lock:
+                self._control_futures.discard(f)
+            if not f.cancelled() and f.exception() is None:
+                self._weights_state.record(op, body, self.engine.lifecycle.weight_version)
+                if op in ("update_weights_from_disk", "update_weights_from_distributed") and self._weights_lost:
+                    log.info("weights pushed again (%s, version %r): generation is served again", op,
+                             self.engine.lifecycle.weight_version)
+                    self._weights_lost = self._lost_version = None
+            self._outputs.put(_ControlReply(sender, op, f, outputs))
+
+        future.add_done_callback(done)
 
     def _send_control_reply(self, reply: _ControlReply) -> None:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -351,9 +402,13 @@ class TritonPythonModel:
             result = {"success": True, **reply.future.result()}
         elif isinstance(exc, EngineError):  # refused: nothing changed
             result = {"success": False, "message": str(exc), "param": getattr(exc, "param", None)}
+            if getattr(exc, "code", None):  # e.g. checkpoint_not_found
+                result["code"] = exc.code
         else:
             result = {"success": False, "message": f"{reply.op} failed: {exc!r}", "internal": True}
         result["weight_version"] = self.engine.lifecycle.weight_version
+        if self._weights_lost is not None:  # the engine holds the start-up weights, which are not to be served
+            result.update(weight_version=None, weights_lost=self._weights_lost, lost_weight_version=self._lost_version)
         out = pb_utils.Tensor("control_result", np.array([json.dumps(result).encode()], dtype=np.object_))
         reply.sender.send(pb_utils.InferenceResponse(output_tensors=_only([out], reply.outputs)), flags=flags)
 
@@ -415,6 +470,14 @@ class TritonPythonModel:
         # Liveness and progress, for moe-serve's watchdog: steps must grow while requests are in the engine.
         ("moe_engine_steps", "gauge", "Engine steps run since the model was loaded", {"steps": {}}),
         ("moe_engine_alive", "gauge", "1 while the engine thread runs, 0 once it died", {"alive": {}}),
+        # Why steps may stop on purpose (the watchdog does not count these as stalls).
+        ("moe_engine_paused", "gauge", "1 while generation is paused (pause_generation)", {"paused": {}}),
+        ("moe_engine_sleeping", "gauge", "1 while memory is released (release_memory_occupation, /sleep)",
+         {"sleeping": {}}),
+        ("moe_engine_control_ops", "gauge", "Control operations the engine thread runs now (a weight update holds "
+         "steps back while it loads)", {"control_ops": {}}),
+        ("moe_engine_weights_lost", "gauge", "1 while generation is refused because a restart could not bring the "
+         "served weights back (pushed again: 0)", {"weights_lost": {}}),
     )
 
     @classmethod
@@ -436,7 +499,9 @@ class TritonPythonModel:
 
     def _update_metrics(self) -> None:
         last = self._metrics["_last"]
-        stats = dict(self.engine.stats(), alive=0 if self.engine.dead is not None else 1)
+        stats = dict(self.engine.stats(), alive=0 if self.engine.dead is not None else 1,
+                     paused=int(bool(self.engine.lifecycle.paused)), sleeping=int(bool(self.engine.lifecycle.released)),
+                     control_ops=self._running_control_ops(), weights_lost=int(self._weights_lost is not None))
         for key, value in stats.items():
             if key not in self._metrics or key.startswith("_"):
                 continue
@@ -447,6 +512,14 @@ class TritonPythonModel:
                 last[key] = value
             else:
                 metric.set(value)
+
+    def _running_control_ops(self) -> int:
+        """Control ops the engine thread is running now (a Future is running() from when the engine takes it up
+        until its result): while one runs, no step runs, on purpose. One still waiting (a weight update letting the
+        requests before it finish) does not count: steps go on meanwhile, and a stall then is a stall."""
+        with self._lock:
+            futures = list(self._control_futures)
+        return sum(1 for f in futures if f.running())
 
     def _poll_cancellations(self) -> None:
         with self._lock:
