@@ -20,7 +20,7 @@ and vLLM's names for the same operations (its development endpoints), for traine
     POST /wake_up[?tags=weights&tags=kv_cache]   = resume_memory_occupation
     GET /is_sleeping                        -> {"is_sleeping": bool}
 
-Each one is a control request to the Triton model (never a side channel: backends/moe/model.py runs it through
+Each one is a control request to the Triton model (never a side channel: backends/moe/control_ops.py runs it through
 the engine's control channel, between steps) and answers ``{"success", "message", "weight_version"}``; a refused
 operation (a checkpoint of another shape, an unknown tensor name: nothing changed) is a 400 whose body carries
 both that shape and the OpenAI ``error`` object; the engine not running is a 503. The API key applies as on /v1.

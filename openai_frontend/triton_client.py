@@ -407,7 +407,7 @@ class TritonClient:
 
 
     async def control(self, op: str, args: dict[str, Any], request_id: str = "") -> dict[str, Any]:
-        """One control request (RL rollout lifecycle; backends/moe/model.py lists the ops): returns the backend's
+        """One control request (RL rollout lifecycle; backends/moe/control_ops.py lists the ops): returns the backend's
         ``control_result`` JSON (``success``, ``message``, ``weight_version``, ...). Raises :class:`BackendError`
         when Triton or the backend answers with an error (engine not running, malformed request)."""
         payload = {

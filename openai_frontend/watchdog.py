@@ -56,7 +56,7 @@ class InstanceGauges:
     held: bool = False  # paused, sleeping or running a control operation: no steps on purpose
 
 
-# Gauges that say the engine makes no steps on purpose (backends/moe/model.py).
+# Gauges that say the engine makes no steps on purpose (backends/moe/engine_metrics.py).
 _HOLD_GAUGES = frozenset({"moe_engine_paused", "moe_engine_sleeping", "moe_engine_control_ops"})
 
 
