@@ -7,12 +7,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ExpertsSpec, RouterSpec
+from . import invariant as inv
 from .experts import NO_ROUTING, ExpertOutputs, Experts, GptOssExperts, LayerRouting
 from .routing import make_router
 
 
 class MLP(nn.Module):
     """SwiGLU MLP: dense layers and shared experts (Qwen2-MoE, DeepSeek)."""
+
+    batch_invariant = False  # deterministic inference: silu alike for every element (its Linears are swapped)
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
@@ -21,11 +24,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        silu = inv.silu if self.batch_invariant else F.silu
+        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoEBlock(nn.Module):
     """Router -> routed experts (+ optional shared expert, sigmoid-gated in Qwen2-MoE)."""
+
+    batch_invariant = False  # deterministic inference: the shared expert's gate alike for every element
 
     def __init__(self, router: RouterSpec, experts: ExpertsSpec, hidden_size: int):
         super().__init__()
@@ -52,7 +58,8 @@ class MoEBlock(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                sigmoid = inv.sigmoid if self.batch_invariant else torch.sigmoid
+                shared = sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
 
