@@ -388,7 +388,7 @@ class ModelRunner(ReleasableMemory):
             chosen.append(picked - lse)
             ranks.append((logits > picked[:, None]).sum(-1) + 1)
             if top_n > 0:
-                v, k = torch.topk(logits, top_n, dim=-1)
+                v, k = inv.top_n(logits, top_n) if self.batch_invariant else torch.topk(logits, top_n, dim=-1)
                 top_vals.append(v - lse[:, None])
                 top_ids.append(k)
         chosen_h = torch.cat(chosen).cpu().numpy()

@@ -328,7 +328,7 @@ class Sampler:
         chosen = logits.gather(1, tokens.view(-1, 1)).squeeze(1) - lse
         if n <= 0:
             return chosen, None, None
-        values, ids = torch.topk(logits, n, dim=-1)
+        values, ids = inv.top_n(logits, n) if self.batch_invariant else torch.topk(logits, n, dim=-1)
         return chosen, ids, values - lse[:, None]
 
 
@@ -411,5 +411,5 @@ def compute_logprobs(
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     if top_n <= 0:
         return chosen, None, None
-    values, ids = torch.topk(logp, top_n, dim=-1)
+    values, ids = inv.top_n(logp, top_n) if invariant else torch.topk(logp, top_n, dim=-1)
     return chosen, ids, values

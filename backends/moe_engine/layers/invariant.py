@@ -218,6 +218,14 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return x - logsumexp(x)[..., None]
 
 
+def top_n(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the n largest of each row, ties in ascending id order. ``torch.topk`` orders tied values by
+    how its selection went, which depends on k: the top-2 of a row asked beside a top-3 request (a step's top-N is
+    the largest any of its rows asks) could list two tied tokens the other way round. A stable sort does not."""
+    values, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :n], ids[..., :n]
+
+
 # ----------------------------------------------------------------------------------------------- attention
 
 
