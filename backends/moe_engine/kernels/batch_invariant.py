@@ -181,7 +181,7 @@ if triton is not None:
         at = rows.to(tl.int64)[:, None] * N + cols[None, :]
         total = tl.load(part_ptr + at, mask=m, other=0.0)
         for s in range(1, SPLITS):
-            total = total + tl.load(part_ptr + s.to(tl.int64) * M * N + at, mask=m, other=0.0)
+            total = total + tl.load(part_ptr + s * M * N + at, mask=m, other=0.0)  # (M * N * SPLITS < 2**31: small)
         _store_rows(out_ptr, total, b_ptr, rows, rmask, cols, cmask, s_om, HAS_BIAS, DT)
 
     @triton.jit

@@ -22,9 +22,8 @@ instead (docs/design/determinism.md has the measurements):
   float32 accumulates in double), on a GPU explicit adds for the short rows a model fixes (router weights), else a
   Triton kernel with one program per row. softmax, log-softmax and logsumexp are built from it, from max (exact in any order) and from
   ``elementwise`` exp / log.
-* Attention. ``attention`` (CPU): scores as float64 products summed left to right over the head dimension, the
-  softmax's sums and the weighted values summed left to right over the keys from position 0, masked keys adding
-  exact zeros: a query's output depends on its own keys only, whatever its chunk, its batch, or whether its keys came
+* Attention. ``attention`` (CPU): scores summed left to right over the head dimension, the softmax's sums and the
+  weighted values summed left to right over the keys from position 0, masked keys adding exact zeros: a query's output depends on its own keys only, whatever its chunk, its batch, or whether its keys came
   from the prefix cache. On a GPU, ``kernels/batch_invariant.py``'s paged kernel.
 
 Everything else the forward does (gathers, top-k, the routing bookkeeping, the HF-order expert sum) is exact.
@@ -38,7 +37,7 @@ TILE_ROWS = 64  # rows of every CPU GEMM call
 _EW_QUANTUM = 64  # elements: a multiple of every vector loop's step (2 x the widest vector, bfloat16 on AVX-512)
 _EW_PIECE = 32768  # at::internal::GRAIN_SIZE: an elementwise op on at most this many elements runs on one thread
 _SMALL_ROW = 16  # rows this short are summed by explicit adds (router weights, group scores)
-_ATTN_ELEMENTS = 1 << 22  # products per block of queries in ``attention`` (memory bound: 32 MB of float64)
+_ATTN_ELEMENTS = 1 << 22  # query x key x head-dimension products per block of queries in ``attention``
 
 _CHECKED: dict[tuple, bool] = {}  # GEMM shapes whose tiles were checked on this machine (``_check_tiles``)
 
@@ -238,35 +237,41 @@ def attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [T, Hq, Dv] in q's dtype
-    """Causal attention of each query over its own sequence's keys, every sum in a fixed order: q . k as float64
-    products added left to right over the head dimension (then rounded to float32 and scaled), the softmax's max
-    (exact), exp, and its sum and the weighted values added left to right over the keys from position 0. A masked
-    key contributes an exact zero wherever it stands, so the result for a query depends on its position, its
-    query vector and its sequence's keys only (not on the step's padding, its chunking, its other sequences, or on
-    whether the keys came from the prefix cache). Sinks (GPT-OSS) join the softmax's denominator."""
+    """Causal attention of each query over its own sequence's keys, every sum in a fixed order (float32): q . k
+    added over the head dimension left to right, the softmax's max (exact), exp, its sum left to right over the
+    keys from position 0 (``row_sum``), and the weighted values added key by key from position 0, starting from
+    +0. A masked key adds an exact zero wherever it stands, so a query's result depends on its position, its query
+    vector and its sequence's keys only: not on the step's padding, its chunking, its other sequences, or on
+    whether the keys came from the prefix cache. Sinks (GPT-OSS) join the softmax's denominator. Queries run in
+    blocks (of one sequence or several), each over the longest key range among them."""
     T, Hq, Dk = q.shape
     B, Hkv, Lk, _ = keys.shape
     Dv, G = values.shape[-1], Hq // keys.shape[1]
     out = torch.empty(T, Hq, Dv, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    k_pos = torch.arange(Lk, device=q.device)
-    valid = k_pos[None, :] < batch.seq_lens[:, None]  # [B, Lk]: keys past a sequence's length are stale memory
-    keys = torch.where(valid[:, None, :, None], keys, 0).double()
-    values = torch.where(valid[:, None, :, None], values, 0).double()
+    valid = torch.arange(Lk, device=q.device)[None, :] < batch.seq_lens[:, None]  # [B, Lk]; past it: stale memory
+    keys = torch.where(valid[:, None, :, None], keys, 0).float().permute(3, 0, 1, 2)  # [Dk, B, Hkv, Lk]
+    values = torch.where(valid[:, None, :, None], values, 0).float().permute(2, 0, 1, 3)  # [Lk, B, Hkv, Dv]
+    seq_lens = batch.seq_lens.tolist()
+    token_seq = batch.token_seq.tolist()
     step = max(1, _ATTN_ELEMENTS // max(1, Hq * Lk * max(Dk, Dv)))
     for lo in range(0, T, step):
         hi = min(T, lo + step)
+        n, L = hi - lo, max(seq_lens[b] for b in set(token_seq[lo:hi]))
         seq, pos = batch.token_seq[lo:hi], batch.positions[lo:hi]
-        n = hi - lo
-        qs = q[lo:hi].double().view(n, Hkv, G, 1, Dk)
-        ks = keys[seq].view(n, Hkv, 1, Lk, Dk)
-        scores = (qs * ks).cumsum(-1)[..., -1].float() * scale  # [n, Hkv, G, Lk]
-        allowed = k_pos[None, :] <= pos[:, None]  # [n, Lk]
+        qs = q[lo:hi].float().view(n, Hkv, G, Dk)
+        ks = keys[:, seq, :, :L]  # [Dk, n, Hkv, L]
+        scores = qs[..., 0, None] * ks[0][:, :, None, :]
+        for d in range(1, Dk):
+            scores = scores + qs[..., d, None] * ks[d][:, :, None, :]  # [n, Hkv, G, L]
+        scores = scores * scale
+        k_pos = torch.arange(L, device=q.device)
+        allowed = k_pos[None, :] <= pos[:, None]  # [n, L]
         if sliding_window is not None:
             allowed &= k_pos[None, :] > pos[:, None] - sliding_window
         scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-        m = scores.amax(-1, keepdim=True)  # [n, Hkv, G, 1]; every query sees itself: finite
+        m = scores.amax(-1, keepdim=True)  # every query sees itself: finite
         if sinks is not None:
             sink = sinks.float().view(1, Hkv, G, 1)
             m = torch.maximum(m, sink)
@@ -274,9 +279,11 @@ def attention(
         total = row_sum(p, keepdim=True)
         if sinks is not None:
             total = total + exp(sink - m)
-        weighted = (p.double()[..., None] * values[seq].view(n, Hkv, 1, Lk, Dv)).cumsum(-2)[..., -1, :]
-        o = weighted.float() / total  # [n, Hkv, G, Dv]
-        out[lo:hi] = o.view(n, Hq, Dv).to(q.dtype)
+        vs = values[:L, seq]  # [L, n, Hkv, Dv]
+        o = torch.zeros(n, Hkv, G, Dv, device=q.device)
+        for j in range(L):
+            o = o + p[..., j, None] * vs[j][:, :, None, :]
+        out[lo:hi] = (o / total).view(n, Hq, Dv).to(q.dtype)
     return out
 
 
