@@ -81,7 +81,7 @@ class EngineConfig:
                "weights are the same bits whatever shares its steps (chunking, prefix-cache hits and CUDA graphs "
                "included); every reduction runs in an order fixed per row (docs/design/determinism.md). "
                f"{BATCH_INVARIANT_ENV}=1 in the environment turns it on too. Not with tensor parallelism",
-        flag="--enable-deterministic-inference", action="store_true")
+        flag="--enable-deterministic-inference", action="store_true", to_field=lambda on: bool(on) or batch_invariant_env())
     tensor_parallel_size: int = _setting(
         1, "split the model over this many GPUs (processes on CPU): attention heads, MLPs, vocabulary and experts; "
            "one engine, started by the Triton model instance")

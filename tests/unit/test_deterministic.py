@@ -131,7 +131,7 @@ def make_engine(model, cfg, **kw) -> Engine:
     kw.setdefault("max_model_len", MAX_LEN)
     if GPU:
         kw.setdefault("kv_cache_memory_bytes", 512 << 20)
-    return Engine(model, cfg, EngineConfig(deterministic_inference=not os.environ.get("DET_OFF"), **kw))
+    return Engine(model, cfg, EngineConfig(deterministic_inference=True, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +190,20 @@ def test_a_request_gives_the_same_bits_alone_batched_chunked_and_cached(arch, dt
 def test_the_switch_is_on_from_the_flag_or_vllms_variable_and_off_by_default(monkeypatch, tiny_checkpoint):
     """``--enable-deterministic-inference`` or VLLM_BATCH_INVARIANT=1; /v1/models reports it (get_engine_info);
     tensor parallelism is refused. Off, the model keeps its torch Linear modules and its default paths."""
+    from openai_frontend.cli import build_parser
+
+    def flags(*argv: str) -> bool:
+        return EngineConfig.from_cli_args(build_parser().parse_args(list(argv))).deterministic_inference
+
     cfg = load_config(tiny_checkpoint)
     monkeypatch.delenv(BATCH_INVARIANT_ENV, raising=False)
+    assert flags("--enable-deterministic-inference") and not flags()
+    monkeypatch.setenv("MOE_SERVE_ENABLE_DETERMINISTIC_INFERENCE", "1")
+    assert flags()
+    monkeypatch.delenv("MOE_SERVE_ENABLE_DETERMINISTIC_INFERENCE")
+    monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
+    assert flags()
+    monkeypatch.delenv(BATCH_INVARIANT_ENV)
     assert not EngineConfig().resolve(cfg, "cpu", torch.float32).deterministic_inference
     assert EngineConfig(deterministic_inference=True).resolve(cfg, "cpu", torch.float32).deterministic_inference
     monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
