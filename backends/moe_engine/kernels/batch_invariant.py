@@ -43,8 +43,9 @@ _LOG2E = 1.4426950408889634
 GEMM_TILES = {2: (64, 128, 64, 4, 3), 4: (64, 64, 32, 4, 2)}  # by element size: bf16/fp16, float32
 GEMM_GROUP_M = 8  # row tiles per group of the large-GEMM ordering (a weight column tile stays in L2)
 # A GEMM's K is split so that about this many (column tile, K range) programs cover a single row (a decode step's
-# GEMM then reads its weights from enough SMs); the split depends on the weight's shape only.
-GEMM_TARGET_PROGRAMS = 128
+# GEMM then reads its weights from two programs per SM of an H100/H200: the Qwen3-30B-A3B q/k/v in 4 splits, 160
+# programs; o_proj in 16, 256; the router in 32); the split depends on the weight's shape only.
+GEMM_TARGET_PROGRAMS = 256
 
 ATTN_BLOCK_M = 64  # query rows (tokens x the G heads of a kv head) per program, decode and prefill alike
 ATTN_TILE_N = 64  # keys per online-softmax step

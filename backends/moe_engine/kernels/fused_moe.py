@@ -125,11 +125,13 @@ DEFAULT_CONFIGS: dict[str, tuple[TileConfig, TileConfig]] = {
 
 
 # --enable-deterministic-inference: one (gate_up, down) config for every step size, so that a row's K loop, tile and
-# tensor-core instruction are the same whatever the other rows of its expert (the table's "deterministic" entry, in
-# the tuned JSON file, overrides it). Row tiles of 64 (the Hopper instruction's height): a decode step reads the
-# same weights as with 16-row tiles, a prefill step gets the "2049-8192" bucket's tiles.
+# tensor-core instruction are the same whatever the other rows of its expert (a "deterministic" bucket in the JSON
+# file overrides it: ``loadtest/tune/tile_table_variant.py --bucket deterministic``). Row tiles of 64, the Hopper
+# instruction's height: a decode step's few rows per expert cost no more weight reads than in 16-row tiles. The
+# columns are the batch-1 table's (gate_up 32 wide: 192 programs for one Qwen3 token's 8 experts; down 128 wide
+# through TMA); a large prefill step gets narrower tiles than its bucket's 128 x 128.
 DETERMINISTIC = "deterministic"
-DETERMINISTIC_CONFIGS = (_tc(64, 64, 64, 8, 4, 3), _tc(64, 128, 64, 8, 4, 3))
+DETERMINISTIC_CONFIGS = (_tc(64, 32, 64, 8, 4, 4), replace(_tc(64, 128, 64, 8, 4, 3), tma=1))
 
 
 def bucket_of(pairs: int) -> str:
