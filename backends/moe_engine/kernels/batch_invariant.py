@@ -203,7 +203,7 @@ if triton is not None:
         pm = tl.load(pm_ptr + row * S + j, mask=j < S, other=float("-inf"))
         top = tl.max(pm, 0)  # exact in any order
         safe = tl.where(top == float("-inf"), 0.0, top)
-        total = 0.0
+        total = tl.zeros_like(safe)
         for s in range(0, S):
             m = tl.load(pm_ptr + row * S + s)
             total += tl.where(m > float("-inf"), tl.load(ps_ptr + row * S + s) * tl.exp(m - safe), 0.0)
