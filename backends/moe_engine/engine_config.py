@@ -81,7 +81,8 @@ class EngineConfig:
                "weights are the same bits whatever shares its steps (chunking, prefix-cache hits and CUDA graphs "
                "included); every reduction runs in an order fixed per row (docs/design/determinism.md). "
                f"{BATCH_INVARIANT_ENV}=1 in the environment turns it on too. Not with tensor parallelism",
-        flag="--enable-deterministic-inference", action="store_true", to_field=lambda on: bool(on) or batch_invariant_env())
+        flag="--enable-deterministic-inference", action="store_true",
+        to_field=lambda on: bool(on) or batch_invariant_env())
     tensor_parallel_size: int = _setting(
         1, "split the model over this many GPUs (processes on CPU): attention heads, MLPs, vocabulary and experts; "
            "one engine, started by the Triton model instance")
@@ -241,12 +242,13 @@ def check_deterministic(engine: EngineConfig, cuda: bool, fused: bool) -> None:
     (the batch-invariant GEMMs and attention are Triton kernels there)."""
     flag = "--enable-deterministic-inference"
     if engine.tensor_parallel_size > 1:
-        raise ValueError(f"{flag} does not cover tensor parallelism (its all-reduce order depends on the message size); "
-                         "use --tensor-parallel-size 1")
+        raise ValueError(f"{flag} does not cover tensor parallelism (its all-reduce order depends on the message "
+                         "size); use --tensor-parallel-size 1")
     if cuda and engine.exact_kernels:
         raise ValueError(f"{flag} replaces --exact-kernels' norms by per-row kernels; drop --exact-kernels")
     if cuda and not fused:
-        raise ValueError(f"{flag} on CUDA needs the fused Triton kernels (Triton installed, no --disable-fused-kernels)")
+        raise ValueError(f"{flag} on CUDA needs the fused Triton kernels (Triton installed, no "
+                         "--disable-fused-kernels)")
 
 
 def check_parallel(cfg, tensor_parallel_size: int, expert_parallel: bool) -> None:

@@ -41,7 +41,8 @@ def main() -> None:
     ap.add_argument("--greedy", action="store_true", help="temperature 0 (default: temperature 1, seed per prompt)")
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--shape", default=None, help="a real_shape_model.py shape with random weights (instead of --model)")
+    ap.add_argument("--shape", default=None,
+                    help="a real_shape_model.py shape with random weights (instead of --model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--prompt-len", type=int, default=None, help="every prompt this long (default: 64-192 tokens)")
@@ -128,7 +129,8 @@ def main() -> None:
                  f"tokens {'differ from output ' + str(j) if j is not None else 'equal'}, "
                  f"{int(d.sum())} (row, layer) cells differ ({int(s.sum())} as a set) in the shared rows {where}"))
     mode = "deterministic inference" if eng_settings(engines) else "default mode"
-    print(f"\n{name}, {mode}, {'greedy' if args.greedy else 'temperature 1 + seed'}: {identical}/{args.n} identical alone vs "
+    sampling = "greedy" if args.greedy else "temperature 1 + seed"
+    print(f"\n{name}, {mode}, {sampling}: {identical}/{args.n} identical alone vs "
           f"batched; {tok_diff} with different tokens; of {cells} (row, layer) cells compared, {order} differ in slot "
           f"order only, {sets} as a set; {rows_equal}/{rows_total} rows with every layer's experts equal")
 

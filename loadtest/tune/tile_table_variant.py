@@ -31,7 +31,8 @@ from moe_engine.kernels.fused_moe import TileConfig  # noqa: E402
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--bucket", required=True, choices=[name for name, _ in fused_moe.BUCKETS] + [fused_moe.DETERMINISTIC],
+    p.add_argument("--bucket", required=True,
+                   choices=[name for name, _ in fused_moe.BUCKETS] + [fused_moe.DETERMINISTIC],
                    help="a step-size bucket, or 'deterministic': the one config of --enable-deterministic-inference")
     p.add_argument("--kernel", required=True, choices=("gate_up", "down"))
     p.add_argument("--config", required=True, help="BLOCK_M,BLOCK_N,BLOCK_K,GROUP_M,num_warps,num_stages[,tma]")

@@ -22,10 +22,11 @@ from moe_engine.kernels import moe_routing as routing_kernels
 from moe_engine.kernels import support as kernel_support
 from moe_engine.layers import invariant as inv
 
-from .test_paged_attention import TOL, assert_close
+from .test_paged_attention import assert_close
 
 DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
-needs_kernels = pytest.mark.skipif(not kernel_support.available(DEVICE), reason="Triton (or its interpreter) unavailable")
+needs_kernels = pytest.mark.skipif(not kernel_support.available(DEVICE),
+                                   reason="Triton (or its interpreter) unavailable")
 cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU primitives")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 

@@ -28,6 +28,7 @@ from moe_engine.config import load_config
 from moe_engine.core.sampling import SamplingParams
 from moe_engine.engine import Engine, EngineConfig, Request
 from moe_engine.engine_config import BATCH_INVARIANT_ENV
+from moe_engine.models.decoder import reference_forward
 
 from .hf_checkpoints import ARCHS, make_hf_model, save_hf_checkpoint
 
@@ -73,7 +74,8 @@ def assert_same_bits(got: dict, want: dict, what: str) -> None:
         a, b = got[field], want[field]
         assert (a is None) == (b is None), f"{what}: {field} present in one run only"
         if a is not None:
-            assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {field} {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+            assert a.dtype == b.dtype and a.shape == b.shape, \
+                f"{what}: {field} {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
             # bit patterns: NaN == NaN, -0.0 != 0.0
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{what}: {field} differs"
 
@@ -213,6 +215,8 @@ def test_the_switch_is_on_from_the_flag_or_vllms_variable_and_off_by_default(mon
     monkeypatch.delenv(BATCH_INVARIANT_ENV)
 
     model = load_model(tiny_checkpoint, dtype=torch.float32, device=DEVICE, progress=False)
+    ids = random.Random(0).choices(range(3, 400), k=20)
+    before = reference_forward(model, ids)
     engine = Engine(model, cfg, EngineConfig(deterministic_inference=True, max_model_len=64))
     assert engine.lifecycle.get_engine_info().result()["deterministic_inference"] is True
     assert type(model.lm_head).__name__ == "InvariantLinear"
@@ -220,3 +224,5 @@ def test_the_switch_is_on_from_the_flag_or_vllms_variable_and_off_by_default(mon
     assert engine.lifecycle.get_engine_info().result()["deterministic_inference"] is False
     assert type(model.lm_head) is torch.nn.Linear
     assert not any(getattr(m, "batch_invariant", False) for m in model.modules())
+    after = reference_forward(model, ids)  # the default forward's numbers, to the bit
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

@@ -34,7 +34,6 @@ import functools
 import torch
 
 from . import paged_attention
-from . import support as kernel_support
 from .support import _DT, _launch, _pow2, interpreting, pdl, triton
 
 _LOG2E = 1.4426950408889634
@@ -483,8 +482,8 @@ def attention(
         chunks = max(1, -(-max_seq_len // ATTN_CHUNK)) if split else 0
     tma = (paged_attention.DEFAULT_CONFIG.prefill_tma and not interpreting()
            and paged_attention.tma_fits(q, k_cache, v_cache, tile_n))
-    k_desc, v_desc = ((paged_attention._cache_descriptor(k_cache, tile_n), paged_attention._cache_descriptor(v_cache, tile_n))
-                      if tma else (None, None))
+    k_desc = paged_attention._cache_descriptor(k_cache, tile_n) if tma else None
+    v_desc = paged_attention._cache_descriptor(v_cache, tile_n) if tma else None
     meta = dict(
         Hq=Hq, G=G, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, CHUNK=ATTN_CHUNK, BLOCK_SIZE=block_size,
         DK=Dk, DV=Dv, DK_PAD=dk_pad, DV_PAD=dv_pad, HAS_WINDOW=sliding_window is not None,

@@ -236,11 +236,11 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, DT: tl.constexpr,
         UPCAST: tl.constexpr, PRECISE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-        TMA: tl.constexpr,
-        ROWWISE: tl.constexpr,  # deterministic inference under the interpreter: each row's products summed by
-        # themselves (numpy's matmul, the interpreter's dot, sums a row by its place in the tile)  # w_desc: w as [E * (N or 2N), K] rows, [BLOCK_N, BLOCK_K] boxes (N % BLOCK_N == 0);
+        TMA: tl.constexpr,  # w_desc: w as [E * (N or 2N), K] rows, [BLOCK_N, BLOCK_K] boxes (N % BLOCK_N == 0);
         # down: a_desc too, h as [P, K] rows, [BLOCK_M, BLOCK_K] boxes (the rows past the expert's end that a box
         # brings belong to the next expert or are zeros past P: their outputs are never stored)
+        ROWWISE: tl.constexpr,  # deterministic inference under the interpreter: each row's products summed by
+        # themselves (numpy's matmul, the interpreter's dot, sums a row by its place in the tile)
     ):
         """out[r, n] for the rows r of one expert tile and BLOCK_N columns n: down_proj (out = y, a = h rows) or
         gate_up with SwiGLU (out = h, a = x[tok[r]]). w: [E, N or 2N, K] with strides (s_we, s_wn, s_wk).

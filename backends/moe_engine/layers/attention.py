@@ -98,8 +98,8 @@ class Attention(nn.Module):
             w, b = fused
             if self.batch_invariant:
                 qkv = inv.linear(x, w, b, self.bi_kernels)
-            else:
-                qkv = linear_kernels.decode_linear(x, w, b, True, linear_kernels.QKV_SMALL_LINEAR_TOKENS)  # [T, Nq + 2 Nkv]
+            else:  # [T, Nq + 2 Nkv]
+                qkv = linear_kernels.decode_linear(x, w, b, True, linear_kernels.QKV_SMALL_LINEAR_TOKENS)
             return qkv.split([p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)], -1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 

@@ -20,11 +20,12 @@ instead (docs/design/determinism.md has the measurements):
 * Reductions. torch's CPU sum over a row of 40,000 elements is split over threads when it is the only row, not when
   there are several. ``row_sum`` adds a row's elements left to right: on CPU ``cumsum`` (a sequential scan per row;
   float32 accumulates in double), on a GPU explicit adds for the short rows a model fixes (router weights), else a
-  Triton kernel with one program per row. softmax, log-softmax and logsumexp are built from it, from max (exact in any order) and from
-  ``elementwise`` exp / log.
+  Triton kernel with one program per row. softmax, log-softmax and logsumexp are built from it, from max (exact in
+  any order) and from ``elementwise`` exp / log.
 * Attention. ``attention`` (CPU): scores summed left to right over the head dimension, the softmax's sums and the
-  weighted values summed left to right over the keys from position 0, masked keys adding exact zeros: a query's output depends on its own keys only, whatever its chunk, its batch, or whether its keys came
-  from the prefix cache. On a GPU, ``kernels/batch_invariant.py``'s paged kernel.
+  weighted values summed left to right over the keys from position 0, masked keys adding exact zeros: a query's
+  output depends on its own keys only, whatever its chunk, its batch, or whether its keys came from the prefix
+  cache. On a GPU, ``kernels/batch_invariant.py``'s paged kernel.
 
 Everything else the forward does (gathers, top-k, the routing bookkeeping, the HF-order expert sum) is exact.
 """
