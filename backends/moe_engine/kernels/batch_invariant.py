@@ -479,6 +479,8 @@ def attention(
     block_q = block_m // G
     chunks = decode_ranges(B, Hkv, max_seq_len, q.device) if max_query_len == 1 else 0
     if split is not None:
+        if split and max_query_len != 1:
+            raise ValueError("per-range programs are for decode steps (one query per sequence)")
         chunks = max(1, -(-max_seq_len // ATTN_CHUNK)) if split else 0
     tma = (paged_attention.DEFAULT_CONFIG.prefill_tma and not interpreting()
            and paged_attention.tma_fits(q, k_cache, v_cache, tile_n))
@@ -509,15 +511,19 @@ def attention(
     return out
 
 
+DENSE_BLOCK = 64  # attention_dense's cache blocks (one key tile)
+
+
 def attention_dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch, scale: float) -> torch.Tensor:
     """``attention`` over dense per-sequence keys [B, H, Lk, Dk] and values [B, H, Lk, Dv] (MLA's expanded latents):
-    each sequence's keys become one cache block of a power-of-two size."""
+    each sequence's keys laid out as consecutive cache blocks of DENSE_BLOCK keys."""
     B, H, Lk, Dk = keys.shape
-    bs = _pow2(Lk)
-    kc = keys.new_zeros(B, bs, H, Dk)
+    nb = -(-Lk // DENSE_BLOCK)
+    kc = keys.new_zeros(B, nb * DENSE_BLOCK, H, Dk)
     kc[:, :Lk] = keys.transpose(1, 2)
-    vc = values.new_zeros(B, bs, H, values.shape[-1])
+    vc = values.new_zeros(B, nb * DENSE_BLOCK, H, values.shape[-1])
     vc[:, :Lk] = values.transpose(1, 2)
-    tables = torch.arange(B, dtype=torch.int32, device=q.device)[:, None]
-    return attention(q, kc, vc, tables, batch.int32("cu_seqlens_q"), batch.int32("seq_lens"),
-                     max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len, scale=scale)
+    tables = torch.arange(B * nb, dtype=torch.int32, device=q.device).view(B, nb)
+    return attention(q, kc.view(B * nb, DENSE_BLOCK, H, Dk), vc.view(B * nb, DENSE_BLOCK, H, -1), tables,
+                     batch.int32("cu_seqlens_q"), batch.int32("seq_lens"), max_query_len=batch.max_query_len,
+                     max_seq_len=batch.max_seq_len, scale=scale)
