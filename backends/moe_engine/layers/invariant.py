@@ -239,9 +239,8 @@ def attention(
     sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [T, Hq, Dv] in q's dtype
     """Causal attention of each query over its own sequence's keys, every sum in a fixed order (float32): q . k
-    added over the head dimension left to right, the softmax's max (exact), exp, its sum left to right over the
-    keys from position 0 (``row_sum``), and the weighted values added key by key from position 0, starting from
-    +0. A masked key adds an exact zero wherever it stands, so a query's result depends on its position, its query
+    added over the head dimension left to right, the softmax's max (exact), exp, and its sum and the weighted
+    values added key by key from position 0, starting from +0. A masked key adds an exact zero wherever it stands, so a query's result depends on its position, its query
     vector and its sequence's keys only: not on the step's padding, its chunking, its other sequences, or on
     whether the keys came from the prefix cache. Sinks (GPT-OSS) join the softmax's denominator. Queries run in
     blocks (of one sequence or several), each over the longest key range among them."""
@@ -277,13 +276,14 @@ def attention(
             sink = sinks.float().view(1, Hkv, G, 1)
             m = torch.maximum(m, sink)
         p = exp(scores - m)  # masked keys: exactly 0
-        total = row_sum(p, keepdim=True)
+        vs = values[:L, seq]  # [L, n, Hkv, Dv]
+        total = torch.zeros(n, Hkv, G, 1, device=q.device)
+        o = torch.zeros(n, Hkv, G, Dv, device=q.device)
+        for j in range(L):  # key by key from position 0: the block's longest range adds exact zeros for the others
+            total = total + p[..., j, None]
+            o = o + p[..., j, None] * vs[j][:, :, None, :]
         if sinks is not None:
             total = total + exp(sink - m)
-        vs = values[:L, seq]  # [L, n, Hkv, Dv]
-        o = torch.zeros(n, Hkv, G, Dv, device=q.device)
-        for j in range(L):
-            o = o + p[..., j, None] * vs[j][:, :, None, :]
         out[lo:hi] = (o / total).view(n, Hq, Dv).to(q.dtype)
     return out
 
