@@ -21,6 +21,7 @@ The alone runs share one engine (one request at a time), the batched run gets an
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 from pathlib import Path
@@ -80,6 +81,9 @@ def main() -> None:
     def run(batch, which):
         if which not in engines:
             engines.clear()  # (the alone engine's memory, before the batched one is built)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             engines[which] = Engine(model, cfg, engine_cfg)
         eng = engines[which]
         res = {}
