@@ -107,8 +107,8 @@ class _FrontMiddleware:
 
 def model_card(cfg: FrontendConfig, model: ModelInfo, created: int,
                engine: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The /v1/models entry: the model's metadata and ``engine`` (``engine_state``: weight version, KV block size;
-    None where the backend cannot tell)."""
+    """The /v1/models entry: the model's metadata and ``engine`` (``engine_state``: weight version, KV block size,
+    deterministic inference; None where the backend cannot tell)."""
     engine = engine or {}
     return {
         "id": cfg.served_model_name,
@@ -137,6 +137,9 @@ def model_card(cfg: FrontendConfig, model: ModelInfo, created: int,
         # tokens per KV block, the prefix cache's granularity (the engine chooses it: 64 on Hopper, 16 elsewhere)
         "kv_block_size": engine.get("kv_block_size"),
         "weight_version": engine.get("weight_version"),  # the engine's current weights (serving_weights.py)
+        # --enable-deterministic-inference (or VLLM_BATCH_INVARIANT=1): a request's tokens, logprobs and routed
+        # experts do not depend on what shares its steps (docs/design/determinism.md)
+        "deterministic_inference": engine.get("deterministic_inference"),
     }
 
 

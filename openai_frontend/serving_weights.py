@@ -84,8 +84,8 @@ async def refresh_weights_state(ctx: ServingContext) -> None:
 
 
 async def engine_state(ctx: ServingContext) -> dict[str, Any]:
-    """For /v1/models: the engine's weight version and its KV block size (``get_engine_info``; every control
-    result carries the weight version); {} when the backend cannot tell."""
+    """For /v1/models: the engine's weight version, its KV block size and whether deterministic inference is on
+    (``get_engine_info``; every control result carries the weight version); {} when the backend cannot tell."""
     if getattr(ctx.client, "control", None) is None:  # a backend client without control requests (tests' fakes)
         return {}
     try:
@@ -93,7 +93,8 @@ async def engine_state(ctx: ServingContext) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the model card must not fail on it
         logger.warning("engine state unavailable: %s", e)
         return {}
-    return {"weight_version": info.get("weight_version"), "kv_block_size": info.get("kv_block_size")}
+    return {"weight_version": info.get("weight_version"), "kv_block_size": info.get("kv_block_size"),
+            "deterministic_inference": info.get("deterministic_inference")}
 
 
 def _answer(result: dict[str, Any], **extra: Any) -> JSONResponse:
