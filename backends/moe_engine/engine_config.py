@@ -156,7 +156,7 @@ class EngineConfig:
         attention_kernels = fused and cuda and cfg.attention.mla is None and paged_attention.available(device)
         deterministic = bool(self.deterministic_inference) or batch_invariant_env()
         if deterministic:
-            check_deterministic(self, cuda, bool(fused))
+            check_deterministic(self, cuda, bool(fused), cfg)
         att = cfg.attention
         head_dims = (att.mla.kv_lora_rank, att.mla.qk_rope_head_dim) if att.mla is not None else (att.head_dim,)
         return ResolvedConfig(
@@ -237,12 +237,16 @@ class ResolvedConfig:
         return cls(**json.loads(text))
 
 
-def check_deterministic(engine: EngineConfig, cuda: bool, fused: bool) -> None:
+def check_deterministic(engine: EngineConfig, cuda: bool, fused: bool, cfg) -> None:
     """Raise ValueError for a setting that deterministic inference cannot honour: tensor parallelism (its all-reduce
     sums the ranks' partial sums in an order that follows the message size), ``--exact-kernels`` (its norms take
-    torch's mean, whose CUDA reduction is split by the row count) and a CUDA forward without the Triton kernels
-    (the batch-invariant GEMMs and attention are Triton kernels there)."""
+    torch's mean, whose CUDA reduction is split by the row count), a CUDA forward without the Triton kernels (the
+    batch-invariant GEMMs and attention are Triton kernels there) and hybrid models (``cfg``, a MoEConfig: their
+    Gated DeltaNet and Mamba-2 layers have no batch-invariant variant yet)."""
     flag = "--enable-deterministic-inference"
+    if cfg.is_hybrid:
+        raise ValueError(f"{flag} does not cover hybrid models yet ({cfg.architecture}: its linear-attention / SSM "
+                         "layers have no batch-invariant variant); serve it without the flag")
     if engine.tensor_parallel_size > 1:
         raise ValueError(f"{flag} does not cover tensor parallelism (its all-reduce order depends on the message "
                          "size); use --tensor-parallel-size 1")

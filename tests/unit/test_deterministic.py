@@ -153,8 +153,12 @@ def checkpoints(tmp_path_factory):
 BATCHES = ((1, 16), (7, 40), (63, 128), (255, 512))
 
 
+# Hybrid models (Gated DeltaNet, Mamba-2 layers) are refused by the mode: test_hybrid_models_are_refused.
+COVERED = tuple(a for a in ARCHS if a not in ("qwen3_next", "qwen3_5_moe", "nemotron_h"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", COVERED)
 def test_a_request_gives_the_same_bits_alone_batched_chunked_and_cached(arch, dtype, checkpoints):
     path = checkpoints(arch, dtype)
     cfg = load_config(path)
@@ -229,3 +233,14 @@ def test_the_switch_is_on_from_the_flag_or_vllms_variable_and_off_by_default(mon
     assert not any(getattr(m, "batch_invariant", False) for m in model.modules())
     after = reference_forward(model, ids)  # the default forward's numbers, to the bit
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("arch", ("qwen3_next", "nemotron_h"))
+def test_hybrid_models_are_refused_with_the_reason(arch, checkpoints):
+    """A hybrid model's recurrent layers have no batch-invariant variant: the mode refuses it at start (it would
+    otherwise serve bits that depend on the batch while promising they do not)."""
+    path = checkpoints(arch, torch.float32)
+    cfg = load_config(path)
+    model = load_model(path, dtype=torch.float32, device=DEVICE, progress=False)
+    with pytest.raises(ValueError, match="does not cover hybrid models"):
+        make_engine(model, cfg)
