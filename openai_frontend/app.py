@@ -175,21 +175,50 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
     ctx = ServingContext(cfg, engine, tokenizer, metrics)
     state = ServerState(cfg.retry_after_s)
     own_engine = engine is None
+    state.on_backend_up = _reconnector(ctx, own_engine)
+
+    app = FastAPI(title="moe-serve", version="0.1.0", lifespan=_lifespan(ctx, state, own_engine),
+                  strict_content_type=False)
+    app.state.ctx = ctx
+    app.state.server_state = state
+    install_error_handlers(app)
+    app.add_middleware(RequestGuard, state=state, metrics=metrics, max_request_bytes=cfg.max_request_bytes,
+                       request_timeout_s=cfg.request_timeout_s)
+    app.add_middleware(_FrontMiddleware, cfg=cfg, metrics=metrics)  # added last: outermost
+    app.openapi = lambda: documented_openapi(app)
+    _add_status_routes(app, ctx, state)
+    app.include_router(rl_router(ctx))  # RL rollout lifecycle (SGLang's endpoints), behind the API key
+    _add_generation_routes(app, ctx)
+    return app
+
+
+def _triton_client(cfg: FrontendConfig) -> TritonClient:
+    return TritonClient(cfg.triton_grpc_url, cfg.triton_model_name, cfg.triton_headers)
+
+
+def _reconnector(ctx: ServingContext, own_engine: bool) -> Callable[[], Awaitable[None]]:
+    """What the server state runs once the backend is up again (``ServerState.on_backend_up``)."""
 
     async def reconnect() -> None:
         """After a backend restart: a fresh channel (the old one may sit in its reconnect backoff)."""
         if own_engine:
-            old, ctx.client = ctx.client, TritonClient(cfg.triton_grpc_url, cfg.triton_model_name, cfg.triton_headers)
+            old, ctx.client = ctx.client, _triton_client(ctx.cfg)
             await old.close()
             await refresh_weights_state(ctx)  # did the restart bring the served weights back?
 
-    state.on_backend_up = reconnect
+    return reconnect
+
+
+def _lifespan(ctx: ServingContext, state: ServerState, own_engine: bool):  # noqa: ANN202 - FastAPI's lifespan
+    """Open the Triton connection and load the model metadata: for up to 5 s before serving, then in the
+    background (``/health`` says 503 until it is loaded); close both at shutdown."""
+    cfg = ctx.cfg
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         state.loop = asyncio.get_running_loop()
         if own_engine:
-            ctx.client = TritonClient(cfg.triton_grpc_url, cfg.triton_model_name, cfg.triton_headers)
+            ctx.client = _triton_client(cfg)
         loader = asyncio.create_task(_load_model_info(ctx, cfg.startup_timeout_s))
         try:
             await asyncio.wait_for(asyncio.shield(loader), timeout=min(5.0, cfg.startup_timeout_s))
@@ -203,21 +232,12 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
             if own_engine:
                 await ctx.client.close()
 
-    app = FastAPI(title="moe-serve", version="0.1.0", lifespan=lifespan, strict_content_type=False)
-    app.state.ctx = ctx
-    app.state.server_state = state
-    install_error_handlers(app)
-    app.add_middleware(RequestGuard, state=state, metrics=metrics, max_request_bytes=cfg.max_request_bytes,
-                       request_timeout_s=cfg.request_timeout_s)
-    app.add_middleware(_FrontMiddleware, cfg=cfg, metrics=metrics)  # added last: outermost
-    app.openapi = lambda: documented_openapi(app)
+    return lifespan
 
-    async def guarded(handler: Callable[..., Awaitable[Response]], req: Any, raw: Request) -> Response:
-        try:
-            return await handler(ctx, req, raw)
-        except ClientDisconnected:
-            metrics.disconnects.inc()
-            return disconnected_response()
+
+def _add_status_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -> None:
+    """``/health``, ``/metrics`` and ``/v1/models``: what load balancers, scrapers and clients ask first."""
+    cfg, metrics = ctx.cfg, ctx.metrics
 
     @app.get("/health")
     async def health() -> Response:
@@ -250,7 +270,17 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
             raise model_not_found(model_id)
         return JSONResponse(model_card(cfg, ctx.model_info(), ctx.created, await engine_state(ctx)))
 
-    app.include_router(rl_router(ctx))  # RL rollout lifecycle (SGLang's endpoints), behind the API key
+
+def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """The three generation endpoints; a client gone before its handler answered counts as a disconnect."""
+    cfg = ctx.cfg
+
+    async def guarded(handler: Callable[..., Awaitable[Response]], req: Any, raw: Request) -> Response:
+        try:
+            return await handler(ctx, req, raw)
+        except ClientDisconnected:
+            ctx.metrics.disconnects.inc()
+            return disconnected_response()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -267,5 +297,3 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
     @app.post("/inference/v1/generate")
     async def generate(req: GenerateRequest, raw: Request) -> Response:
         return await guarded(create_generate, req, raw)
-
-    return app
