@@ -30,7 +30,7 @@ from moe_engine.engine import Engine, EngineConfig, Request
 from moe_engine.engine_config import BATCH_INVARIANT_ENV
 from moe_engine.models.decoder import reference_forward
 
-from .hf_checkpoints import ARCHS, make_hf_model, save_hf_checkpoint
+from .hf_checkpoints import ARCHS, HYBRID_ARCHS, make_hf_model, save_hf_checkpoint
 
 DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
 GPU = DEVICE != "cpu"
@@ -154,7 +154,7 @@ BATCHES = ((1, 16), (7, 40), (63, 128), (255, 512))
 
 
 # Hybrid models (Gated DeltaNet, Mamba-2 layers) are refused by the mode: test_hybrid_models_are_refused.
-COVERED = tuple(a for a in ARCHS if a not in ("qwen3_next", "qwen3_5_moe", "nemotron_h"))
+COVERED = tuple(a for a in ARCHS if a not in HYBRID_ARCHS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
