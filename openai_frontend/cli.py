@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
             kw["default"] = kw.get("type", str)(os.environ[env]) if kw.get("action") is None else _bool(
                 os.environ[env]
             )
-        kw["help"] = kw.get("help", "") + f" [env {env}]"
+        if kw.get("help") is not argparse.SUPPRESS:
+            kw["help"] = kw.get("help", "") + f" [env {env}]"
         p.add_argument(flag, **kw)
 
     _add_model_and_api_flags(add)
@@ -133,6 +134,9 @@ def _add_triton_flags(add) -> None:
     add("--triton-shm-mb", type=int, default=64, help="python backend shared memory per model (MiB)")
     add("--num-threads", type=int, default=None, help="torch CPU threads in the engine (default: cores - 1)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # Benchmarks and tests of the serving path only: an engine stand-in that computes nothing (JSON arguments of
+    # backends/moe_engine/standin.py's StandInEngine, e.g. '{"step_interval_s": 0.017}'); hidden from --help.
+    add("--standin-engine", default="", help=argparse.SUPPRESS)
 
 
 def resolve_checkpoint(model: str | None) -> Path:
@@ -291,6 +295,7 @@ def make_triton_server(args, access: TritonAccess, checkpoint: Path, cfg, engine
         "device": args.device,
         "engine_config": engine_config.to_json(),
         "num_threads": args.num_threads or "",
+        "standin_engine": args.standin_engine or "",
         "moe_metadata": json.dumps(metadata),
         # Relative: in the model's folder of the private run directory (new for each moe-serve process). A restarted
         # backend reads it to come back on the weights it last served (backends/moe/weights_state.py).

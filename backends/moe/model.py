@@ -155,7 +155,7 @@ class TritonPythonModel:
         log.info("loading %s (dtype=%s, device=%s)", restored.checkpoint, dtype, device)
         t0 = time.monotonic()
         try:
-            self._load(restored.checkpoint, dtype, device, ecfg, args)
+            self._load(restored.checkpoint, dtype, device, ecfg, args, _param(params, "standin_engine"))
         except Exception as exc:
             if restored.checkpoint == checkpoint:
                 raise
@@ -186,13 +186,20 @@ class TritonPythonModel:
         log.info("garbage collector: %d objects alive after start-up frozen (full collections skip them)",
                  freeze_start_up_objects())
 
-    def _load(self, checkpoint: str, dtype: str, device: str, ecfg: EngineConfig, args: dict) -> None:
-        """Build the engine on ``checkpoint`` (refused if a weight is NaN or infinite)."""
+    def _load(self, checkpoint: str, dtype: str, device: str, ecfg: EngineConfig, args: dict,
+              standin: str = "") -> None:
+        """Build the engine on ``checkpoint`` (refused if a weight is NaN or infinite). ``standin``: benchmarks and
+        tests of the serving path only (moe-serve's hidden --standin-engine): the JSON arguments of a
+        moe_engine.standin.StandInEngine, which computes nothing and loads no weights."""
         from moe_engine.checkpoint import load_model
         from moe_engine.config import load_config
 
         self.cfg = load_config(checkpoint)
-        if ecfg.tensor_parallel_size > 1:  # this instance is rank 0; it starts the other ranks (ranks.py)
+        if standin:
+            from moe_engine.standin import StandInEngine
+
+            self.engine = StandInEngine(self.cfg, ecfg, **json.loads(standin))
+        elif ecfg.tensor_parallel_size > 1:  # this instance is rank 0; it starts the other ranks (ranks.py)
             from moe_engine.distributed.ranks import build_parallel_engine
 
             # KIND_GPU instances (data parallelism) get their first GPU from Triton; rank r uses first + r
