@@ -45,8 +45,14 @@ log = logging.getLogger("moe_backend")
 # How often the response thread asks Triton about cancellations (one IPC call per open request, so not
 # too often: under load they compete with the engine thread for the stub's GIL) and refreshes the gauges.
 CANCEL_POLL_S = 0.2
+# Requests asked per poll at most, round robin: with 256 streams open, 1,280 IPC calls a second would cost the stub
+# and tritonserver a tenth of a core; each request is still asked at least every 0.4 s.
+CANCEL_POLL_MAX = 128
 QUEUE_WAIT_S = 0.05  # longest wait for engine outputs before checking the poll timer
-MAX_OUTPUTS_PER_ROUND = 256  # engine outputs the response thread takes from its queue at once
+# Engine outputs the response thread takes from its queue at once: everything queued (the bound only keeps a round
+# finite). A streaming request's outputs that queued up while the last round was sent go out as one response, so the
+# slower Triton's IPC is against the engine, the fewer and larger the responses.
+MAX_OUTPUTS_PER_ROUND = 1 << 16
 
 
 @dataclass
@@ -70,6 +76,8 @@ class _Pending:
     prompt_lp: RequestOutput | None = None  # the output that carried the prompt logprobs
     cancelled: bool = False
     first_sent: bool = False  # streaming: whether a response went out already
+    held: list = field(default_factory=list)  # streaming: outputs held back until --stream-interval tokens
+    held_tokens: int = 0
     outputs: frozenset = frozenset()  # the output names the request asked for (see _requested)
 
 
@@ -170,9 +178,14 @@ class TritonPythonModel:
         log.info("loaded %s in %.1f s", self.cfg.architecture, time.monotonic() - t0)
         self.engine.lifecycle.weight_version = restored.weight_version
         self.routing_enabled = ecfg.enable_routed_experts
+        # Streaming: a response once this many new tokens are held (the first token and the last response at once),
+        # as vLLM's and SGLang's --stream-interval; 1: a response per engine step (steps that queued up while a
+        # response was being sent still go out together).
+        self.stream_interval = max(1, int(_param(params, "stream_interval", "1")))
 
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
+        self._poll_from = 0  # where the next cancellation poll starts (round robin past CANCEL_POLL_MAX)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._metrics = EngineMetrics(args)
@@ -355,6 +368,10 @@ class TritonPythonModel:
     def _poll_cancellations(self) -> None:
         with self._lock:
             items = [p for p in self._pending.values() if not p.cancelled]
+        if len(items) > CANCEL_POLL_MAX:  # round robin over the open requests, CANCEL_POLL_MAX of them per poll
+            start = self._poll_from % len(items)
+            items = (items[start:] + items[:start])[:CANCEL_POLL_MAX]
+            self._poll_from = start + CANCEL_POLL_MAX
         for p in items:
             try:
                 if p.sender.is_cancelled():
@@ -383,11 +400,22 @@ class TritonPythonModel:
             p.sender.send(pb_utils.InferenceResponse(error=err), flags=flags)
             return
         if p.stream:
-            if not p.first_sent and len(outs) > 1:  # the first step always goes out alone (time to first token)
-                first = outs.pop(0)
-                p.sender.send(self._response(p, first, first.new_token_ids, [first.routed_experts], [first],
-                                             [first.routed_weights], _prompt_lp([first])))
-            p.first_sent = True
+            if not p.first_sent:  # the first step always goes out alone, at once (time to first token)
+                p.first_sent = True
+                if len(outs) > 1 or not out.finished:
+                    first = outs.pop(0)
+                    p.sender.send(self._response(p, first, first.new_token_ids, [first.routed_experts], [first],
+                                                 [first.routed_weights], _prompt_lp([first])))
+                    if not outs:
+                        return
+            if p.held:
+                outs = p.held + outs
+            if not out.finished and self.stream_interval > 1:
+                p.held_tokens += sum(len(o.new_token_ids) for o in outs[len(p.held):])
+                if p.held_tokens < self.stream_interval:
+                    p.held = outs
+                    return
+            p.held, p.held_tokens = [], 0
             tokens = [t for o in outs for t in o.new_token_ids]
             rows = [o.routed_experts for o in outs]
             weight_rows = [o.routed_weights for o in outs]
