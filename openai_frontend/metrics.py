@@ -51,13 +51,14 @@ class _ExpertSelections(Collector):
         counts = self._counts
         if counts is None or routed.shape[0] == 0:
             return
-        num_experts = counts.shape[1]
-        per_layer = [
-            np.bincount(routed[:, layer, :].ravel(), minlength=num_experts)[:num_experts] for layer in self._layers
-        ]
+        num_layers, num_experts = counts.shape
+        # one bincount over the (MoE layer, expert) pairs; ids past num_experts are dropped
+        layers = np.asarray(self._layers, dtype=np.intp)
+        ids = routed[:, layers, :].astype(np.intp)
+        valid = ids < num_experts
+        flat = np.bincount((ids + (layers * num_experts)[None, :, None])[valid], minlength=num_layers * num_experts)
         with self._lock:
-            for layer, c in zip(self._layers, per_layer, strict=True):
-                counts[layer] += c
+            counts += flat.reshape(num_layers, num_experts)
 
     def snapshot(self) -> np.ndarray | None:
         with self._lock:
