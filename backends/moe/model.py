@@ -53,6 +53,8 @@ QUEUE_WAIT_S = 0.05  # longest wait for engine outputs before checking the poll 
 # finite). A streaming request's outputs that queued up while the last round was sent go out as one response, so the
 # slower Triton's IPC is against the engine, the fewer and larger the responses.
 MAX_OUTPUTS_PER_ROUND = 1 << 16
+SEND_DUTY = 0.25  # the share of its time the response thread may spend sending (see _response_loop)
+PACE_MAX_S = 0.1  # the longest pause between two rounds
 
 
 @dataclass
@@ -182,6 +184,7 @@ class TritonPythonModel:
         # as vLLM's and SGLang's --stream-interval; 1: a response per engine step (steps that queued up while a
         # response was being sent still go out together).
         self.stream_interval = max(1, int(_param(params, "stream_interval", "1")))
+        self.send_duty = SEND_DUTY
 
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
@@ -337,6 +340,7 @@ class TritonPythonModel:
                     batch.append(self._outputs.get_nowait())
                 except queue.Empty:
                     break
+            t_round = time.monotonic()
             by_request: dict[str, list[RequestOutput]] = {}
             for out in batch:
                 if isinstance(out, ControlReply):
@@ -351,6 +355,16 @@ class TritonPythonModel:
                     self._on_outputs(outs)
                 except Exception:
                     log.exception("sending a response failed")
+            if by_request and self.send_duty < 1:
+                # Pace the rounds: sending may take at most send_duty of the thread's time. What the engine hands out
+                # meanwhile goes out with the next round, several steps per response: when responses cost more (many
+                # streams, a busy host, slow readers behind Triton) they get fewer and larger, and the time they
+                # take from the engine and the API stays bounded. Under light load a round is short and so is the
+                # pause.
+                busy = time.monotonic() - t_round
+                pause = min(PACE_MAX_S, busy * (1 / self.send_duty - 1))
+                if pause > 1e-4:
+                    time.sleep(pause)
             if time.monotonic() - last_poll >= CANCEL_POLL_S:
                 try:
                     self._poll_cancellations()

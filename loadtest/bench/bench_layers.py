@@ -9,16 +9,17 @@ with ignore_eos; seeded sampling at temperature 1; routed experts on) through:
   engine          ``moe_engine.Engine`` in this process, its own thread (as the Triton backend
                   runs it), same checkpoint, same EngineConfig and torch threads as the server;
                   results arrive in the engine's per-step callback.
-  triton-grpc-stream   tritonclient (Python, sync) gRPC bidirectional stream to the ``moe`` model
-                       of a running moe-serve, ``stream=true``: a response per engine step; one
-                       stream per client thread.
+  triton-grpc-stream   tritonclient (Python, aio) gRPC bidirectional stream to the ``moe`` model
+                       of a running moe-serve, ``stream=true``: a response per engine step (or per
+                       few steps: the backend paces its responses); a stream per request.
   api-generate-stream  POST /inference/v1/generate with ``stream: true`` (SSE), token ids in/out.
   triton-grpc          as triton-grpc-stream with ``stream=false``: one response at the end.
   api-completions      POST /v1/completions, non-streaming, the prompt as token ids,
                        ``return_token_ids`` (the frontend asks Triton for one response).
 
 at concurrency 1 and 16 (C client threads, closed loop: each sends its next request when
-the previous one ends; R requests per thread). Per trial: output tokens/s (all output
+the previous one ends; R requests per thread; the threads hand the HTTP and gRPC work to one asyncio loop,
+as one efficient client process would do it). Per trial: output tokens/s (all output
 tokens / wall time of the trial) and, per request, latency per output token
 (end-to-end / output tokens), time to first token and inter-token latency where the layer
 streams. Every response's routed experts are checked (shape (prompt + output - 1, layers,
@@ -140,6 +141,25 @@ class EngineLayer:
         self.engine.shutdown()
 
 
+class AsyncClients:
+    """One event loop on its own thread that every client thread of a trial hands its request to: the clients'
+    HTTP and gRPC work is asyncio (aiohttp with its C parser, tritonclient's aio gRPC), not a Python thread per
+    stream parsing its own socket. The clients share the machine with the server, so their CPU counts against the
+    server's: at 64 streams a thread per stream with ``requests`` cost the server more than the API itself did
+    (loadtest/reports/serving_path.md)."""
+
+    _loop = None
+
+    @classmethod
+    def run(cls, coro):
+        import asyncio
+
+        if cls._loop is None:
+            cls._loop = asyncio.new_event_loop()
+            threading.Thread(target=cls._loop.run_forever, name="bench-clients", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coro, cls._loop).result()
+
+
 class GrpcLayer:
     def __init__(self, server, info, routed: bool = True, stream: bool = True):
         self.url = server.triton_grpc_url
@@ -148,29 +168,22 @@ class GrpcLayer:
         self.routed = routed
         self.stream = stream
         self.name = "triton-grpc" + ("-stream" if stream else "")
-        self.local = threading.local()
-        self.clients = []
+        self.client = None
         self.lock = threading.Lock()
         self.ids = 0
 
-    def _stream(self):
-        s = getattr(self.local, "s", None)
-        if s is None:
-            import tritonclient.grpc as grpcclient
-
-            c = grpcclient.InferenceServerClient(self.url)
-            q: queue.Queue = queue.Queue()
-            c.start_stream(callback=lambda result, error: q.put((time.perf_counter(), result, error)),
-                           headers=self.headers)
-            s = self.local.s = (c, q)
-            with self.lock:
-                self.clients.append(c)
-        return s
-
     def one(self, prompt, seed, max_tokens, temperature) -> Result:
-        import tritonclient.grpc as grpcclient
+        with self.lock:
+            self.ids += 1
+            rid = f"b{self.ids}"
+        return AsyncClients.run(self._one(prompt, seed, max_tokens, temperature, rid))
 
-        c, q = self._stream()
+    async def _one(self, prompt, seed, max_tokens, temperature, rid) -> Result:
+        import tritonclient.grpc as grpcclient
+        import tritonclient.grpc.aio as grpcaio
+
+        if self.client is None:
+            self.client = grpcaio.InferenceServerClient(self.url)
 
         def t(name, v, dt_, np_dt):
             a = np.asarray(v, dtype=np_dt)
@@ -182,28 +195,28 @@ class GrpcLayer:
                t("stream", [self.stream], "BOOL", bool), t("temperature", [temperature], "FP32", np.float32),
                t("seed", [seed], "INT64", np.int64), t("ignore_eos", [True], "BOOL", bool),
                t("return_routed_experts", [self.routed], "BOOL", bool)]
-        with self.lock:
-            self.ids += 1
-            rid = f"b{self.ids}"
+        outs = [grpcclient.InferRequestedOutput(n) for n in ("output_ids", "routed_experts", "finish_reason")]
+
+        async def gen():
+            yield {"model_name": "moe", "inputs": ins, "outputs": outs, "request_id": rid}
+
         t0 = time.perf_counter()
-        c.async_stream_infer("moe", ins, request_id=rid, enable_empty_final_response=True)
         n, first, last, rows = 0, None, None, []
-        while True:
-            tr, result, error = q.get(timeout=900)
+        async for result, error in self.client.stream_infer(gen(), headers=self.headers):
             if error is not None:
                 raise RuntimeError(f"triton: {error}")
-            resp = result.get_response()
-            if resp.outputs:
-                ids = result.as_numpy("output_ids")
-                if ids is not None and ids.size:
-                    n += ids.size
-                    last = tr
-                    first = first or tr
-                re_ = result.as_numpy("routed_experts")
-                if re_ is not None and re_.size:
-                    rows.append(re_)
-            if resp.parameters["triton_final_response"].bool_param:
-                break
+            tr = time.perf_counter()
+            ids = result.as_numpy("output_ids")
+            if ids is not None and ids.size:
+                n += ids.size
+                last = tr
+                first = first or tr
+            re_ = result.as_numpy("routed_experts")
+            if re_ is not None and re_.size:
+                rows.append(re_)
+            fr = result.as_numpy("finish_reason")
+            if fr is not None and fr.size and fr.reshape(-1)[0]:
+                break  # the backend's last response (aio has no final flag)
         t_end = time.perf_counter()
         if not self.stream:  # one response: no first token before the end, no inter-token gaps
             first = last = None
@@ -213,12 +226,8 @@ class GrpcLayer:
         return timing(t0, first, last, n, t_end)
 
     def close(self):
-        for c in self.clients:
-            try:
-                c.stop_stream()
-                c.close()
-            except Exception:  # noqa: BLE001
-                pass
+        if self.client is not None:
+            AsyncClients.run(self.client.close())
 
 
 class ApiLayer:
@@ -232,46 +241,53 @@ class ApiLayer:
         self.stream = stream
         self.routed = routed  # None: leave the server's default
         self.name = name or ("api-generate-stream" if stream else "api-completions")
-        self.local = threading.local()
         self.verifier = RoutingVerifier(info, consistency=False)
         self.bytes = []
-
-    def _session(self):
-        s = getattr(self.local, "s", None)
-        if s is None:
-            import requests
-
-            s = self.local.s = requests.Session()
-        return s
+        self.session = None
 
     def one(self, prompt, seed, max_tokens, temperature) -> Result:
+        return AsyncClients.run(self._one(prompt, seed, max_tokens, temperature))
+
+    async def _one(self, prompt, seed, max_tokens, temperature) -> Result:
+        import aiohttp
+
+        if self.session is None:
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                 timeout=aiohttp.ClientTimeout(total=900))
         sp = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "ignore_eos": True,
               "return_token_ids": True}
         if self.routed is not None:
             sp["return_routed_experts"] = self.routed
-        s = self._session()
         t0 = time.perf_counter()
         if self.stream:
-            from loadtest.bench.common import iter_sse
-
             body = {"model": self.info.id, "token_ids": list(prompt), "sampling_params": sp, "stream": True}
             out, first, last, routed = [], None, None, None
-            with s.post(self.root + "/inference/v1/generate", json=body, stream=True, timeout=900) as r:
+            async with self.session.post(self.root + "/inference/v1/generate", data=_dumps(body),
+                                         headers=_JSON) as r:
                 r.raise_for_status()
-                for tr, ev in iter_sse(r.iter_lines(chunk_size=None)):
-                    for ch in ev.get("choices") or ():
-                        if ch.get("token_ids"):
-                            out.extend(ch["token_ids"])
-                            last = tr
-                            first = first or tr
-                        if ch.get("routed_experts") is not None:
-                            routed = ch["routed_experts"]
+                buf = bytearray()
+                async for chunk in r.content.iter_any():
+                    buf += chunk
+                    tr = time.perf_counter()
+                    for data in _sse_events(buf):
+                        if data == b"[DONE]":
+                            continue
+                        ev = _loads(data)
+                        if "error" in ev:
+                            raise RuntimeError(f"SSE error event: {ev}")
+                        for ch in ev.get("choices") or ():
+                            if ch.get("token_ids"):
+                                out.extend(ch["token_ids"])
+                                last = tr
+                                first = first or tr
+                            if ch.get("routed_experts") is not None:
+                                routed = ch["routed_experts"]
             t_end = time.perf_counter()
         else:
             body = {"model": self.info.id, "prompt": list(prompt), **sp}
-            r = s.post(self.root + "/v1/completions", json=body, timeout=900)
-            r.raise_for_status()
-            ch = r.json()["choices"][0]
+            async with self.session.post(self.root + "/v1/completions", data=_dumps(body), headers=_JSON) as r:
+                r.raise_for_status()
+                ch = _loads(await r.read())["choices"][0]
             t_end = time.perf_counter()
             out, first, last, routed = ch["token_ids"], None, None, ch.get("routed_experts")
         if self.routed is False or not self.info.routed_experts_enabled:
@@ -283,7 +299,32 @@ class ApiLayer:
         return timing(t0, first, last, len(out), t_end)
 
     def close(self):
-        pass
+        if self.session is not None:
+            AsyncClients.run(self.session.close())
+
+
+try:
+    import orjson
+
+    _loads, _dumps = orjson.loads, orjson.dumps
+except ImportError:  # pragma: no cover
+    _loads = json.loads
+
+    def _dumps(x):
+        return json.dumps(x).encode()
+
+
+_JSON = {"content-type": "application/json"}
+
+
+def _sse_events(buf: bytearray) -> list[bytes]:
+    """The complete ``data:`` payloads at the front of ``buf`` (taken out of it)."""
+    out = []
+    while (i := buf.find(b"\n\n")) >= 0:
+        block = bytes(buf[:i])
+        del buf[: i + 2]
+        out.extend(line[6:] for line in block.split(b"\n") if line.startswith(b"data: "))
+    return out
 
 
 # ----------------------------------------------------------------------------- trials

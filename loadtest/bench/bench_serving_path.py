@@ -118,22 +118,39 @@ class CpuMeter:
 
 
 class Expect:
-    def __init__(self, vocab: int, L: int, K: int, E: int):
+    """What the stand-in hands out; with ``exact=False`` (a real model) only counts and shapes are checked."""
+
+    def __init__(self, vocab: int, L: int, K: int, E: int, exact: bool = True):
         self.vocab = vocab
         self.table = standin_row_table(L, K, E)
-        self.L, self.K = L, K
+        self.L, self.K, self.E = L, K, E
+        self.exact = exact
 
-    def tokens(self, seed: int, n_prompt: int, n_out: int) -> list[int]:
-        return standin_tokens(seed, n_prompt, n_out, self.vocab)
+    def tokens(self, seed: int, n_prompt: int, n_out: int) -> list[int] | None:
+        return standin_tokens(seed, n_prompt, n_out, self.vocab) if self.exact else None
+
+    def same_tokens(self, got: list[int], seed: int, n_prompt: int, n_out: int) -> bool:
+        return got == self.tokens(seed, n_prompt, n_out) if self.exact else len(got) == n_out
+
+    def check_array(self, arr: np.ndarray, n_prompt: int, n_out: int, what: str) -> None:
+        want_shape = (n_prompt + n_out - 1, self.L, self.K)
+        if self.exact:
+            ok = np.array_equal(arr, standin_rows(self.table, 0, n_prompt + n_out - 1))
+        else:
+            ok = arr.shape == want_shape and int(arr.max()) < self.E
+        if not ok or arr.shape != want_shape:
+            raise RuntimeError(f"{what}: routed experts {arr.dtype} {arr.shape} differ from the engine's "
+                               f"{want_shape}")
 
     def check_rows(self, b64: str | None, n_prompt: int, n_out: int, what: str) -> None:
         if b64 is None:
             raise RuntimeError(f"{what}: no routed_experts")
         arr = np.load(io.BytesIO(base64.b64decode(b64)))
-        want = standin_rows(self.table, 0, n_prompt + n_out - 1)
+        want = standin_rows(self.table, 0, n_prompt + n_out - 1) if self.exact else arr
         if arr.dtype != np.uint8 or arr.shape != want.shape or not np.array_equal(arr, want):
-            raise RuntimeError(f"{what}: routed experts {arr.dtype} {arr.shape} differ from the stand-in's "
+                raise RuntimeError(f"{what}: routed experts {arr.dtype} {arr.shape} differ from the stand-in's "
                                f"{want.shape}")
+        self.check_array(arr, n_prompt, n_out, what)
 
 
 # ----------------------------------------------------------------------------- clients
@@ -225,9 +242,8 @@ async def http_one(session, url: str, endpoint: str, prompt: list[int], seed: in
         n_prompt, n_out = usage["prompt_tokens"], usage["completion_tokens"]
     else:
         n_out = len(ids)
-        want = exp.tokens(seed, n_prompt, max_tokens)
-        if ids != want:
-            raise RuntimeError(f"{endpoint}: tokens differ from the stand-in's ({len(ids)} vs {len(want)})")
+        if not exp.same_tokens(ids, seed, n_prompt, max_tokens):
+            raise RuntimeError(f"{endpoint}: tokens differ from the engine's ({len(ids)})")
     if n_out != max_tokens:
         raise RuntimeError(f"{endpoint}: {n_out} tokens, asked {max_tokens}")
     exp.check_rows(routed, n_prompt, n_out, endpoint)
@@ -284,11 +300,9 @@ class GrpcClient:
             if fr is not None and fr.size and fr.reshape(-1)[0]:
                 break
         n = len(prompt)
-        if ids != exp.tokens(seed, n, max_tokens):
-            raise RuntimeError("grpc: tokens differ from the stand-in's")
-        arr = np.concatenate(rows)
-        if not np.array_equal(arr, standin_rows(exp.table, 0, n + max_tokens - 1)):
-            raise RuntimeError("grpc: routed experts differ from the stand-in's")
+        if not exp.same_tokens(ids, seed, n, max_tokens):
+            raise RuntimeError("grpc: tokens differ from the engine's")
+        exp.check_array(np.concatenate(rows), n, max_tokens, "grpc")
         st.tokens += len(ids)
         st.requests += 1
         if stream and len(ids) > 1:
@@ -372,6 +386,9 @@ def main() -> None:
                     help="the stand-in's least time between steps (0: as fast as it goes)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--server-args", default="", help="more moe-serve flags")
+    ap.add_argument("--model", default="",
+                    help="a real model instead of the stand-in (tiny, medium or a checkpoint dir): counts and shapes "
+                         "checked, not values")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     from openai_frontend.server_process import start_server
@@ -379,12 +396,23 @@ def main() -> None:
     endpoints = args.endpoints.split(",")
     conc = [int(c) for c in args.concurrency.split(",")]
     per = dict((int(a), int(b)) for a, b in (x.split(":") for x in args.requests.split(",")))
-    ckpt = standin_checkpoint()
     work = REPO / "loadtest" / "results" / f"serving_path-{dt.datetime.now():%Y%m%d-%H%M%S}"
     work.mkdir(parents=True, exist_ok=True)
-    standin = json.dumps({"step_interval_s": args.step_interval_ms / 1000})
-    flags = ["--model", str(ckpt), "--served-model-name", "standin", "--standin-engine", standin,
-             "--max-num-seqs", str(max(256, max(conc))), "--max-model-len", "4096",
+    if args.model:
+        from loadtest.bench.common import resolve_model
+
+        path, _ = resolve_model(args.model)
+        if path is None:
+            from moe_engine.tiny import ensure_tiny_checkpoint
+
+            path = ensure_tiny_checkpoint()
+        ckpt = Path(path)
+        engine_flags = ["--num-threads", "1", "--max-num-batched-tokens", "512"]
+    else:
+        ckpt = standin_checkpoint()
+        engine_flags = ["--standin-engine", json.dumps({"step_interval_s": args.step_interval_ms / 1000})]
+    flags = ["--model", str(ckpt), "--served-model-name", "standin", *engine_flags,
+             "--max-num-seqs", str(max(64, max(conc))), "--max-model-len", "1024" if args.model else "4096",
              "--max-pending-requests", str(max(256, max(conc))), *shlex.split(args.server_args)]
     progress(f"load average {os.getloadavg()}; starting moe-serve {' '.join(flags)}")
     server = start_server(work, flags, model_name="standin")
@@ -393,8 +421,8 @@ def main() -> None:
         meter = CpuMeter(server_pids(server.proc.pid))
         progress(f"processes {meter.pids}")
         cfg = json.loads((ckpt / "config.json").read_text())
-        exp = Expect(cfg["vocab_size"], SHAPE["num_hidden_layers"], SHAPE["num_experts_per_tok"],
-                     SHAPE["num_local_experts"])
+        exp = Expect(cfg["vocab_size"], cfg["num_hidden_layers"], cfg["num_experts_per_tok"],
+                     cfg.get("num_local_experts") or cfg.get("num_experts"), exact=not args.model)
         asyncio.run(run_trial(server, endpoints[0], 4, 1, args.prompt_tokens, 16, exp, meter, "standin", 1))
         for rep in range(args.reps):
             order = endpoints[rep % len(endpoints):] + endpoints[: rep % len(endpoints)]
