@@ -31,7 +31,7 @@ from openai_frontend.server_process import start_server
 from r3kit.hf_replay import find_routers, replay_routing
 from r3kit.mismatch import measure_mismatch, sequence_logprobs
 
-from ..unit.hf_checkpoints import ARCHS, load_hf, write_servable_checkpoint
+from ..unit.hf_checkpoints import ARCHS, HYBRID_ARCHS, load_hf, write_servable_checkpoint
 
 FAMILIES = [a for a in os.environ.get("R3KIT_FAMILIES", ",".join(ARCHS)).split(",") if a]
 MAX_TOKENS = 8
@@ -102,7 +102,8 @@ def test_three_turns_stitched_by_the_kit_equal_the_whole_conversation(served):
     assert [len(t.token_ids) for t in conv.turns] == [MAX_TOKENS] * 3
     starts = [t.prompt_start for t in conv.turns]
     assert starts[0] == 0 and starts[1] == len(conv.turns[0].tokens) - 1 and starts[2] == len(conv.turns[1].tokens) - 1
-    assert memo["cached"][0] > 0  # turn 2's history came from the prefix cache
+    # turn 2's history came from the prefix cache (hybrids have none: it was recomputed)
+    assert memo["cached"][0] == 0 if arch in HYBRID_ARCHS else memo["cached"][0] > 0
     whole = client.completions.create(model=arch, prompt=conv.tokens, max_tokens=1, temperature=0,
                                       extra_body={"return_token_ids": True, "cache_salt": "nothing-cached"})
     assert whole.usage.prompt_tokens_details.cached_tokens == 0

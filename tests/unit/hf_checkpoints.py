@@ -42,6 +42,8 @@ import torch
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe",
          "glm4_moe_lite", "qwen3_next", "qwen3_5_moe", "nemotron_h")
+# Hybrids: most layers keep a recurrent state (Gated DeltaNet, Mamba-2); prefix caching is off for them.
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe", "nemotron_h")
 NEW_ARCHS = ("deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe",
              "nemotron_h")
 # Hybrid models (recurrent layers): no tensor parallelism, no prefix cache
