@@ -18,6 +18,7 @@ numbers, never request content).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -50,7 +51,7 @@ from .serving import ServingContext
 from .serving_chat import create_chat_completion
 from .serving_completions import create_completion
 from .serving_generate import create_generate
-from .serving_weights import engine_state, rl_router
+from .serving_weights import RL_PATHS, engine_state, refresh_weights_state, rl_router
 from .tokenizer import Tokenizer
 from .triton_client import ModelInfo, TritonClient
 
@@ -87,7 +88,9 @@ class _FrontMiddleware:
             await send(message)
 
         try:
-            if self.api_key is not None and (path.startswith(_PROTECTED_PREFIXES) or path in _PROTECTED_PATHS):
+            # The key is checked before anything reads the body (the RL endpoints included: no key, no parsing).
+            if self.api_key is not None and (path.startswith(_PROTECTED_PREFIXES) or path in _PROTECTED_PATHS
+                                             or path in RL_PATHS):
                 headers = dict(scope.get("headers") or [])
                 auth = headers.get(b"authorization")
                 try:
@@ -104,8 +107,8 @@ class _FrontMiddleware:
 
 def model_card(cfg: FrontendConfig, model: ModelInfo, created: int,
                engine: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The /v1/models entry: the model's metadata and ``engine`` (``engine_state``: weight version, KV block size;
-    None where the backend cannot tell)."""
+    """The /v1/models entry: the model's metadata and ``engine`` (``engine_state``: weight version, KV block size,
+    deterministic inference; None where the backend cannot tell)."""
     engine = engine or {}
     return {
         "id": cfg.served_model_name,
@@ -134,6 +137,9 @@ def model_card(cfg: FrontendConfig, model: ModelInfo, created: int,
         # tokens per KV block, the prefix cache's granularity (the engine chooses it: 64 on Hopper, 16 elsewhere)
         "kv_block_size": engine.get("kv_block_size"),
         "weight_version": engine.get("weight_version"),  # the engine's current weights (serving_weights.py)
+        # --enable-deterministic-inference (or VLLM_BATCH_INVARIANT=1): a request's tokens, logprobs and routed
+        # experts do not depend on what shares its steps (docs/design/determinism.md)
+        "deterministic_inference": engine.get("deterministic_inference"),
     }
 
 
@@ -156,6 +162,9 @@ async def _load_model_info(ctx: ServingContext, timeout_s: float) -> None:
         ctx.tokenizer.set_max_model_len(info.max_model_len)  # text longer than any prompt that fits: 400 early
         ctx.model = info
         logger.info("serving %s: %s", ctx.cfg.served_model_name, info)
+        # Start-up objects (tokenizer, modules) out of the collector's way: a full collection then only walks what
+        # requests made, and pauses the event loop for less.
+        gc.freeze()
         return
 
 
@@ -166,20 +175,50 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
     ctx = ServingContext(cfg, engine, tokenizer, metrics)
     state = ServerState(cfg.retry_after_s)
     own_engine = engine is None
+    state.on_backend_up = _reconnector(ctx, own_engine)
+
+    app = FastAPI(title="moe-serve", version="0.1.0", lifespan=_lifespan(ctx, state, own_engine),
+                  strict_content_type=False)
+    app.state.ctx = ctx
+    app.state.server_state = state
+    install_error_handlers(app)
+    app.add_middleware(RequestGuard, state=state, metrics=metrics, max_request_bytes=cfg.max_request_bytes,
+                       request_timeout_s=cfg.request_timeout_s)
+    app.add_middleware(_FrontMiddleware, cfg=cfg, metrics=metrics)  # added last: outermost
+    app.openapi = lambda: documented_openapi(app)
+    _add_status_routes(app, ctx, state)
+    app.include_router(rl_router(ctx))  # RL rollout lifecycle (SGLang's endpoints), behind the API key
+    _add_generation_routes(app, ctx)
+    return app
+
+
+def _triton_client(cfg: FrontendConfig) -> TritonClient:
+    return TritonClient(cfg.triton_grpc_url, cfg.triton_model_name, cfg.triton_headers)
+
+
+def _reconnector(ctx: ServingContext, own_engine: bool) -> Callable[[], Awaitable[None]]:
+    """What the server state runs once the backend is up again (``ServerState.on_backend_up``)."""
 
     async def reconnect() -> None:
         """After a backend restart: a fresh channel (the old one may sit in its reconnect backoff)."""
         if own_engine:
-            old, ctx.client = ctx.client, TritonClient(cfg.triton_grpc_url, cfg.triton_model_name, cfg.triton_headers)
+            old, ctx.client = ctx.client, _triton_client(ctx.cfg)
             await old.close()
+            await refresh_weights_state(ctx)  # did the restart bring the served weights back?
 
-    state.on_backend_up = reconnect
+    return reconnect
+
+
+def _lifespan(ctx: ServingContext, state: ServerState, own_engine: bool):  # noqa: ANN202 - FastAPI's lifespan
+    """Open the Triton connection and load the model metadata: for up to 5 s before serving, then in the
+    background (``/health`` says 503 until it is loaded); close both at shutdown."""
+    cfg = ctx.cfg
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         state.loop = asyncio.get_running_loop()
         if own_engine:
-            ctx.client = TritonClient(cfg.triton_grpc_url, cfg.triton_model_name, cfg.triton_headers)
+            ctx.client = _triton_client(cfg)
         loader = asyncio.create_task(_load_model_info(ctx, cfg.startup_timeout_s))
         try:
             await asyncio.wait_for(asyncio.shield(loader), timeout=min(5.0, cfg.startup_timeout_s))
@@ -193,21 +232,12 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
             if own_engine:
                 await ctx.client.close()
 
-    app = FastAPI(title="moe-serve", version="0.1.0", lifespan=lifespan, strict_content_type=False)
-    app.state.ctx = ctx
-    app.state.server_state = state
-    install_error_handlers(app)
-    app.add_middleware(RequestGuard, state=state, metrics=metrics, max_request_bytes=cfg.max_request_bytes,
-                       request_timeout_s=cfg.request_timeout_s)
-    app.add_middleware(_FrontMiddleware, cfg=cfg, metrics=metrics)  # added last: outermost
-    app.openapi = lambda: documented_openapi(app)
+    return lifespan
 
-    async def guarded(handler: Callable[..., Awaitable[Response]], req: Any, raw: Request) -> Response:
-        try:
-            return await handler(ctx, req, raw)
-        except ClientDisconnected:
-            metrics.disconnects.inc()
-            return disconnected_response()
+
+def _add_status_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -> None:
+    """``/health``, ``/metrics`` and ``/v1/models``: what load balancers, scrapers and clients ask first."""
+    cfg, metrics = ctx.cfg, ctx.metrics
 
     @app.get("/health")
     async def health() -> Response:
@@ -215,6 +245,11 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
             return shutting_down(cfg.retry_after_s).to_response()
         if state.backend_error is not None:
             return backend_unavailable(cfg.retry_after_s).to_response()
+        if ctx.weights_lost is not None:
+            await refresh_weights_state(ctx)  # pushed again, maybe straight through Triton
+            if ctx.weights_lost is not None:
+                return ServiceUnavailableError(ctx.weights_lost, retry_after_s=cfg.retry_after_s,
+                                               code="weights_lost").to_response()
         if ctx.model is not None and await ctx.client.is_ready():
             return Response(status_code=200)
         return ServiceUnavailableError("Triton or the model is not ready.", code="not_ready").to_response()
@@ -235,7 +270,17 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
             raise model_not_found(model_id)
         return JSONResponse(model_card(cfg, ctx.model_info(), ctx.created, await engine_state(ctx)))
 
-    app.include_router(rl_router(ctx))  # RL rollout lifecycle (SGLang's endpoints), behind the API key
+
+def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """The three generation endpoints; a client gone before its handler answered counts as a disconnect."""
+    cfg = ctx.cfg
+
+    async def guarded(handler: Callable[..., Awaitable[Response]], req: Any, raw: Request) -> Response:
+        try:
+            return await handler(ctx, req, raw)
+        except ClientDisconnected:
+            ctx.metrics.disconnects.inc()
+            return disconnected_response()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -252,5 +297,3 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
     @app.post("/inference/v1/generate")
     async def generate(req: GenerateRequest, raw: Request) -> Response:
         return await guarded(create_generate, req, raw)
-
-    return app

@@ -98,6 +98,10 @@ def _add_serving_flags(add) -> None:
     add("--request-timeout", type=float, default=3600.0,
         help="seconds a generation request may run; past it the request is cancelled and answered 504 (0: none)")
     add("--max-request-bytes", type=int, default=16 * 2**20, help="largest request body; larger ones get 413 (0: none)")
+    add("--max-response-logprobs", type=int, default=1 << 20,
+        help="logprob entries one response may carry (each token's logprob and its top alternatives, over every "
+             "choice and its max_tokens, prompt logprobs as often as the response repeats them); a request that "
+             "could return more gets 400 before any work (0: no limit)")
     add("--shutdown-timeout", type=float, default=30.0,
         help="on SIGTERM, seconds in-flight requests get to finish before they are ended with a 503")
     add("--max-backend-restarts", type=int, default=3,
@@ -216,8 +220,15 @@ def _uvicorn_server(config):  # noqa: ANN001, ANN202
     return Server(config)
 
 
+# How long a thread may hold the interpreter before another gets it (Python's default: 5 ms). The API's event loop
+# shares it with the workers that build large responses and render chat templates (bounded.py): at 1 ms, /health
+# and the streams wait less for their turn.
+SWITCH_INTERVAL_S = 0.001
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -281,6 +292,9 @@ def make_triton_server(args, access: TritonAccess, checkpoint: Path, cfg, engine
         "engine_config": engine_config.to_json(),
         "num_threads": args.num_threads or "",
         "moe_metadata": json.dumps(metadata),
+        # Relative: in the model's folder of the private run directory (new for each moe-serve process). A restarted
+        # backend reads it to come back on the weights it last served (backends/moe/weights_state.py).
+        "weights_state_file": "weights_state.json",
     }
     repo = Path(args.model_repository)
     try:
@@ -378,6 +392,7 @@ class Serving:
                 request_timeout_s=args.request_timeout or None,
                 trust_request_chat_template=args.trust_request_chat_template,
                 enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                max_response_logprobs=args.max_response_logprobs or None,
             )
         )
 

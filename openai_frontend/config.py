@@ -25,3 +25,5 @@ class FrontendConfig:
     request_timeout_s: float | None = 3600.0  # a generation request running longer gets 504; None = no limit
     trust_request_chat_template: bool = False  # accept `chat_template` in requests (as vLLM's flag)
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (as vLLM's flag)
+    # Logprob entries one response may carry at most (bounded.py); None = no limit.
+    max_response_logprobs: int | None = 1 << 20

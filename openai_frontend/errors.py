@@ -229,7 +229,8 @@ def validation_error_to_openai(exc: RequestValidationError) -> BadRequestError:
                                    code="invalid_json")
         return BadRequestError("Request body must be a JSON object.", code="invalid_json")
     param = _param_from_loc(loc, body)
-    return BadRequestError(_validation_message(err, param), param=param)
+    # A validator's error may carry the code of a refusal the schema cannot express (openapi_doc.SEMANTIC_CODES).
+    return BadRequestError(_validation_message(err, param), param=param, code=getattr(cause, "code", None))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -20,13 +20,15 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
 from .routing_codec import RoutedExpertsAccumulator
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .triton_client import BackendClient, BackendError, BackendRequest, ModelInfo
+
+T = TypeVar("T")
 
 
 class TokenLogprob(NamedTuple):
@@ -116,6 +118,27 @@ def _find_stop(text: str, search_from: int, stops: list[str]) -> tuple[int, str]
     return best
 
 
+@dataclass
+class _RunState:
+    """What :meth:`ChoiceRunner.run` carries from one backend response to the next."""
+
+    detok: IncrementalDetokenizer | None  # None: no text wanted and no stop string to match
+    routed: RoutedExpertsAccumulator | None  # expert ids, [rows, num_hidden_layers, top_k]
+    weights: RoutedExpertsAccumulator | None  # float32, the same rows
+    stop_token_ids: frozenset[int]
+    max_stop: int  # the longest stop string's length (0: none)
+    holdback: int  # streamed text held back: it may be the start of a stop string
+    timed: bool  # TTFT/ITL only mean something per engine step
+    t_start: float
+    t_last: float
+    text: str = ""  # decoded so far (cut where a stop string matched)
+    emitted: int = 0  # characters of text already on a delta
+    first: bool = True  # no delta out yet
+    prompt_scores: PromptScores | None = None  # received, not yet on a delta
+    finish: str | None = None
+    stop_reason: int | str | None = None
+
+
 class ChoiceRunner:
     def __init__(
         self,
@@ -165,149 +188,151 @@ class ChoiceRunner:
 
     async def run(self) -> AsyncIterator[ChoiceDelta]:
         """Yield deltas; the last has a finish_reason (and the routed experts)."""
-        spec, request = self.spec, self.spec.request
-        detok: IncrementalDetokenizer | None = None
-        if spec.detokenize or spec.stop:
-            detok = self.tokenizer.detokenizer(request.input_ids, spec.skip_special_tokens)
-        acc = (
-            RoutedExpertsAccumulator(self.model.num_hidden_layers, self.model.num_experts_per_tok, self.model.np_dtype)
-            if request.return_routed_experts
-            else None
-        )
-        acc_w = (
-            RoutedExpertsAccumulator(self.model.num_hidden_layers, self.model.num_experts_per_tok, np.float32)
-            if request.return_routed_weights
-            else None
-        )
-        prompt_scores: PromptScores | None = None  # received, not yet on a delta
-        stop_token_ids = frozenset(request.stop_token_ids or ())
-        stops = spec.stop
-        max_stop = max((len(s) for s in stops), default=0)
-        # While streaming, hold back text that may be the start of a stop string.
-        holdback = 0 if spec.include_stop_str_in_output else max(0, max_stop - 1)
-        timed = request.stream  # TTFT/ITL only mean something per engine step
-        text = ""
-        emitted = 0
-        first = True
-        t_start = t_last = time.monotonic()
-        finish: str | None = None
-        stop_reason: int | str | None = None
-
-        gen = self.client.generate(request, f"{self.request_id}-{spec.index}")
+        st = self._start()
+        gen = self.client.generate(self.spec.request, f"{self.request_id}-{self.spec.index}")
         async with contextlib.aclosing(gen):
             async for out in gen:
-                if acc is not None:
-                    acc.add(out.routed_experts)
-                if acc_w is not None:
-                    acc_w.add(out.routed_weights)
-                if out.prompt_logprobs is not None and self.prompt_logprobs is None:
-                    self.prompt_logprobs = prompt_scores = PromptScores(
-                        out.prompt_logprobs, out.prompt_top_logprob_ids, out.prompt_top_logprobs,
-                        out.prompt_logprob_ranks)
-                self.weight_version = out.weight_version or self.weight_version
-                if self.num_cached_tokens is None:  # fixed when the engine admits the request
-                    self.num_cached_tokens = out.num_cached_tokens
-                n_new = int(out.output_ids.shape[0])
-                now = time.monotonic()
-                if n_new and timed:
-                    if not self.token_ids:
-                        self.hooks.on_first_token(now - t_start)
-                    else:
-                        self.hooks.on_tokens(now - t_last, n_new)
-                    t_last = now
-                new_ids: list[int] = []
-                new_lps: list[TokenLogprob] | None = [] if self.logprobs is not None else None
-                ids = out.output_ids.tolist()
-                for k, tid in enumerate(ids):
-                    new_ids.append(tid)
-                    if new_lps is not None:
-                        new_lps.append(_token_logprob(out, k, tid))
-                    if detok is not None:
-                        piece = detok.step(tid)
-                        if piece:
-                            text, matched = self._append(text, piece, stops, max_stop)
-                            if matched is not None:
-                                finish, stop_reason = "stop", matched
-                                break
-                self.token_ids.extend(new_ids)
-                if new_lps is not None:
-                    self.logprobs.extend(new_lps)
-                if finish is None and out.finish_reason is not None:
-                    finish = out.finish_reason
-                    if finish == "stop" and self.token_ids and self.token_ids[-1] in stop_token_ids:
-                        stop_reason = self.token_ids[-1]
-                    if detok is not None:
-                        rest = detok.flush()
-                        if rest:
-                            text, matched = self._append(text, rest, stops, max_stop)
-                            if matched is not None:
-                                finish, stop_reason = "stop", matched
-                if finish is not None:
+                self._account(st, out)
+                new_ids, new_lps = self._take_tokens(st, out)
+                if st.finish is None and out.finish_reason is not None:
+                    self._engine_finished(st, out.finish_reason)
+                if st.finish is not None:
                     break  # leaving the loop closes gen: a stop-string match cancels the Triton request
                 # Non-streaming: all text goes out with the last delta (a stop string may still cut it).
-                upto = max(emitted, len(text) - holdback) if self.stream else emitted
-                delta = ChoiceDelta(
-                    index=spec.index,
-                    text=text[emitted:upto] if spec.detokenize else "",
-                    token_ids=new_ids,
-                    logprobs=new_lps,
-                    prompt_logprobs=prompt_scores,
-                    first=first,
-                    num_cached_tokens=self.num_cached_tokens if first else None,
-                )
-                if spec.detokenize:
-                    self.text_parts.append(delta.text)
-                emitted = upto
-                first = False
-                prompt_scores = None
-                yield delta
+                upto = max(st.emitted, len(st.text) - st.holdback) if self.stream else st.emitted
+                yield self._delta(st, new_ids, new_lps, upto)
             else:
                 # Stream ended without finish_reason (TritonClient.generate raises in that case).
                 raise BackendError(BackendError.INTERNAL, "request ended without a finish reason")
+        yield await self._last_delta(st, new_ids, new_lps)
 
-        # The last delta: remaining text, finish reason, routing of the kept tokens.
-        self.finish_reason = finish
-        self.stop_reason = stop_reason
-        keep_rows = len(request.input_ids) + len(self.token_ids) - 1 - (request.routed_experts_prompt_start or 0)
-        if acc is not None:
-            if acc.nbytes >= _ENCODE_IN_THREAD_BYTES:
-                # Long sequences: copy/encode/count off the event loop (numpy and pybase64 release the GIL).
-                self.routed_experts = await asyncio.to_thread(self._encode_routed, acc, keep_rows)
+    def _start(self) -> _RunState:
+        """The run's state before the first response: the detokenizer, the routing accumulators, the stop rules."""
+        spec, request, model = self.spec, self.spec.request, self.model
+        detok = None
+        if spec.detokenize or spec.stop:
+            detok = self.tokenizer.detokenizer(request.input_ids, spec.skip_special_tokens)
+
+        def accumulator(wanted: bool | None, dtype: np.dtype) -> RoutedExpertsAccumulator | None:
+            if not wanted:
+                return None
+            return RoutedExpertsAccumulator(model.num_hidden_layers, model.num_experts_per_tok, dtype)
+
+        max_stop = max((len(s) for s in spec.stop), default=0)
+        t_start = time.monotonic()
+        return _RunState(
+            detok=detok,
+            routed=accumulator(request.return_routed_experts, model.np_dtype),
+            weights=accumulator(request.return_routed_weights, np.float32),
+            stop_token_ids=frozenset(request.stop_token_ids or ()),
+            max_stop=max_stop,
+            holdback=0 if spec.include_stop_str_in_output else max(0, max_stop - 1),
+            timed=request.stream,
+            t_start=t_start,
+            t_last=t_start,
+        )
+
+    def _account(self, st: _RunState, out) -> None:  # noqa: ANN001 - a GenerateOutput
+        """What one response says besides its tokens: routing rows, prompt logprobs (once), the weight version, the
+        cached prompt tokens (fixed at admission), and the timing hooks."""
+        if st.routed is not None:
+            st.routed.add(out.routed_experts)
+        if st.weights is not None:
+            st.weights.add(out.routed_weights)
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = st.prompt_scores = PromptScores(
+                out.prompt_logprobs, out.prompt_top_logprob_ids, out.prompt_top_logprobs, out.prompt_logprob_ranks)
+        self.weight_version = out.weight_version or self.weight_version
+        if self.num_cached_tokens is None:  # fixed when the engine admits the request
+            self.num_cached_tokens = out.num_cached_tokens
+        n_new = int(out.output_ids.shape[0])
+        now = time.monotonic()
+        if n_new and st.timed:
+            if not self.token_ids:
+                self.hooks.on_first_token(now - st.t_start)
             else:
-                self.routed_experts = self._encode_routed(acc, keep_rows)
-        if acc_w is not None:  # the same rows as routed_experts, cut the same way
-            if acc_w.nbytes >= _ENCODE_IN_THREAD_BYTES:
-                self.routed_weights = (await asyncio.to_thread(acc_w.encode, keep_rows))[0]
-            else:
-                self.routed_weights = acc_w.encode(keep_rows)[0]
+                self.hooks.on_tokens(now - st.t_last, n_new)
+            st.t_last = now
+
+    def _take_tokens(self, st: _RunState, out) -> tuple[list[int], list[TokenLogprob] | None]:  # noqa: ANN001
+        """The response's tokens (and their logprobs), decoded as they come: up to its end, or up to the token that
+        completed a stop string (``st.finish`` is then set). They join the choice's results."""
+        new_ids: list[int] = []
+        new_lps: list[TokenLogprob] | None = [] if self.logprobs is not None else None
+        for k, tid in enumerate(out.output_ids.tolist()):
+            new_ids.append(tid)
+            if new_lps is not None:
+                new_lps.append(_token_logprob(out, k, tid))
+            if st.detok is not None:
+                piece = st.detok.step(tid)
+                if piece and self._append(st, piece):
+                    break
+        self.token_ids.extend(new_ids)
+        if new_lps is not None:
+            self.logprobs.extend(new_lps)
+        return new_ids, new_lps
+
+    def _engine_finished(self, st: _RunState, reason: str) -> None:
+        """The engine ended the choice: name the stop token that ended it, if one did, and decode the text the
+        detokenizer still held (it may yet complete a stop string, which then wins)."""
+        st.finish = reason
+        if reason == "stop" and self.token_ids and self.token_ids[-1] in st.stop_token_ids:
+            st.stop_reason = self.token_ids[-1]
+        if st.detok is not None:
+            rest = st.detok.flush()
+            if rest:
+                self._append(st, rest)
+
+    def _delta(self, st: _RunState, new_ids: list[int], new_lps: list[TokenLogprob] | None, upto: int,
+               **last: object) -> ChoiceDelta:
+        """The delta of one response: its tokens, the text from what went out so far up to ``upto``, the prompt
+        logprobs if they just came; ``last`` holds the last delta's own fields."""
         delta = ChoiceDelta(
-            index=spec.index,
-            text=text[emitted:] if spec.detokenize else "",
+            index=self.spec.index,
+            text=st.text[st.emitted : upto] if self.spec.detokenize else "",
             token_ids=new_ids,
             logprobs=new_lps,
-            finish_reason=finish,
-            stop_reason=stop_reason,
+            prompt_logprobs=st.prompt_scores,
+            first=st.first,
+            num_cached_tokens=self.num_cached_tokens if st.first else None,
+            **last,
+        )
+        if self.spec.detokenize:
+            self.text_parts.append(delta.text)
+        st.emitted, st.first, st.prompt_scores = upto, False, None
+        return delta
+
+    async def _last_delta(self, st: _RunState, new_ids: list[int], new_lps: list[TokenLogprob] | None) -> ChoiceDelta:
+        """The last delta: the remaining text, the finish reason, the routing of the kept tokens (encoded once)."""
+        self.finish_reason = st.finish
+        self.stop_reason = st.stop_reason
+        request = self.spec.request
+        keep_rows = len(request.input_ids) + len(self.token_ids) - 1 - (request.routed_experts_prompt_start or 0)
+        if st.routed is not None:
+            self.routed_experts = await _encode_off_loop_if_large(st.routed, self._encode_routed, st.routed, keep_rows)
+        if st.weights is not None:  # the same rows as routed_experts, cut the same way
+            self.routed_weights = (await _encode_off_loop_if_large(st.weights, st.weights.encode, keep_rows))[0]
+        return self._delta(
+            st, new_ids, new_lps, len(st.text),
+            finish_reason=st.finish,
+            stop_reason=st.stop_reason,
             routed_experts=self.routed_experts,
             routed_weights=self.routed_weights,
-            prompt_logprobs=prompt_scores,
-            first=first,
             weight_version=self.weight_version,
-            num_cached_tokens=self.num_cached_tokens if first else None,
         )
-        if spec.detokenize:
-            self.text_parts.append(delta.text)
-        yield delta
 
-    def _append(self, text: str, piece: str, stops: list[str], max_stop: int) -> tuple[str, str | None]:
-        """Append decoded text; on a stop-string match cut it there and return the match."""
-        before = len(text)
-        text += piece
-        if stops:
-            m = _find_stop(text, max(0, before - max_stop + 1), stops)
+    def _append(self, st: _RunState, piece: str) -> bool:
+        """Append decoded text; on a stop-string match cut it there, finish the choice and say so."""
+        before = len(st.text)
+        st.text += piece
+        if self.spec.stop:
+            m = _find_stop(st.text, max(0, before - st.max_stop + 1), self.spec.stop)
             if m is not None:
                 i, stop = m
-                return (text[: i + len(stop)] if self.spec.include_stop_str_in_output else text[:i]), stop
-        return text, None
+                st.text = st.text[: i + len(stop)] if self.spec.include_stop_str_in_output else st.text[:i]
+                st.finish, st.stop_reason = "stop", stop
+                return True
+        return False
 
     def _encode_routed(self, acc: RoutedExpertsAccumulator, keep_rows: int) -> bytes | None:
         encoded, array = acc.encode(keep_rows)
@@ -318,6 +343,13 @@ class ChoiceRunner:
 
 # Routing arrays at least this big are encoded in a worker thread.
 _ENCODE_IN_THREAD_BYTES = 1 << 21
+
+
+async def _encode_off_loop_if_large(acc: RoutedExpertsAccumulator, encode: Callable[..., T], *args: object) -> T:
+    """``encode(*args)``; for long sequences off the event loop (numpy and pybase64 release the GIL)."""
+    if acc.nbytes >= _ENCODE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(encode, *args)
+    return encode(*args)
 
 
 def _token_logprob(out, k: int, tid: int) -> TokenLogprob:
@@ -347,16 +379,17 @@ class ChoiceGroup:
         self._tasks: list[asyncio.Task] = []
         self._queue: asyncio.Queue = asyncio.Queue()
         self._closed = False
-        self._started = False
 
     async def results(self) -> list[ChoiceResult]:
         async for _ in self.deltas():
             pass
         return [r.result() for r in self.runners]
 
-    def _start(self) -> None:
-        self._started = True
-        for r in self.runners:
+    def start(self, count: int | None = None) -> None:
+        """Start the first ``count`` choices (None: all); those already started are left alone. A stream starts
+        one, then the rest once the first answered (ServingContext._start_stream)."""
+        end = len(self.runners) if count is None else min(count, len(self.runners))
+        for r in self.runners[len(self._tasks) : end]:
             self._tasks.append(asyncio.create_task(self._pump(r)))
 
     async def _pump(self, runner: ChoiceRunner) -> None:
@@ -371,8 +404,8 @@ class ChoiceGroup:
         self._queue.put_nowait(None)
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        if not self._started:
-            self._start()
+        if not self._tasks:
+            self.start()
         remaining = len(self.runners)
         try:
             while remaining:

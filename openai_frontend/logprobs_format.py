@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from pydantic import TypeAdapter
+
 from .generation import PromptScores, TokenLogprob
 from .protocol import (
     ChatCompletionLogProb,
@@ -14,6 +16,8 @@ from .protocol import (
     PromptLogprobs,
 )
 from .tokenizer import Tokenizer
+
+PROMPT_LOGPROBS = TypeAdapter(PromptLogprobs)  # serialises a prompt_logprobs list on its own (bounded.dump_list)
 
 _FLOOR = -9999.0  # as vLLM: -inf / nan never reach JSON
 

@@ -36,6 +36,15 @@ def stat(pid: int) -> ProcStat | None:
         return None
 
 
+def start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot: with the pid, names one process for good), None when gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2 :].split()[19])
+
+
 def process_state(pid: int) -> str | None:
     """One-letter state (R, S, D, T, t, Z, X, ...), None when gone."""
     s = stat(pid)

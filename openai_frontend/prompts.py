@@ -78,13 +78,13 @@ class ChatPrompt:
             try:
                 template = ChatTemplate(req.chat_template, tokenizer.bos_token, tokenizer.eos_token)
             except ChatTemplateError as e:
-                raise BadRequestError(str(e), param="chat_template") from e
+                raise BadRequestError(str(e), param="chat_template", code="chat_template_error") from e
         if template is None:
             raise BadRequestError("The model has no chat template; pass `chat_template` or use /v1/completions.",
                                   param="messages")
         if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
             raise BadRequestError("continue_final_message and add_generation_prompt cannot both be true.",
-                                  param="continue_final_message")
+                                  param="continue_final_message", code="unsupported_combination")
         try:
             text = template.render(
                 _template_messages(req),
@@ -94,7 +94,7 @@ class ChatPrompt:
                 extra=req.chat_template_kwargs,
             )
         except ChatTemplateError as e:
-            raise BadRequestError(f"Chat template error: {e}", param="messages") from e
+            raise BadRequestError(f"Chat template error: {e}", param="messages", code="chat_template_error") from e
         return [PromptInput(ids=tokenizer.encode(text, add_special_tokens=req.add_special_tokens), text=text)]
 
 

@@ -96,14 +96,38 @@ def check_unicode(value: Any, path: str = "") -> None:
                 check_unicode(v, f"{path}[{i}]")
 
 
+class CodedValueError(ValueError):
+    """A validator's refusal with its error code (a rule JSON Schema cannot express: openapi_doc.SEMANTIC_CODES)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _integral_floats_to_int(value: Any) -> Any:
+    """JSON has one number type, and JSON Schema (the OpenAPI document) counts 5.0 as the integer 5: an integer field
+    takes it. 5.5, "5" and true stay what they are (refused where an integer is due)."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral_floats_to_int(v) for k, v in value.items()}
+    if isinstance(value, list) and not all(type(v) is int for v in value):  # long id lists: the common case fast
+        return [_integral_floats_to_int(v) for v in value]
+    return value
+
+
 class _ValidUnicode(_Base):
-    """Request bodies: every string, ids and names included, must be valid Unicode (400 otherwise)."""
+    """Request bodies: every string, ids and names included, must be valid Unicode (400 otherwise). Types are
+    strict, as the OpenAPI document states them: "5" and 5.5 are not integers (5.0 is, as JSON Schema counts), 1 is
+    not a boolean."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
         check_unicode(data)
-        return data
+        return _integral_floats_to_int(data)
 
 
 def _unsupported(name: str, neutral: Any):
@@ -147,7 +171,7 @@ class GenerationRequestFields(_ValidUnicode):
     """Body fields shared by all three generation endpoints: sampling, stop rules, output and routing options.
 
     Serving turns them into a :class:`~.triton_client.BackendRequest`; the
-    backend builds the engine's ``moe_engine.sampling.SamplingParams`` from that.
+    backend builds the engine's ``moe_engine.core.sampling.SamplingParams`` from that.
     """
 
     n: int = Field(1, ge=1)
@@ -268,7 +292,7 @@ class CompletionRequest(GenerationRequestFields):
     def _best_of(cls, v, info):
         n = info.data.get("n", 1)
         if v is not None and v != n:
-            raise ValueError("best_of is not supported (it must equal n)")
+            raise CodedValueError("best_of is not supported (it must equal n)", "unsupported_combination")
         return v
 
 

@@ -16,11 +16,13 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from .protocol import _Base, _unsupported
+from .protocol import _unsupported
+from .protocol import _ValidUnicode as _Base  # strict types, valid Unicode
 
 
 class UpdateWeightsFromDiskRequest(_Base):
-    model_path: str = Field(min_length=1)  # a checkpoint directory of the same model, readable by the server
+    # a checkpoint directory of the same model, readable by the server (at most PATH_MAX, 4096 bytes, on Linux)
+    model_path: str = Field(min_length=1, max_length=4096)
     weight_version: str | None = None  # default: the checkpoint's folder name
     flush_cache: bool = True
     abort_all_requests: bool = False  # False: requests submitted before finish first, later ones wait

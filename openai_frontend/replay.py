@@ -30,16 +30,16 @@ def check_replay(arr: np.ndarray, num_prompt: int, model: ModelInfo, param: str)
         raise BadRequestError(
             f"`{param}` has shape {tuple(arr.shape)}; expected (rows, {L}, {K}): (rows <= {num_prompt} prompt "
             f"tokens, num_hidden_layers, top_k), as the server returns routed_experts.",
-            param=param,
+            param=param, code="invalid_replay",
         )
     if R == 0:
         raise BadRequestError(f"`{param}` has no rows; send at least the first prompt token's, or leave it out.",
-                              param=param)
+                              param=param, code="invalid_replay")
     if R > num_prompt:
         raise BadRequestError(
             f"`{param}` has {R} rows but the prompt has {num_prompt} tokens: row i forces the experts of prompt "
             f"token i, so at most {num_prompt} rows.",
-            param=param,
+            param=param, code="invalid_replay",
         )
     out = np.zeros((R, L, K), dtype=np.int32)
     moe = list(model.moe_layers)
@@ -52,7 +52,7 @@ def check_replay(arr: np.ndarray, num_prompt: int, model: ModelInfo, param: str)
         raise BadRequestError(
             f"`{param}`[{r}, {moe[m]}, {k}] is expert id {int(ids[r, m, k])}; ids must be in 0..{E - 1} "
             f"(the model has {E} experts).",
-            param=param,
+            param=param, code="invalid_replay",
         )
     ids = ids.astype(np.int32)
     if K > 1:
@@ -63,7 +63,7 @@ def check_replay(arr: np.ndarray, num_prompt: int, model: ModelInfo, param: str)
             raise BadRequestError(
                 f"`{param}`[{r}, {moe[m]}] repeats an expert id ({ids[r, m].tolist()}); the top_k ids of a row "
                 f"must be distinct.",
-                param=param,
+                param=param, code="invalid_replay",
             )
     out[:, moe] = ids
     return out

@@ -67,6 +67,8 @@ def decode_routed_experts(encoded: str) -> np.ndarray:
 class ArrayDecodeError(ValueError):
     """A request's base64 ``.npy`` field is not what it must be; the message says what is wrong."""
 
+    code = "invalid_replay"  # the API's error code (its only use: a replay_routed_experts array)
+
 
 def decode_int_array(encoded: object, ndim: int) -> np.ndarray:
     """base64 of ``.npy`` bytes holding an ``ndim``-D array of any integer dtype -> that array (read-only view).
@@ -184,12 +186,13 @@ class Payloads:
     payload bytes in at the placeholders in one pass.
     """
 
-    __slots__ = ("_prefix", "_parts", "_n")
+    __slots__ = ("_prefix", "_parts", "_n", "_raw")
 
     def __init__(self) -> None:
         self._prefix = f"@@routed-{secrets.token_hex(8)}:"
         self._parts: dict[bytes, bytes] = {}
         self._n = 0
+        self._raw: set[bytes] = set()  # keys whose payload is JSON itself (spliced without the quotes)
 
     def ref(self, payload: bytes | None) -> str | None:
         """The placeholder to put in the model where ``payload`` goes (None stays None)."""
@@ -200,23 +203,45 @@ class Payloads:
         self._parts[key.encode()] = payload
         return key
 
+    def raw(self, json_value: bytes | None) -> str | None:
+        """The placeholder for an already serialised JSON value (an object, a list): spliced in as is, without
+        quotes. Large logprob structures are serialised once (once per prompt, in a worker) and spliced."""
+        key = self.ref(json_value)
+        if key is not None:
+            self._raw.add(key.encode())
+        return key
+
     def dump(self, model, prefix: bytes = b"", suffix: bytes = b"") -> bytes:  # noqa: ANN001 - pydantic model
         """``prefix`` + the model's JSON with the payloads in place of their placeholders + ``suffix``."""
-        body = model.model_dump_json().encode()
+        # warnings off: a raw placeholder stands (as a string) where the model declares an object or a list
+        body = model.model_dump_json(warnings=False).encode()
         if not self._parts:
             return prefix + body + suffix if prefix or suffix else body
+        return b"".join(self._splice(body, prefix, suffix))
+
+    def dump_parts(self, model) -> list[bytes]:  # noqa: ANN001 - pydantic model
+        """The pieces ``dump`` would join (a large body is sent piece by piece, never copied whole)."""
+        body = model.model_dump_json(warnings=False).encode()
+        return self._splice(body, b"", b"") if self._parts else [body]
+
+    def _splice(self, body: bytes, prefix: bytes, suffix: bytes) -> list[bytes]:
         marker = b'"' + self._prefix.encode()
         pieces = [prefix]
         pos = 0
         while (i := body.find(marker, pos)) >= 0:
             end = body.find(b'@@"', i + len(marker))
             key = body[i + 1 : end + 2]
+            if key in self._raw:  # JSON itself: the quotes go
+                pieces.append(body[pos:i])
+                pieces.append(self._parts.pop(key))
+                pos = end + 3
+                continue
             pieces.append(body[pos : i + 1])  # up to and including the opening quote
             pieces.append(self._parts.pop(key))
             pos = end + 2  # the closing quote starts the next piece
         pieces.append(body[pos:])
         pieces.append(suffix)
-        return b"".join(pieces)
+        return pieces
 
     def sse(self, model) -> bytes:  # noqa: ANN001 - pydantic model
         """The model as one server-sent event."""

@@ -14,9 +14,13 @@ and calls :meth:`ServingContext.generate` once, which, in this order:
    full) and starts them (:mod:`.generation`, which calls the backend through
    :mod:`.triton_client`);
 4. returns :class:`Finished` (every result) or, when streaming, a
-   :class:`ChoiceStream` in which every choice has already produced its first
-   delta, so backend errors (invalid request, queue full) still get their HTTP
-   status.
+   :class:`ChoiceStream` once the first choice has produced its first delta or
+   :data:`STREAM_PRIME_S` passed, whichever comes first; the other choices
+   start then. So a backend error (an invalid request, which comes back at
+   once and alike for every choice) still gets its HTTP status, and the stream
+   starts at once whatever ``n`` (choices beyond ``--max-num-seqs`` stream as
+   they are admitted, a paused engine sends nothing yet); a later error is an
+   SSE event.
 
 Usage (prompt and completion tokens) and the token counters of the metrics
 are counted in one place, :class:`TokenUsage`, as the tokens pass.  The
@@ -26,6 +30,7 @@ endpoint then renders the outcome into its response objects
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +38,7 @@ from dataclasses import dataclass, replace
 
 from fastapi import Request
 
+from .bounded import check_response_budget, off_loop, response_entries
 from .config import FrontendConfig
 from .errors import (
     BadRequestError,
@@ -44,7 +50,7 @@ from .errors import (
 from .generation import ChoiceDelta, ChoiceGroup, ChoiceResult, ChoiceRunner, ChoiceSpec
 from .http_utils import run_with_cancellation
 from .metrics import Metrics
-from .prompts import PromptInput, PromptSource
+from .prompts import ChatPrompt, CompletionPrompts, PromptInput, PromptSource
 from .protocol import INT64_MAX, INT64_MIN, GenerationRequestFields, StreamOptions, UsageInfo
 from .replay import check_replay
 from .tokenizer import Tokenizer
@@ -83,6 +89,9 @@ class GenerationPlan:
     max_tokens_param: str = "max_tokens"
     prompt_logprobs_param: str = "prompt_logprobs"
     replay_param: str = "replay_routed_experts"
+    # Whether each choice repeats its prompt's logprobs (vLLM's /v1/completions) or the response has one list per
+    # prompt (/inference/v1/generate): how often the response-size budget counts them (bounded.py).
+    prompt_logprobs_per_choice: bool = True
 
 
 class TokenUsage:
@@ -153,12 +162,16 @@ class ChoiceStream:
     """
 
     def __init__(self, group: ChoiceGroup, deltas: AsyncIterator[ChoiceDelta], primed: list[ChoiceDelta],
-                 prompts: list[PromptInput], usage: TokenUsage, metrics: Metrics, retry_after_s: int) -> None:
+                 prompts: list[PromptInput], usage: TokenUsage, metrics: Metrics, retry_after_s: int,
+                 next_delta: asyncio.Future | None = None) -> None:
         self.prompts = prompts
         self.usage = usage
         self._group = group
         self._deltas = deltas
         self._primed = primed
+        self._next = next_delta  # the delta being awaited when the stream was handed over
+        # An SSE comment to send first when no delta is ready yet: the client gets bytes at once.
+        self.preamble: bytes | None = None if primed else b": waiting for the engine\n\n"
         self._metrics = metrics
         self._retry_after_s = retry_after_s
 
@@ -166,9 +179,20 @@ class ChoiceStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[ChoiceDelta]:
+        # The other choices start now, once the response's headers went out (65 or 256 gRPC streams take a while).
+        self._group.start()
         primed, self._primed = self._primed, []
         try:
             for d in primed:
+                self.usage.add(d.index, len(d.token_ids))
+                self.usage.cached(d.index, d.num_cached_tokens)
+                yield d
+            if self._next is not None:
+                nxt, self._next = self._next, None
+                try:
+                    d = await nxt
+                except StopAsyncIteration:
+                    return
                 self.usage.add(d.index, len(d.token_ids))
                 self.usage.cached(d.index, d.num_cached_tokens)
                 yield d
@@ -180,6 +204,8 @@ class ChoiceStream:
             raise backend_error_to_openai(e, self._retry_after_s) from e
 
     async def aclose(self) -> None:
+        if self._next is not None and not self._next.done():
+            self._next.cancel()
         await self._group.aclose()
         self.usage.close()
 
@@ -197,6 +223,9 @@ class ServingContext:
         self.model: ModelInfo | None = None  # set once the backend's metadata is loaded
         self.created = int(time.time())
         self.pending = 0  # choices in flight
+        # Set while the backend refuses generation because a restart lost the weights it served (a message saying
+        # they must be pushed again); every control answer updates it (serving_weights.py).
+        self.weights_lost: str | None = None
 
     def model_info(self) -> ModelInfo:
         """The model's metadata, or 503 while it is not loaded yet."""
@@ -209,8 +238,12 @@ class ServingContext:
         """Check, admit and run one request (the module docstring lists the steps)."""
         self._check_request(plan)
         model = self.model_info()
-        prompts = plan.prompts.tokenize(self.tokenizer)
+        if _costly_prompts(plan.prompts):  # a chat template (up to its time cap), long texts: in a worker
+            prompts = await off_loop(plan.prompts.tokenize, self.tokenizer)
+        else:
+            prompts = plan.prompts.tokenize(self.tokenizer)
         specs = self._choice_specs(plan, prompts, model)
+        self._check_response_size(plan, prompts, specs)
         release = self._admit(len(specs))
         usage = TokenUsage([len(p.ids) for p in prompts], plan.n, self.metrics, self.cfg.enable_prompt_tokens_details)
         hooks = self.metrics.hooks()
@@ -229,7 +262,8 @@ class ServingContext:
         if plan.model is not None and plan.model != self.cfg.served_model_name:
             raise model_not_found(plan.model)
         if plan.stream_options is not None and not plan.stream:
-            raise BadRequestError("stream_options can only be set when stream is true.", param="stream_options")
+            raise BadRequestError("stream_options can only be set when stream is true.", param="stream_options",
+                                  code="unsupported_combination")
         if plan.logprobs is not None and plan.logprobs > self.cfg.max_logprobs:
             raise BadRequestError(f"{plan.logprobs_param} must be at most {self.cfg.max_logprobs}.",
                                   param=plan.logprobs_param)
@@ -238,23 +272,45 @@ class ServingContext:
                                   param=plan.prompt_logprobs_param)
         if plan.options.return_routed_weights and not self.cfg.enable_routed_experts:
             raise BadRequestError("return_routed_weights needs routed-experts capture, which this server has off "
-                                  "(--disable-routed-experts).", param="return_routed_weights")
+                                  "(--disable-routed-experts).", param="return_routed_weights",
+                                  code="unsupported_combination")
         if plan.options.replay_routed_experts is not None and plan.prompts.count > 1:
             raise BadRequestError(f"{plan.replay_param} forces the routing of one prompt; this request has "
-                                  f"{plan.prompts.count}.", param=plan.replay_param)
+                                  f"{plan.prompts.count}.", param=plan.replay_param, code="invalid_replay")
         # More choices than the server could ever run at once: 400 (not 503, retrying would not help).
         n, num_prompts, limit = plan.n, plan.prompts.count, self.cfg.max_pending_requests
         if n * num_prompts > limit:
             raise BadRequestError(
                 f"The request asks for {n * num_prompts} choices (n={n} x {num_prompts} prompts); the server runs at "
                 f"most {limit} at once.",
-                param=plan.n_param,
+                param=plan.n_param, code="too_many_choices",
             )
+
+    def _check_response_size(self, plan: GenerationPlan, prompts: list[PromptInput], specs: list[ChoiceSpec]) -> None:
+        """400 before any work when the response could carry more logprobs than --max-response-logprobs."""
+        if plan.logprobs is None and plan.prompt_logprobs is None:
+            return
+        copies = plan.n if plan.prompt_logprobs_per_choice else 1
+        prompt_lens = [len(p.ids) for p in prompts]
+        max_tokens = [s.request.max_tokens for s in specs]
+        entries = response_entries(choices_max_tokens=max_tokens, logprobs=plan.logprobs, prompt_lens=prompt_lens,
+                                   prompt_logprobs=plan.prompt_logprobs, prompt_copies=copies)
+        parts = [f"{len(specs)} choice(s)"]
+        token_part = prompt_part = 0
+        if plan.logprobs is not None:
+            token_part = sum(max_tokens) * (1 + plan.logprobs)
+            parts.append(f"up to {max(max_tokens)} tokens each with {plan.logprobs} top logprobs")
+        if plan.prompt_logprobs is not None:
+            prompt_part = entries - token_part
+            where = " in each choice" if copies > 1 else ""
+            parts.append(f"{sum(prompt_lens)} prompt tokens with {plan.prompt_logprobs} prompt logprobs{where}")
+        param = plan.prompt_logprobs_param if prompt_part > token_part else plan.logprobs_param
+        check_response_budget(entries, self.cfg.max_response_logprobs, detail=", ".join(parts), param=param)
 
     @staticmethod
     def _check_prompt_ids(ids: list[int], param: str, model: ModelInfo) -> None:
         if not ids:
-            raise BadRequestError("The prompt is empty (no tokens).", param=param)
+            raise BadRequestError("The prompt is empty (no tokens).", param=param, code="empty_prompt")
         bad = next((t for t in ids if t < 0 or t >= model.vocab_size), None)
         if bad is not None:
             raise BadRequestError(
@@ -295,11 +351,14 @@ class ServingContext:
         for p_idx, prompt in enumerate(prompts):
             self._check_prompt_ids(prompt.ids, plan.prompts.param, model)
             max_tokens = self._resolve_max_tokens(len(prompt.ids), plan, model)
+            if opts.min_tokens and opts.min_tokens > max_tokens:
+                raise BadRequestError(f"min_tokens ({opts.min_tokens}) must be at most max_tokens ({max_tokens}).",
+                                      param="min_tokens", code="unsupported_combination")
             if prompt_start and prompt_start >= len(prompt.ids):
                 raise BadRequestError(
                     f"routed_experts_prompt_start ({prompt_start}) must be smaller than the number of prompt "
                     f"tokens ({len(prompt.ids)}).",
-                    param="routed_experts_prompt_start",
+                    param="routed_experts_prompt_start", code="invalid_prompt_start",
                 )
             replay = None
             if opts.replay_routed_experts is not None:
@@ -375,26 +434,45 @@ class ServingContext:
 
     async def _start_stream(self, group: ChoiceGroup, prompts: list[PromptInput], usage: TokenUsage,
                             raw_request: Request) -> ChoiceStream:
-        """Wait for the first delta of every choice, then hand the stream over."""
+        """Start the first choice, wait for its first delta (at most STREAM_PRIME_S), start the others, hand the
+        stream over."""
+        group.start(1)
         deltas = group.deltas()
         primed: list[ChoiceDelta] = []
+        waiting: asyncio.Future | None = None  # never cancelled here: that would close the group
 
         async def prime() -> None:
-            seen: set[int] = set()
-            while len(seen) < len(group.runners):
-                d = await deltas.__anext__()
+            nonlocal waiting
+            waiting = asyncio.ensure_future(deltas.__anext__())
+            await asyncio.wait({waiting}, timeout=STREAM_PRIME_S)
+            if waiting.done():  # else the engine is paused, or busy: start the stream now all the same
+                d, waiting = waiting.result(), None
                 primed.append(d)
-                seen.add(d.index)
 
         try:
             await run_with_cancellation(raw_request, prime())
-        except BackendError as e:
+        except BaseException as e:
+            if waiting is not None:
+                waiting.cancel()
             await group.aclose()
-            raise backend_error_to_openai(e, self.cfg.retry_after_s) from e
-        except BaseException:
-            await group.aclose()
+            if isinstance(e, BackendError):
+                raise backend_error_to_openai(e, self.cfg.retry_after_s) from e
             raise
-        return ChoiceStream(group, deltas, primed, prompts, usage, self.metrics, self.cfg.retry_after_s)
+        return ChoiceStream(group, deltas, primed, prompts, usage, self.metrics, self.cfg.retry_after_s, waiting)
+
+
+# How long a stream waits for its first choice's first delta before its headers go out. Errors of the backend come
+# back within milliseconds and still get their HTTP status; a paused or busy engine does not hold the headers up.
+STREAM_PRIME_S = 0.25
+_LONG_TEXT_CHARS = 1 << 16  # completion prompts with more text than this are tokenized in a worker
+
+
+def _costly_prompts(source: PromptSource) -> bool:
+    if isinstance(source, ChatPrompt):
+        return True
+    if isinstance(source, CompletionPrompts):
+        return sum(len(p) for p in source.request.prompt if isinstance(p, str)) > _LONG_TEXT_CHARS
+    return False
 
 
 def _choice_seed(seed: int | None, i: int, n: int) -> int | None:

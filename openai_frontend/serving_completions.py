@@ -10,32 +10,53 @@ prompt logprobs N too.  Streaming: the echoed prompt (text and logprobs) and
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from starlette.responses import Response
 
-from .logprobs_format import completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs
+from .bounded import dump_list, off_loop
+from .generation import ChoiceDelta, ChoiceResult, PromptScores, TokenLogprob
+from .logprobs_format import PROMPT_LOGPROBS, completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs
 from .prompts import CompletionPrompts, PromptInput
 from .protocol import (
+    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
+    PromptLogprobs,
+    UsageInfo,
     now,
     random_id,
 )
-from .responses import json_response, sse_response
-from .routing_codec import Payloads
-from .serving import Finished, GenerationPlan, ServingContext
+from .responses import Responder
+from .serving import ChoiceStream, Finished, GenerationPlan, ServingContext
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
+    """Plan -> run -> respond (serving validates the body: nothing here is only the completions')."""
+    plan = _plan(req)
+    created = now()  # the response's timestamp: when the request came
+    outcome = await ctx.generate(plan, raw)
+    return await _CompletionResponder(ctx, plan, outcome, req, created).respond()
+
+
+def _prompt_logprobs_n(req: CompletionRequest) -> tuple[int | None, int | None]:
+    """(top-N of the prompt logprobs the response shows, top-N the engine computes); None: none.
+
+    ``prompt_logprobs`` shows its own N; echo + logprobs N shows N in OpenAI's format. The engine computes the
+    larger, once, for both.
+    """
     echo_lp = req.echo and req.logprobs is not None
-    shown_prompt_n = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs if echo_lp else None
-    engine_prompt_n = max(req.prompt_logprobs or 0, req.logprobs or 0) if shown_prompt_n is not None else None
-    plan = GenerationPlan(
+    shown = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs if echo_lp else None
+    engine = max(req.prompt_logprobs or 0, req.logprobs or 0) if shown is not None else None
+    return shown, engine
+
+
+def _plan(req: CompletionRequest) -> GenerationPlan:
+    return GenerationPlan(
         request_id=random_id("cmpl"),
         model=req.model,
         prompts=CompletionPrompts(req),
@@ -45,109 +66,112 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         stream=req.stream,
         stream_options=req.stream_options,
         logprobs=req.logprobs,
-        prompt_logprobs=engine_prompt_n,
+        prompt_logprobs=_prompt_logprobs_n(req)[1],
         prompt_logprobs_param="prompt_logprobs" if req.prompt_logprobs is not None else "logprobs",
     )
-    created = now()
-    model_name = ctx.cfg.served_model_name
-    n = req.n
-    token_ids_on = bool(req.return_token_ids)
-    as_ids = bool(req.return_tokens_as_token_ids)
-    top_n = req.logprobs or 0
-    payloads = Payloads()
-    outcome = await ctx.generate(plan, raw)
-    prompts = outcome.prompts
 
-    def echo_text(p: PromptInput) -> str:
+
+class _CompletionResponder(Responder):
+    """Completion objects: choice i is of prompt i // n; with ``echo`` its text (and logprobs) start with the
+    prompt's. Streamed, the echoed prompt goes out on the choice's first chunk, or with prompt logprobs on the
+    chunk that carries them (the first token's)."""
+
+    def __init__(self, ctx: ServingContext, plan: GenerationPlan, outcome: Finished | ChoiceStream,
+                 req: CompletionRequest, created: int) -> None:
+        super().__init__(ctx, plan, outcome)
+        self.req = req
+        self.created = created
+        self.shown_prompt_n, self.engine_prompt_n = _prompt_logprobs_n(req)
+        self.heavy = req.logprobs is not None or self.shown_prompt_n is not None
+        self.echo_lp = req.echo and req.logprobs is not None
+        self.top_n = req.logprobs or 0
+        self.as_ids = bool(req.return_tokens_as_token_ids)
+        self.prompts = outcome.prompts
+        # vLLM's format repeats a prompt's logprobs on each of its choices: built and serialised once per prompt
+        # (bounded.py), spliced into each.
+        self.prompt_json: dict[int, bytes | None] = {}
+        # Streaming: the text offset of each choice's next logprob token; the choices whose prompt went out.
+        self.offsets: dict[int, int] = {}
+        self.echoed: set[int] = set()
+
+    def _echo_text(self, p: PromptInput) -> str:
         if p.text is not None:
             return p.text
-        return ctx.tokenizer.decode(p.ids, skip_special_tokens=req.skip_special_tokens)
+        return self.ctx.tokenizer.decode(p.ids, skip_special_tokens=self.req.skip_special_tokens)
 
-    def scores(p: PromptInput, s):  # noqa: ANN001, ANN202 - PromptScores | None
-        return prompt_logprobs(p.ids, s, ctx.tokenizer, shown_prompt_n) if shown_prompt_n is not None else None
+    def _scores(self, p: PromptInput, s: PromptScores | None) -> PromptLogprobs | None:
+        if self.shown_prompt_n is None:
+            return None
+        return prompt_logprobs(p.ids, s, self.ctx.tokenizer, self.shown_prompt_n)
 
-    if isinstance(outcome, Finished):
-        choices = []
-        for r in outcome.results:
-            prompt = prompts[r.index // n]
-            prefix = echo_text(prompt) if req.echo else ""
-            logprobs = None
-            if r.logprobs is not None:
-                logprobs, _ = completion_logprobs(r.logprobs, ctx.tokenizer, top_n, len(prefix), as_ids=as_ids)
-                if echo_lp:
-                    logprobs = join_logprobs(echo_logprobs(prompt.ids, r.prompt_logprobs, ctx.tokenizer, top_n,
-                                                           as_ids=as_ids), logprobs)
-            choices.append(
-                CompletionResponseChoice(
-                    index=r.index,
-                    text=prefix + r.text,
-                    logprobs=logprobs,
-                    finish_reason=r.finish_reason,
-                    stop_reason=r.stop_reason,
-                    token_ids=r.token_ids if token_ids_on else None,
-                    prompt_logprobs=scores(prompt, r.prompt_logprobs),
-                    prompt_token_ids=prompt.ids if token_ids_on else None,
-                    routed_experts=payloads.ref(r.routed_experts),
-                    routed_weights=payloads.ref(r.routed_weights),
-                    weight_version=r.weight_version,
-                )
-            )
-        return json_response(
-            CompletionResponse(id=plan.request_id, created=created, model=model_name, choices=choices,
-                               usage=outcome.usage),
-            payloads,
+    def _scores_json(self, p_idx: int, s: PromptScores | None) -> bytes | None:
+        if p_idx not in self.prompt_json:
+            value = self._scores(self.prompts[p_idx], s)
+            self.prompt_json[p_idx] = None if value is None else dump_list(PROMPT_LOGPROBS, value)
+        return self.prompt_json[p_idx]
+
+    def _logprobs(self, lps: list[TokenLogprob], start: int, prompt: PromptInput, scores: PromptScores | None,
+                  echo: bool) -> tuple[CompletionLogProbs, int]:
+        """The tokens' logprobs from text offset ``start`` (after the offset past them); with ``echo`` (and
+        logprobs asked with echo) the prompt's go first."""
+        logprobs, end = completion_logprobs(lps, self.ctx.tokenizer, self.top_n, start, as_ids=self.as_ids)
+        if echo and self.echo_lp:
+            logprobs = join_logprobs(echo_logprobs(prompt.ids, scores, self.ctx.tokenizer, self.top_n,
+                                                   as_ids=self.as_ids), logprobs)
+        return logprobs, end
+
+    def _choice(self, cls: type[CompletionResponseChoice | CompletionResponseStreamChoice],
+                x: ChoiceResult | ChoiceDelta, prompt: PromptInput, text: str, logprobs: CompletionLogProbs | None,
+                with_prompt_ids: bool) -> CompletionResponseChoice | CompletionResponseStreamChoice:
+        return cls(
+            index=x.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=x.finish_reason,
+            stop_reason=x.stop_reason,
+            token_ids=x.token_ids if self.token_ids_on else None,
+            prompt_token_ids=prompt.ids if self.token_ids_on and with_prompt_ids else None,
+            **self.end_fields(x),
         )
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-    offsets: dict[int, int] = {}  # text offset of each choice's next logprob token
-    echoed: set[int] = set()  # choices whose prompt went out
-
-    async def events() -> AsyncGenerator[bytes, None]:
-        async for d in outcome:
-            prompt = prompts[d.index // n]
-            text = d.text
-            echo_now = (req.echo and d.index not in echoed
-                        and (engine_prompt_n is None or d.prompt_logprobs is not None or d.last))
-            if echo_now:  # with prompt logprobs, on the delta that carries them (the first token's)
-                echoed.add(d.index)
-                text = echo_text(prompt) + text
-            if not (text or d.last or d.logprobs or d.prompt_logprobs is not None
-                    or (token_ids_on and d.token_ids) or (d.first and token_ids_on)):
-                continue
+    def render(self, finished: Finished) -> list[bytes]:
+        choices = []
+        for r in finished.results:
+            prompt = self.prompts[r.index // self.req.n]
+            prefix = self._echo_text(prompt) if self.req.echo else ""
             logprobs = None
-            if d.logprobs is not None:
-                start = offsets.get(d.index, 0) + len(text) - len(d.text)  # past the echoed prompt, if here
-                logprobs, offsets[d.index] = completion_logprobs(d.logprobs, ctx.tokenizer, top_n, start,
-                                                                 as_ids=as_ids)
-                if echo_now and echo_lp:
-                    logprobs = join_logprobs(echo_logprobs(prompt.ids, d.prompt_logprobs, ctx.tokenizer, top_n,
-                                                           as_ids=as_ids), logprobs)
-            chunk = CompletionStreamResponse(
-                id=plan.request_id,
-                created=created,
-                model=model_name,
-                choices=[
-                    CompletionResponseStreamChoice(
-                        index=d.index,
-                        text=text,
-                        logprobs=logprobs,
-                        finish_reason=d.finish_reason,
-                        stop_reason=d.stop_reason,
-                        token_ids=d.token_ids if token_ids_on else None,
-                        prompt_logprobs=scores(prompt, d.prompt_logprobs) if d.prompt_logprobs is not None else None,
-                        prompt_token_ids=prompt.ids if token_ids_on and d.first else None,
-                        routed_experts=payloads.ref(d.routed_experts),
-                        routed_weights=payloads.ref(d.routed_weights),
-                        weight_version=d.weight_version,
-                    )
-                ],
-            )
-            if continuous:
-                chunk.usage = outcome.usage.choice(d.index)
-            yield payloads.sse(chunk)
-        if include_usage:
-            yield payloads.sse(CompletionStreamResponse(id=plan.request_id, created=created, model=model_name,
-                                                        choices=[], usage=outcome.usage.total()))
+            if r.logprobs is not None:
+                logprobs, _ = self._logprobs(r.logprobs, len(prefix), prompt, r.prompt_logprobs, echo=True)
+            choice = self._choice(CompletionResponseChoice, r, prompt, prefix + r.text, logprobs, True)
+            choice.prompt_logprobs = self.payloads.raw(self._scores_json(r.index // self.req.n, r.prompt_logprobs))
+            choices.append(choice)
+        return self.payloads.dump_parts(CompletionResponse(id=self.plan.request_id, created=self.created,
+                                                           model=self.model_name, choices=choices,
+                                                           usage=finished.usage))
 
-    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected)
+    async def chunks(self, d: ChoiceDelta) -> AsyncIterator[CompletionStreamResponse]:
+        prompt = self.prompts[d.index // self.req.n]
+        text = d.text
+        echo_now = (self.req.echo and d.index not in self.echoed
+                    and (self.engine_prompt_n is None or d.prompt_logprobs is not None or d.last))
+        if echo_now:  # with prompt logprobs, on the delta that carries them (the first token's)
+            self.echoed.add(d.index)
+            text = self._echo_text(prompt) + text
+        if not (text or d.last or d.logprobs or d.prompt_logprobs is not None
+                or (self.token_ids_on and d.token_ids) or (d.first and self.token_ids_on)):
+            return
+        logprobs = None
+        if d.logprobs is not None:
+            start = self.offsets.get(d.index, 0) + len(text) - len(d.text)  # past the echoed prompt, if here
+            logprobs, self.offsets[d.index] = self._logprobs(d.logprobs, start, prompt, d.prompt_logprobs,
+                                                             echo=bool(echo_now))
+        chunk = self.chunk([self._choice(CompletionResponseStreamChoice, d, prompt, text, logprobs, d.first)])
+        if d.prompt_logprobs is not None:  # built once per prompt, in a worker
+            p_json = await off_loop(self._scores_json, d.index // self.req.n, d.prompt_logprobs)
+            chunk.choices[0].prompt_logprobs = self.payloads.raw(p_json)
+        yield chunk
+
+    def chunk(self, choices: list[CompletionResponseStreamChoice],
+               usage: UsageInfo | None = None) -> CompletionStreamResponse:
+        return CompletionStreamResponse(id=self.plan.request_id, created=self.created, model=self.model_name,
+                                        choices=choices, usage=usage)

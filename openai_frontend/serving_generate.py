@@ -7,27 +7,43 @@ streaming, it rides once on the first chunk that has it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from starlette.responses import Response
 
-from .logprobs_format import chat_logprobs, prompt_logprobs
+from .bounded import dump_list, off_loop
+from .generation import ChoiceDelta, ChoiceResult, PromptScores, TokenLogprob
+from .logprobs_format import PROMPT_LOGPROBS, chat_logprobs, prompt_logprobs
 from .prompts import TokenIdsPrompt
 from .protocol import (
+    ChatCompletionLogProbs,
     GenerateRequest,
     GenerateResponse,
     GenerateResponseChoice,
+    GenerateSamplingParams,
     GenerateStreamResponse,
+    PromptLogprobs,
+    UsageInfo,
     now,
     random_id,
 )
-from .responses import json_response, sse_response
-from .routing_codec import Payloads
-from .serving import Finished, GenerationPlan, ServingContext
+from .responses import Responder
+from .serving import ChoiceStream, Finished, GenerationPlan, ServingContext
 
 
 async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Request) -> Response:
+    """Prepare -> plan -> run -> respond."""
+    replay_param = _adopt_top_level_fields(req)
+    plan = _plan(req, replay_param)
+    outcome = await ctx.generate(plan, raw)
+    return await _GenerateResponder(ctx, plan, outcome, req.sampling_params).respond()
+
+
+def _adopt_top_level_fields(req: GenerateRequest) -> str:
+    """Move the top-level routing and cache fields into ``sampling_params`` where it has none (vLLM puts some at
+    the top level, others in sampling_params: both are read). Returns the name that errors about the replayed
+    routing give it: where it was found."""
     sp = req.sampling_params
     if sp.return_routed_experts is None and req.return_routed_experts is not None:
         sp.return_routed_experts = req.return_routed_experts  # the top-level switch, when sampling_params has none
@@ -38,7 +54,12 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
     replay_param = "sampling_params.replay_routed_experts"
     if sp.replay_routed_experts is None and req.replay_routed_experts is not None:
         sp.replay_routed_experts, replay_param = req.replay_routed_experts, "replay_routed_experts"
-    plan = GenerationPlan(
+    return replay_param
+
+
+def _plan(req: GenerateRequest, replay_param: str) -> GenerationPlan:
+    sp = req.sampling_params
+    return GenerationPlan(
         request_id=req.request_id or random_id("gen"),
         model=req.model,
         prompts=TokenIdsPrompt(req.token_ids),
@@ -55,78 +76,66 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
         max_tokens_param="sampling_params.max_tokens",
         prompt_logprobs_param="sampling_params.prompt_logprobs",
         replay_param=replay_param,
+        prompt_logprobs_per_choice=False,  # one top-level list (the response has one prompt)
     )
-    model_name = ctx.cfg.served_model_name
-    token_ids_on = bool(sp.return_token_ids)
-    top_n = max(sp.logprobs or 0, 1)
-    payloads = Payloads()
-    outcome = await ctx.generate(plan, raw)
-    prompt_ids = outcome.prompts[0].ids
 
-    def logprobs(lps):  # noqa: ANN001, ANN202
-        return chat_logprobs(lps, ctx.tokenizer, top_n, as_ids=True) if lps is not None else None
 
-    def scores(s):  # noqa: ANN001, ANN202 - PromptScores | None
-        tokenizer = ctx.tokenizer if sp.detokenize else None
-        return prompt_logprobs(prompt_ids, s, tokenizer, sp.prompt_logprobs) if sp.prompt_logprobs is not None else None
+class _GenerateResponder(Responder):
+    """vLLM's generate objects: token ids, no text; the prompt logprobs once, at the top level (streamed, on the
+    first chunk that has them)."""
 
-    if isinstance(outcome, Finished):
-        return json_response(
-            GenerateResponse(
-                request_id=plan.request_id,
-                model=model_name,
-                created=now(),
-                choices=[
-                    GenerateResponseChoice(
-                        index=r.index,
-                        logprobs=logprobs(r.logprobs),
-                        finish_reason=r.finish_reason,
-                        token_ids=r.token_ids,
-                        prompt_token_ids=prompt_ids if token_ids_on else None,
-                        routed_experts=payloads.ref(r.routed_experts),
-                        routed_weights=payloads.ref(r.routed_weights),
-                        weight_version=r.weight_version,
-                    )
-                    for r in outcome.results
-                ],
-                usage=outcome.usage,
-                prompt_logprobs=scores(outcome.results[0].prompt_logprobs) if outcome.results else None,
-            ),
-            payloads,
+    def __init__(self, ctx: ServingContext, plan: GenerationPlan, outcome: Finished | ChoiceStream,
+                 sp: GenerateSamplingParams) -> None:
+        super().__init__(ctx, plan, outcome)
+        self.sp = sp
+        self.heavy = sp.logprobs is not None or sp.prompt_logprobs is not None
+        self.top_n = max(sp.logprobs or 0, 1)
+        self.prompt_ids = outcome.prompts[0].ids
+        self.prompt_sent = False  # streaming: the prompt logprobs went out
+
+    def _logprobs(self, lps: list[TokenLogprob] | None) -> ChatCompletionLogProbs | None:
+        return chat_logprobs(lps, self.ctx.tokenizer, self.top_n, as_ids=True) if lps is not None else None
+
+    def _scores(self, s: PromptScores | None) -> PromptLogprobs | None:
+        if self.sp.prompt_logprobs is None:
+            return None
+        tokenizer = self.ctx.tokenizer if self.sp.detokenize else None
+        return prompt_logprobs(self.prompt_ids, s, tokenizer, self.sp.prompt_logprobs)
+
+    def _raw_scores(self, scores: PromptLogprobs | None) -> str | None:
+        """The placeholder of the serialised prompt logprobs (spliced into the JSON as they are)."""
+        return self.payloads.raw(None if scores is None else dump_list(PROMPT_LOGPROBS, scores))
+
+    def _choice(self, x: ChoiceResult | ChoiceDelta, with_prompt_ids: bool) -> GenerateResponseChoice:
+        return GenerateResponseChoice(
+            index=x.index,
+            logprobs=self._logprobs(x.logprobs),
+            finish_reason=x.finish_reason,
+            token_ids=x.token_ids,
+            prompt_token_ids=self.prompt_ids if self.token_ids_on and with_prompt_ids else None,
+            **self.end_fields(x),
         )
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    def render(self, finished: Finished) -> list[bytes]:
+        scores = self._scores(finished.results[0].prompt_logprobs) if finished.results else None
+        response = GenerateResponse(
+            request_id=self.plan.request_id,
+            model=self.model_name,
+            created=now(),
+            choices=[self._choice(r, True) for r in finished.results],
+            usage=finished.usage,
+        )
+        response.prompt_logprobs = self._raw_scores(scores)
+        return self.payloads.dump_parts(response)
 
-    prompt_sent = False
+    async def chunks(self, d: ChoiceDelta) -> AsyncIterator[GenerateStreamResponse]:
+        if not d.token_ids and not d.last and not (self.token_ids_on and d.first):
+            return
+        chunk = self.chunk([self._choice(d, d.first)])
+        if d.prompt_logprobs is not None and not self.prompt_sent:
+            chunk.prompt_logprobs = self._raw_scores(await off_loop(self._scores, d.prompt_logprobs))
+            self.prompt_sent = True
+        yield chunk
 
-    async def events() -> AsyncGenerator[bytes, None]:
-        nonlocal prompt_sent
-        async for d in outcome:
-            if not d.token_ids and not d.last and not (token_ids_on and d.first):
-                continue
-            chunk = GenerateStreamResponse(
-                request_id=plan.request_id,
-                choices=[
-                    GenerateResponseChoice(
-                        index=d.index,
-                        logprobs=logprobs(d.logprobs),
-                        finish_reason=d.finish_reason,
-                        token_ids=d.token_ids,
-                        prompt_token_ids=prompt_ids if token_ids_on and d.first else None,
-                        routed_experts=payloads.ref(d.routed_experts),
-                        routed_weights=payloads.ref(d.routed_weights),
-                        weight_version=d.weight_version,
-                    )
-                ],
-            )
-            if d.prompt_logprobs is not None and not prompt_sent:
-                chunk.prompt_logprobs, prompt_sent = scores(d.prompt_logprobs), True
-            if continuous:
-                chunk.usage = outcome.usage.choice(d.index)
-            yield payloads.sse(chunk)
-        if include_usage:
-            yield payloads.sse(GenerateStreamResponse(request_id=plan.request_id, choices=[],
-                                                      usage=outcome.usage.total()))
-
-    return sse_response(events(), on_close=outcome.aclose, on_disconnect=outcome.client_disconnected)
+    def chunk(self, choices: list[GenerateResponseChoice], usage: UsageInfo | None = None) -> GenerateStreamResponse:
+        return GenerateStreamResponse(request_id=self.plan.request_id, choices=choices, usage=usage)

@@ -20,7 +20,7 @@ and vLLM's names for the same operations (its development endpoints), for traine
     POST /wake_up[?tags=weights&tags=kv_cache]   = resume_memory_occupation
     GET /is_sleeping                        -> {"is_sleeping": bool}
 
-Each one is a control request to the Triton model (never a side channel: backends/moe/model.py runs it through
+Each one is a control request to the Triton model (never a side channel: backends/moe/control_ops.py runs it through
 the engine's control channel, between steps) and answers ``{"success", "message", "weight_version"}``; a refused
 operation (a checkpoint of another shape, an unknown tensor name: nothing changed) is a 400 whose body carries
 both that shape and the OpenAI ``error`` object; the engine not running is a 503. The API key applies as on /v1.
@@ -35,7 +35,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from .errors import BadRequestError, InternalServerError
+from .errors import BadRequestError, InternalServerError, NotFoundError, OpenAIError
 from .http_utils import check_api_key
 from .protocol_rl import (
     ContinueGenerationRequest,
@@ -51,6 +51,13 @@ from .triton_client import BackendError
 
 logger = logging.getLogger(__name__)
 
+# Every path rl_router serves: the API middleware checks the key on them before the body is read (app.py).
+RL_PATHS = frozenset({
+    "/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed", "/flush_cache",
+    "/pause_generation", "/continue_generation", "/release_memory_occupation", "/resume_memory_occupation",
+    "/get_weight_version", "/weight_version", "/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping",
+})
+
 
 async def _control(ctx: ServingContext, op: str, args: dict[str, Any]) -> dict[str, Any]:
     """The backend's control_result for ``op``; Triton / engine errors become OpenAI errors (503, 500)."""
@@ -58,14 +65,27 @@ async def _control(ctx: ServingContext, op: str, args: dict[str, Any]) -> dict[s
     if control is None:
         raise InternalServerError("this backend client has no control requests")
     try:
-        return await control(op, args)
+        result = await control(op, args)
     except BackendError as e:
         raise backend_error_to_openai(e, ctx.cfg.retry_after_s) from e
+    # Every answer says whether a restart lost the served weights (backends/moe/weights_state.py); /health reads it.
+    ctx.weights_lost = result.get("weights_lost")
+    return result
+
+
+async def refresh_weights_state(ctx: ServingContext) -> None:
+    """Ask the backend whether it serves the weights it should (after a restart; while /health says it does not)."""
+    if getattr(ctx.client, "control", None) is None:
+        return
+    try:
+        await _control(ctx, "get_weight_version", {})
+    except Exception as e:  # noqa: BLE001 - the backend is down: /health says so already
+        logger.warning("weight state unavailable: %s", e)
 
 
 async def engine_state(ctx: ServingContext) -> dict[str, Any]:
-    """For /v1/models: the engine's weight version and its KV block size (``get_engine_info``; every control
-    result carries the weight version); {} when the backend cannot tell."""
+    """For /v1/models: the engine's weight version, its KV block size and whether deterministic inference is on
+    (``get_engine_info``; every control result carries the weight version); {} when the backend cannot tell."""
     if getattr(ctx.client, "control", None) is None:  # a backend client without control requests (tests' fakes)
         return {}
     try:
@@ -73,7 +93,8 @@ async def engine_state(ctx: ServingContext) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the model card must not fail on it
         logger.warning("engine state unavailable: %s", e)
         return {}
-    return {"weight_version": info.get("weight_version"), "kv_block_size": info.get("kv_block_size")}
+    return {"weight_version": info.get("weight_version"), "kv_block_size": info.get("kv_block_size"),
+            "deterministic_inference": info.get("deterministic_inference")}
 
 
 def _answer(result: dict[str, Any], **extra: Any) -> JSONResponse:
@@ -81,8 +102,11 @@ def _answer(result: dict[str, Any], **extra: Any) -> JSONResponse:
             "weight_version": result.get("weight_version"), **extra}
     if body["success"]:
         return JSONResponse(body)
-    cls = InternalServerError if result.get("internal") else BadRequestError
-    err = cls(body["message"], param=result.get("param"))
+    if result.get("code") in ("checkpoint_not_found", "weight_update_group_not_found"):  # nothing there by that name
+        err: OpenAIError = NotFoundError(body["message"], param=result.get("param"), code=result["code"])
+    else:
+        cls = InternalServerError if result.get("internal") else BadRequestError
+        err = cls(body["message"], param=result.get("param"))
     return JSONResponse({**body, **err.to_dict()}, status_code=err.status_code)
 
 
@@ -133,7 +157,12 @@ def rl_router(ctx: ServingContext) -> APIRouter:
     @router.get("/get_weight_version")
     @router.get("/weight_version")
     async def get_weight_version() -> JSONResponse:
-        return JSONResponse({"weight_version": (await _control(ctx, "get_weight_version", {})).get("weight_version")})
+        result = await _control(ctx, "get_weight_version", {})
+        if result.get("weights_lost"):  # null: no weights to serve until they are pushed again
+            return JSONResponse({"weight_version": None, "weights_lost": True,
+                                 "lost_weight_version": result.get("lost_weight_version"),
+                                 "message": result["weights_lost"]})
+        return JSONResponse({"weight_version": result.get("weight_version")})
 
     # vLLM's names (module docstring)
     @router.post("/reset_prefix_cache")
@@ -141,7 +170,7 @@ def rl_router(ctx: ServingContext) -> APIRouter:
         return await run("flush_cache", FlushCacheRequest())
 
     @router.post("/sleep")
-    async def sleep(level: int = 1) -> JSONResponse:
+    async def sleep(level: int = Query(1, ge=1, le=2)) -> JSONResponse:
         if level not in (1, 2):
             raise BadRequestError(f"level must be 1 or 2, got {level}", param="level")
         return await run("release_memory_occupation", MemoryOccupationRequest())

@@ -128,7 +128,9 @@ class BackendRequest:
         scalars = (
             ("max_tokens", self.max_tokens, np.int32),
             ("temperature", self.temperature, np.float32),
-            ("top_p", self.top_p, np.float32),
+            # a top_p under float32's smallest normal number would reach the engine as 0 (refused): it keeps the most
+            # likely token either way
+            ("top_p", None if self.top_p is None else max(self.top_p, float(np.finfo(np.float32).tiny)), np.float32),
             ("top_k", self.top_k, np.int32),
             ("seed", self.seed, np.int64),
             ("ignore_eos", self.ignore_eos, np.bool_),
@@ -284,6 +286,7 @@ _KIND_PREFIXES = (
     ("invalid request: ", BackendError.INVALID),
     ("unavailable: ", BackendError.UNAVAILABLE),
 )
+WEIGHTS_LOST = "weights_lost"  # the backend's code (and the API's) for "push the weights again"
 _CANCELLED_MESSAGE = "request cancelled"  # the backend's whole message for a request Triton marked cancelled
 
 
@@ -298,6 +301,8 @@ def classify_error(message: str) -> BackendError:
         if message.startswith(prefix):
             rest = message[len(prefix) :]
             if kind == BackendError.UNAVAILABLE:  # the engine stopped, or its waiting queue is full
+                if rest.startswith(WEIGHTS_LOST + ": "):  # a restart could not bring the served weights back
+                    return BackendError(kind, rest[len(WEIGHTS_LOST) + 2 :], code=WEIGHTS_LOST)
                 if "not running" in rest:
                     return backend_unavailable(rest)
                 return BackendError(kind, rest, code="overloaded")
@@ -402,7 +407,7 @@ class TritonClient:
 
 
     async def control(self, op: str, args: dict[str, Any], request_id: str = "") -> dict[str, Any]:
-        """One control request (RL rollout lifecycle; backends/moe/model.py lists the ops): returns the backend's
+        """One control request (RL rollout lifecycle; backends/moe/control_ops.py lists the ops): returns the backend's
         ``control_result`` JSON (``success``, ``message``, ``weight_version``, ...). Raises :class:`BackendError`
         when Triton or the backend answers with an error (engine not running, malformed request)."""
         payload = {

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import json
 import logging
 import os
 import secrets
@@ -190,7 +191,8 @@ class TritonServer:
         self.shm_bytes = shm_bytes
         self.log_verbose = log_verbose
         # Holds a copy of libtriton_python.so: the directory must allow exec (not a noexec tmpfs). mkdtemp: 0700.
-        self.run_dir = Path(tempfile.mkdtemp(prefix="moe-serve-", dir=run_dir))
+        reap_stale_run_dirs(Path(run_dir or tempfile.gettempdir()))  # what a SIGKILLed moe-serve left behind
+        self.run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir=run_dir))
         self.backends = assemble_backends(self.paths, self.run_dir, Path(moe_backend))
         self.repository = self._write_repository(model_config)
         # A distinct shm prefix per run lets several servers share a host (tests, benchmarks) and lets
@@ -206,6 +208,10 @@ class TritonServer:
                 self._socket_dir = Path(tempfile.mkdtemp(prefix="moe-serve-sock-"))
                 sock = self._socket_dir / "grpc.sock"
             self._socket = sock
+        # Who owns this directory: a later moe-serve removes it (and what it names) once this process is gone.
+        owner = {"pid": os.getpid(), "start_time": procfs.start_time(os.getpid()), "shm_prefix": self.shm_prefix,
+                 "socket_dir": str(self._socket_dir) if self._socket_dir else None}
+        (self.run_dir / OWNER_FILE).write_text(json.dumps(owner))
 
     # ------------------------------------------------------------------ addresses
 
@@ -374,6 +380,41 @@ class TritonServer:
                 log.info("removed shared-memory region %s", p.name)
             except OSError:
                 pass
+
+
+RUN_DIR_PREFIX = "moe-serve-"
+OWNER_FILE = "owner.json"
+
+
+def reap_stale_run_dirs(parent: Path) -> list[Path]:
+    """Remove the run directories under ``parent`` whose moe-serve is gone without its ``stop`` (SIGKILL, a crash),
+    with their socket directories and shared-memory regions. A directory is removed only when its owner file names
+    a process (pid and start time) that no longer runs, and belongs to this user: running servers keep theirs."""
+    removed = []
+    try:
+        candidates = list(parent.glob(RUN_DIR_PREFIX + "*"))
+    except OSError:
+        return removed
+    for d in candidates:
+        try:
+            if d.stat().st_uid != os.getuid():
+                continue
+            owner = json.loads((d / OWNER_FILE).read_text())
+            pid, started = int(owner["pid"]), owner["start_time"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a run directory, one being assembled, or another user's
+        if procfs.start_time(pid) == started and started is not None:
+            continue  # its moe-serve still runs
+        log.warning("removing %s, left by moe-serve pid %d, which is gone", d, pid)
+        shutil.rmtree(d, ignore_errors=True)
+        if owner.get("socket_dir"):
+            shutil.rmtree(owner["socket_dir"], ignore_errors=True)
+        prefix = owner.get("shm_prefix")
+        if prefix and Path("/dev/shm").is_dir():
+            for region in Path("/dev/shm").glob(prefix + "*"):
+                region.unlink(missing_ok=True)
+        removed.append(d)
+    return removed
 
 
 def _client_host(host: str) -> str:

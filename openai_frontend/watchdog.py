@@ -8,6 +8,10 @@ A thread probes every ``interval_s`` (0.5 s):
 - the model is not ready over gRPC three times in a row (probed once a second);
 - the engine gauges on Triton's metrics port say the engine thread died (``moe_engine_alive`` 0) or made
   no step for ``stall_timeout_s`` while it holds requests (``moe_engine_steps`` flat with running+waiting > 0).
+  An engine that makes no step on purpose is not stuck, however long: generation paused (``moe_engine_paused``),
+  memory released (``moe_engine_sleeping``), or a control operation running on the engine thread, such as a long
+  weight update (``moe_engine_control_ops`` > 0). The stall clock starts again when the engine may step again, so
+  a trainer's pause of any length keeps the queued requests queued.
 
 On a failure it calls ``on_down(reason)`` at once (the API ends every in-flight request with a 503 and
 ``/health`` turns 503), then either restarts tritonserver (which loads the model again) and calls
@@ -49,6 +53,11 @@ class InstanceGauges:
     running: float = 0.0
     waiting: float = 0.0
     steps: float | None = None
+    held: bool = False  # paused, sleeping or running a control operation: no steps on purpose
+
+
+# Gauges that say the engine makes no steps on purpose (backends/moe/engine_metrics.py).
+_HOLD_GAUGES = frozenset({"moe_engine_paused", "moe_engine_sleeping", "moe_engine_control_ops"})
 
 
 @dataclass
@@ -88,6 +97,8 @@ def read_engine_gauges(metrics_url: str, timeout_s: float = 2.0) -> EngineGauges
             inst.steps = (inst.steps or 0) + float(value)
         elif name == "moe_engine_alive":
             g.alive = float(value) if g.alive is None else min(g.alive, float(value))
+        elif name in _HOLD_GAUGES and float(value) > 0:
+            inst.held = True
     return g
 
 
@@ -196,7 +207,7 @@ class BackendWatchdog(threading.Thread):
             if inst.steps is None:
                 continue
             busy = inst.running + inst.waiting
-            if inst.steps != st.last_steps.get(name) or busy == 0:
+            if inst.steps != st.last_steps.get(name) or busy == 0 or inst.held:
                 st.last_steps[name] = inst.steps
                 st.steps_changed_at[name] = now
                 continue

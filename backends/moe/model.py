@@ -12,20 +12,8 @@
   CANCELLED error.
 - Every response carries ``weight_version``: the weights that produced its tokens.
 
-Control requests (RL rollout lifecycle; what the frontend's SGLang-named endpoints send, and what a
-tritonclient user sends directly): a request with the optional BYTES input ``control`` = one JSON object
-``{"op": <name>, ...arguments}`` (``input_ids`` is required by the model config: send an empty INT64 [0]).
-It gets exactly one response, whose BYTES output ``control_result`` is the JSON
-``{"success": bool, "message": str, "weight_version": str, ...}``; a refused operation (bad arguments, a
-checkpoint of another shape: nothing changed) is ``success: false``, an engine that is not running an
-"unavailable: ..." Triton error. Ops and their arguments (SGLang's names, see ``CONTROL_OPS``):
-update_weights_from_disk {model_path, weight_version?, flush_cache?, abort_all_requests?},
-init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name?, backend?},
-update_weights_from_distributed {names, dtypes, shapes, group_name?, weight_version?, flush_cache?,
-abort_all_requests?}, flush_cache {}, pause_generation {mode?: abort|retract|in_place},
-continue_generation {}, release_memory_occupation {tags?}, resume_memory_occupation {tags?},
-get_weight_version {}, get_engine_info {} (the KV block size and count), is_sleeping {}. ``execute`` never waits
-for one: the engine runs it between steps (moe_engine/lifecycle.py) and the response thread sends the answer.
+Control requests (RL rollout lifecycle: weight updates, pause, release) are control_ops.py's; the engine's gauges on
+Triton's /metrics are engine_metrics.py's; where the served weights came from (for a restart) weights_state.py's.
 """
 from __future__ import annotations
 
@@ -46,6 +34,11 @@ from moe_engine.core.warmup import freeze_start_up_objects
 from moe_engine.core.sampling import SamplingParams
 from moe_engine.engine import Engine, EngineConfig, Request, RequestOutput
 from moe_engine.errors import EngineError, EngineOverloadedError, EngineStoppedError, InvalidRequestError
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # modules beside this file (Triton loads it by path)
+from control_ops import ControlOps, ControlReply  # noqa: E402
+from engine_metrics import EngineMetrics  # noqa: E402
+from weights_state import WeightsState, lost_message  # noqa: E402
 
 log = logging.getLogger("moe_backend")
 
@@ -78,36 +71,6 @@ class _Pending:
     cancelled: bool = False
     first_sent: bool = False  # streaming: whether a response went out already
     outputs: frozenset = frozenset()  # the output names the request asked for (see _requested)
-
-
-@dataclass
-class _ControlReply:
-    """A control operation's outcome, on its way to the response thread."""
-
-    sender: object
-    op: str
-    future: object  # concurrent.futures.Future of the op's result dict
-    outputs: frozenset = frozenset()  # the output names the request asked for (see _requested)
-
-
-# op -> the arguments it takes (beyond them, a control request is refused); each is a method of engine.lifecycle.
-CONTROL_OPS = {
-    "update_weights_from_disk": ("model_path", "weight_version", "flush_cache", "abort_all_requests"),
-    "init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size", "group_name",
-                                  "backend"),
-    "update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name", "weight_version", "flush_cache",
-                                        "abort_all_requests"),
-    "flush_cache": (),
-    "pause_generation": ("mode",),
-    "continue_generation": (),
-    "release_memory_occupation": ("tags",),
-    "resume_memory_occupation": ("tags",),
-    "get_weight_version": (),
-    "get_engine_info": (),
-    "is_sleeping": (),
-}
-# Ops that only read this instance's state; the others change it, and a request reaches one Triton instance.
-READ_ONLY_OPS = frozenset({"get_weight_version", "get_engine_info", "is_sleeping"})
 
 
 def _param(params: dict, key: str, default: str = "") -> str:
@@ -164,13 +127,17 @@ class TritonPythonModel:
         faulthandler.enable(file=sys.stderr, all_threads=True)
         import torch
 
-        from moe_engine.checkpoint import load_model
-        from moe_engine.config import load_config
         from moe_engine.tiny import ensure_tiny_checkpoint
 
         model_config = json.loads(args["model_config"])
         params = model_config.get("parameters", {})
         checkpoint = _param(params, "checkpoint") or str(ensure_tiny_checkpoint())
+        # After a restart: the weights served before it (weights_state.py), not the start-up checkpoint.
+        state_file = _param(params, "weights_state_file")
+        if state_file and not os.path.isabs(state_file):
+            state_file = os.path.join(args["model_repository"], state_file)
+        self._weights_state = WeightsState(state_file or None)
+        restored = self._weights_state.restored(checkpoint)
         device = _param(params, "device", "auto")
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -185,8 +152,45 @@ class TritonPythonModel:
             # Leave a core to tritonserver, the API and the response thread: on a 2-core host one engine
             # thread gave 1.5x the throughput of torch's default two (loadtest/reports/loadtest.md)
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-        log.info("loading %s (dtype=%s, device=%s)", checkpoint, dtype, device)
+        log.info("loading %s (dtype=%s, device=%s)", restored.checkpoint, dtype, device)
         t0 = time.monotonic()
+        try:
+            self._load(restored.checkpoint, dtype, device, ecfg, args)
+        except Exception as exc:
+            if restored.checkpoint == checkpoint:
+                raise
+            # The last checkpoint loaded from disk is gone (a trainer cleaned it up) or broken: the start-up one,
+            # refusing generation until weights are pushed again.
+            restored.lost = lost_message(restored.weight_version, f"were loaded from {restored.checkpoint}, "
+                                                                  f"which cannot be loaded again ({exc})")
+            restored.lost_version = restored.weight_version
+            log.error("restart: %s", restored.lost)
+            restored.weight_version = os.path.basename(os.path.normpath(checkpoint))
+            self._load(checkpoint, dtype, device, ecfg, args)
+        log.info("loaded %s in %.1f s", self.cfg.architecture, time.monotonic() - t0)
+        self.engine.lifecycle.weight_version = restored.weight_version
+        self.routing_enabled = ecfg.enable_routed_experts
+
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._metrics = EngineMetrics(args)
+        groups = json.loads(args["model_config"]).get("instance_group", [])
+        num_instances = sum(int(g.get("count", 1)) for g in groups) or 1  # > 1: data parallelism
+        self._control = ControlOps(self.engine, self._weights_state, num_instances, self._outputs, restored.lost,
+                                   restored.lost_version)
+        self.engine.start()
+        self._responder = threading.Thread(target=self._response_loop, name="moe-responses", daemon=True)
+        self._responder.start()
+        log.info("garbage collector: %d objects alive after start-up frozen (full collections skip them)",
+                 freeze_start_up_objects())
+
+    def _load(self, checkpoint: str, dtype: str, device: str, ecfg: EngineConfig, args: dict) -> None:
+        """Build the engine on ``checkpoint`` (refused if a weight is NaN or infinite)."""
+        from moe_engine.checkpoint import load_model
+        from moe_engine.config import load_config
+
         self.cfg = load_config(checkpoint)
         if ecfg.tensor_parallel_size > 1:  # this instance is rank 0; it starts the other ranks (ranks.py)
             from moe_engine.distributed.ranks import build_parallel_engine
@@ -199,23 +203,11 @@ class TritonPythonModel:
             if device == "cuda" and args.get("model_instance_kind") == "GPU":
                 device = f"cuda:{args.get('model_instance_device_id') or 0}"
             model = load_model(checkpoint, dtype=dtype, device=device)
+            bad = next((n for n, p in model.named_parameters() if p.is_floating_point() and not p.isfinite().all()),
+                       None)
+            if bad is not None:
+                raise ValueError(f"checkpoint {checkpoint}: tensor {bad!r} holds NaN or infinite values")
             self.engine = Engine(model, self.cfg, ecfg)
-        log.info("loaded %s in %.1f s", self.cfg.architecture, time.monotonic() - t0)
-        self.engine.lifecycle.weight_version = os.path.basename(os.path.normpath(checkpoint))
-        self.routing_enabled = ecfg.enable_routed_experts
-
-        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[str, _Pending] = {}
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._metrics = self._make_metrics(args)
-        groups = json.loads(args["model_config"]).get("instance_group", [])
-        self._num_instances = sum(int(g.get("count", 1)) for g in groups) or 1  # > 1: data parallelism
-        self.engine.start()
-        self._responder = threading.Thread(target=self._response_loop, name="moe-responses", daemon=True)
-        self._responder.start()
-        log.info("garbage collector: %d objects alive after start-up frozen (full collections skip them)",
-                 freeze_start_up_objects())
 
     # ------------------------------------------------------------------ request path
 
@@ -225,7 +217,7 @@ class TritonPythonModel:
             try:
                 control = pb_utils.get_input_tensor_by_name(request, "control")
                 if control is not None:
-                    self._control(request, control, sender)
+                    self._control.start(request, control, sender, _requested(request))
                     continue
                 self._submit(request, sender)
             except EngineError as exc:
@@ -247,6 +239,8 @@ class TritonPythonModel:
         return None
 
     def _submit(self, request, sender) -> None:
+        if self._control.lost is not None:  # after a restart that could not bring the served weights back
+            raise EngineStoppedError(f"weights_lost: {self._control.lost}")
         ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
         if ids_t is None:
             raise InvalidRequestError("input_ids: missing", param="input_ids")
@@ -307,56 +301,6 @@ class TritonPythonModel:
                 self._pending.pop(engine_id, None)
             raise
 
-    def _control(self, request, tensor, sender) -> None:
-        """Start a control operation; its one response goes out from the response thread when it is done."""
-        values = tensor.as_numpy().reshape(-1)
-        if values.size != 1:
-            raise InvalidRequestError(f"control: expected one JSON object, got {values.size} values", param="control")
-        raw = values[0]
-        try:
-            body = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else str(raw))
-        except ValueError as exc:
-            raise InvalidRequestError(f"control: not JSON ({exc})", param="control") from exc
-        if not isinstance(body, dict):
-            raise InvalidRequestError("control: expected a JSON object", param="control")
-        op = body.pop("op", None)
-        if op not in CONTROL_OPS:
-            raise InvalidRequestError(f"control: unknown op {op!r}; known: {', '.join(CONTROL_OPS)}", param="op")
-        if self._num_instances > 1 and op not in READ_ONLY_OPS:
-            # Triton hands a request to one instance: the other replicas would keep their weights / caches / memory.
-            raise InvalidRequestError(
-                f"control {op}: not supported with --data-parallel-size > 1 yet (Triton hands a request to one of "
-                f"the {self._num_instances} replicas; the others would keep their state); run one server per replica "
-                f"and send the operation to each", param="op")
-        unknown = sorted(set(body) - set(CONTROL_OPS[op]))
-        if unknown:
-            raise InvalidRequestError(f"control {op}: unknown arguments {unknown}; it takes {list(CONTROL_OPS[op])}",
-                                      param=unknown[0])
-        try:
-            future = getattr(self.engine.lifecycle, op)(**body)
-        except TypeError as exc:  # a required argument missing
-            raise InvalidRequestError(f"control {op}: {exc}", param="control") from exc
-        log.info("control %s %s", op, {k: v for k, v in body.items() if k not in ("names", "dtypes", "shapes")})
-        outputs = _requested(request)
-        future.add_done_callback(lambda f: self._outputs.put(_ControlReply(sender, op, f, outputs)))
-
-    def _send_control_reply(self, reply: _ControlReply) -> None:
-        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        exc = reply.future.exception()
-        if isinstance(exc, (EngineOverloadedError, EngineStoppedError)):
-            reply.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                f"unavailable: {exc}", pb_utils.TritonError.UNAVAILABLE)), flags=flags)
-            return
-        if exc is None:
-            result = {"success": True, **reply.future.result()}
-        elif isinstance(exc, EngineError):  # refused: nothing changed
-            result = {"success": False, "message": str(exc), "param": getattr(exc, "param", None)}
-        else:
-            result = {"success": False, "message": f"{reply.op} failed: {exc!r}", "internal": True}
-        result["weight_version"] = self.engine.lifecycle.weight_version
-        out = pb_utils.Tensor("control_result", np.array([json.dumps(result).encode()], dtype=np.object_))
-        reply.sender.send(pb_utils.InferenceResponse(output_tensors=_only([out], reply.outputs)), flags=flags)
-
     # ------------------------------------------------------------------ response path
 
     def _response_loop(self) -> None:
@@ -375,9 +319,9 @@ class TritonPythonModel:
                     break
             by_request: dict[str, list[RequestOutput]] = {}
             for out in batch:
-                if isinstance(out, _ControlReply):
+                if isinstance(out, ControlReply):
                     try:
-                        self._send_control_reply(out)
+                        self._control.send_reply(out)
                     except Exception:
                         log.exception("sending a control reply failed")
                     continue
@@ -390,63 +334,16 @@ class TritonPythonModel:
             if time.monotonic() - last_poll >= CANCEL_POLL_S:
                 try:
                     self._poll_cancellations()
-                    self._update_metrics()
+                    self._metrics.update(self._gauges())
                 except Exception:  # the response thread must survive anything
                     log.exception("cancellation/metrics poll failed")
                 last_poll = time.monotonic()
 
-    # Engine gauges and counters on Triton's /metrics (custom metrics of the python backend):
-    # (family name, kind, description, {stats key: labels}).
-    _METRICS = (
-        ("moe_engine_requests", "gauge", "Requests in the moe engine by state",
-         {"running": {"state": "running"}, "waiting": {"state": "waiting"}}),
-        ("moe_engine_kv_blocks", "gauge", "KV-cache blocks: total, free (cached ones included), holding a cached prefix",
-         {"num_blocks": {"state": "total"}, "free_blocks": {"state": "free"}, "cached_blocks": {"state": "cached"}}),
-        ("moe_engine_kv_block_size", "gauge", "Tokens per KV-cache block (the prefix cache reuses whole blocks)",
-         {"block_size": {}}),
-        ("moe_engine_kv_cache_usage", "gauge", "Share of KV-cache blocks in use by running sequences",
-         {"kv_cache_usage": {}}),
-        ("moe_engine_preemptions", "counter", "Sequences preempted (KV blocks freed, recomputed later)",
-         {"num_preemptions": {}}),
-        ("moe_engine_prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache",
-         {"prefix_cache_queries": {}}),
-        ("moe_engine_prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache",
-         {"prefix_cache_hits": {}}),
-        # Liveness and progress, for moe-serve's watchdog: steps must grow while requests are in the engine.
-        ("moe_engine_steps", "gauge", "Engine steps run since the model was loaded", {"steps": {}}),
-        ("moe_engine_alive", "gauge", "1 while the engine thread runs, 0 once it died", {"alive": {}}),
-    )
-
-    @classmethod
-    def _make_metrics(cls, args):
-        labels = {"model": args["model_name"], "version": args["model_version"]}
-        groups = json.loads(args["model_config"]).get("instance_group", [])
-        if sum(int(g.get("count", 1)) for g in groups) > 1:  # data parallelism: one series per instance (engine)
-            labels["instance"] = args.get("model_instance_name", "")
-        metrics = {"_families": [], "_last": {}}  # families must outlive their metrics: kept here
-        for name, kind, description, keys in cls._METRICS:
-            family = pb_utils.MetricFamily(
-                name=name, description=description,
-                kind=pb_utils.MetricFamily.COUNTER if kind == "counter" else pb_utils.MetricFamily.GAUGE,
-            )
-            metrics["_families"].append(family)
-            for key, extra in keys.items():
-                metrics[key] = (kind, family.Metric(labels={**labels, **extra}))
-        return metrics
-
-    def _update_metrics(self) -> None:
-        last = self._metrics["_last"]
-        stats = dict(self.engine.stats(), alive=0 if self.engine.dead is not None else 1)
-        for key, value in stats.items():
-            if key not in self._metrics or key.startswith("_"):
-                continue
-            kind, metric = self._metrics[key]
-            if kind == "counter":  # Triton counters only increment
-                if value > last.get(key, 0):
-                    metric.increment(value - last.get(key, 0))
-                last[key] = value
-            else:
-                metric.set(value)
+    def _gauges(self) -> dict:
+        lifecycle = self.engine.lifecycle
+        return dict(self.engine.stats(), alive=0 if self.engine.dead is not None else 1,
+                    paused=int(lifecycle.paused), sleeping=int(bool(lifecycle.released)),
+                    control_ops=self._control.running(), weights_lost=int(self._control.lost is not None))
 
     def _poll_cancellations(self) -> None:
         with self._lock:

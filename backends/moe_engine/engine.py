@@ -153,7 +153,8 @@ class Engine:
                 f"max_model_len {s.max_model_len}, prefix caching {prefix}, routed experts "
                 f"{'on' if s.enable_routed_experts else 'off'}, device {self.device}, {self.dtype}, CUDA graphs "
                 f"{r.describe_graphs()}, fused kernels {kernels}, attention "
-                f"{'paged kernels' if r.use_kernels else 'reference (gather + SDPA)'}")
+                f"{'paged kernels' if r.use_kernels else 'reference (gather + SDPA)'}"
+                + (", deterministic inference (batch-invariant forward)" if s.deterministic_inference else ""))
 
     # ---------------------------------------------------------------- public API (any thread)
 

@@ -11,11 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 # Renamed settings still accepted in an engine_config JSON (old name -> new name).
 RENAMED = {"overlap_decode": "async_scheduling"}
+
+# vLLM's switch for its batch-invariant mode, accepted as --enable-deterministic-inference (SGLang's flag).
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def batch_invariant_env() -> bool:
+    """Whether the environment asks for deterministic inference (``VLLM_BATCH_INVARIANT=1``, as vLLM reads it)."""
+    return os.environ.get(BATCH_INVARIANT_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _setting(default: Any, help: str, **cli: Any) -> Any:
@@ -67,6 +76,13 @@ class EngineConfig:
         False, "CUDA: only the fused kernels that are bit-identical to the op-by-op forward (without it, also the "
                "one-pass norms, fused router and q/k/v GEMM: equal within rounding, same expert ids; faster)",
         action="store_true")
+    deterministic_inference: bool = _setting(
+        False, "batch-invariant forward: a request's tokens, logprobs, prompt logprobs, routed experts and routed "
+               "weights are the same bits whatever shares its steps (chunking, prefix-cache hits and CUDA graphs "
+               "included); every reduction runs in an order fixed per row (docs/design/determinism.md). "
+               f"{BATCH_INVARIANT_ENV}=1 in the environment turns it on too. Not with tensor parallelism",
+        flag="--enable-deterministic-inference", action="store_true",
+        to_field=lambda on: bool(on) or batch_invariant_env())
     tensor_parallel_size: int = _setting(
         1, "split the model over this many GPUs (processes on CPU): attention heads, MLPs, vocabulary and experts; "
            "one engine, started by the Triton model instance")
@@ -138,6 +154,9 @@ class EngineConfig:
         fused = ((cuda if self.fused_kernels is None else self.fused_kernels)
                  and kernel_support.available(device) and kernel_support.supports(dtype))
         attention_kernels = fused and cuda and cfg.attention.mla is None and paged_attention.available(device)
+        deterministic = bool(self.deterministic_inference) or batch_invariant_env()
+        if deterministic:
+            check_deterministic(self, cuda, bool(fused), cfg)
         att = cfg.attention
         head_dims = (att.mla.kv_lora_rank, att.mla.qk_rope_head_dim) if att.mla is not None else (att.head_dim,)
         return ResolvedConfig(
@@ -164,6 +183,7 @@ class EngineConfig:
             attention_kernels=bool(attention_kernels),
             tensor_parallel_size=self.tensor_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
+            deterministic_inference=deterministic,
         )
 
 
@@ -202,6 +222,7 @@ class ResolvedConfig:
     attention_kernels: bool  # the paged attention kernels (CUDA, fused kernels on, not MLA)
     tensor_parallel_size: int
     enable_expert_parallel: bool
+    deterministic_inference: bool = False  # batch-invariant forward (docs/design/determinism.md)
 
     @property
     def keep_routing_rows(self) -> bool:
@@ -214,6 +235,26 @@ class ResolvedConfig:
     @classmethod
     def from_json(cls, text: str) -> "ResolvedConfig":
         return cls(**json.loads(text))
+
+
+def check_deterministic(engine: EngineConfig, cuda: bool, fused: bool, cfg) -> None:
+    """Raise ValueError for a setting that deterministic inference cannot honour: tensor parallelism (its all-reduce
+    sums the ranks' partial sums in an order that follows the message size), ``--exact-kernels`` (its norms take
+    torch's mean, whose CUDA reduction is split by the row count), a CUDA forward without the Triton kernels (the
+    batch-invariant GEMMs and attention are Triton kernels there) and hybrid models (``cfg``, a MoEConfig: their
+    Gated DeltaNet and Mamba-2 layers have no batch-invariant variant yet)."""
+    flag = "--enable-deterministic-inference"
+    if cfg.is_hybrid:
+        raise ValueError(f"{flag} does not cover hybrid models yet ({cfg.architecture}: its linear-attention / SSM "
+                         "layers have no batch-invariant variant); serve it without the flag")
+    if engine.tensor_parallel_size > 1:
+        raise ValueError(f"{flag} does not cover tensor parallelism (its all-reduce order depends on the message "
+                         "size); use --tensor-parallel-size 1")
+    if cuda and engine.exact_kernels:
+        raise ValueError(f"{flag} replaces --exact-kernels' norms by per-row kernels; drop --exact-kernels")
+    if cuda and not fused:
+        raise ValueError(f"{flag} on CUDA needs the fused Triton kernels (Triton installed, no "
+                         "--disable-fused-kernels)")
 
 
 def check_parallel(cfg, tensor_parallel_size: int, expert_parallel: bool) -> None:

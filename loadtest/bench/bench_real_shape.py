@@ -112,6 +112,7 @@ def engine_config(args, device: torch.device, **want):
                 "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager or None,
                 "fused_kernels": False if args.no_fused_kernels else None,
                 "exact_kernels": True if args.exact_kernels else None,
+                "deterministic_inference": True if args.enable_deterministic_inference else None,
                 "kv_cache_memory_bytes": int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None}
     want.update({k: v for k, v in optional.items() if v is not None})
     if "kv_cache_bytes" in have and "kv_cache_memory_bytes" not in have:  # the slot-cache engine (de221cd)
@@ -148,7 +149,9 @@ class Engines:
         engine.start()
         self.engine, self.group = engine, group
         self.info = {"group": group, "engine_config": passed, "dropped": dropped, "stats_at_start": engine.stats(),
-                     "build_s": time.perf_counter() - t}
+                     "build_s": time.perf_counter() - t,
+                     # --enable-deterministic-inference or VLLM_BATCH_INVARIANT=1 (ab_real_shape.py's variants)
+                     "deterministic_inference": bool(getattr(engine.settings, "deterministic_inference", False))}
         log(f"engine built in {self.info['build_s']:.1f} s; stats() = {self.info['stats_at_start']}")
         return engine
 
@@ -770,6 +773,8 @@ def parse_args(argv=None):
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--no-fused-kernels", action="store_true")
     g.add_argument("--exact-kernels", action="store_true", help="only the bit-identical fused kernels")
+    g.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="the batch-invariant forward (VLLM_BATCH_INVARIANT=1 in the environment does the same)")
     g.add_argument("--dense-prefill-min", type=int, default=None,
                    help="attention.DENSE_PREFILL_MIN_TOKENS for this run (prompts from position 0 this long take "
                         "dense causal SDPA; a huge value: the paged kernel for every prefill)")

@@ -31,7 +31,9 @@ from moe_engine.kernels.fused_moe import TileConfig  # noqa: E402
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--bucket", required=True, choices=[name for name, _ in fused_moe.BUCKETS])
+    p.add_argument("--bucket", required=True,
+                   choices=[name for name, _ in fused_moe.BUCKETS] + [fused_moe.DETERMINISTIC],
+                   help="a step-size bucket, or 'deterministic': the one config of --enable-deterministic-inference")
     p.add_argument("--kernel", required=True, choices=("gate_up", "down"))
     p.add_argument("--config", required=True, help="BLOCK_M,BLOCK_N,BLOCK_K,GROUP_M,num_warps,num_stages[,tma]")
     p.add_argument("--out", type=Path, required=True)
@@ -54,7 +56,7 @@ def main() -> int:
         data["tables"].append(entry)
     pair = entry["buckets"].get(a.bucket)
     if pair is None:  # the bucket was not tuned: start from the defaults' pair
-        g, d = fused_moe.DEFAULT_CONFIGS[a.bucket]
+        g, d = fused_moe.DEFAULT_CONFIGS.get(a.bucket) or fused_moe.DETERMINISTIC_CONFIGS
         pair = {"gate_up": asdict(g), "down": asdict(d)}
     pair[a.kernel] = asdict(cfg)
     entry["buckets"][a.bucket] = pair

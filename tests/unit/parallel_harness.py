@@ -1,6 +1,6 @@
 """Two ranks over gloo for model-level tensor-parallel checks: the test process is rank 0, this module (run as
 ``python -m tests.unit.parallel_harness``) is rank 1. Both load each case's checkpoint sharded
-(``moe_engine.ranks.load_rank_model``, the loader the engine's ranks use) and run the same whole-sequence forward
+(``moe_engine.distributed.ranks.load_rank_model``, the loader the engine's ranks use) and run the same whole-sequence forward
 (``reference_forward``); rank 0 hands its logits and routed experts to the test.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def rank_processes(root_pid: int | None = None) -> list:
-    """Live rank processes (``python -m moe_engine.ranks``) under ``root_pid`` (default: this process)."""
+    """Live rank processes (``python -m moe_engine.distributed.ranks``) under ``root_pid`` (default: this process)."""
     import psutil
 
     out = []

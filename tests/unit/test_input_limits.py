@@ -31,10 +31,12 @@ def test_request_models_reject_lone_surrogates_and_loose_token_ids():
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x", "name": "\ud800"}]})
     with pytest.raises(ValidationError):
         GenerateRequest.model_validate({"token_ids": [1], "request_id": "\ud800"})
-    for ids in ([True], ["1"], [1.0]):
+    for ids in ([True], ["1"], [1.5]):
         with pytest.raises(ValidationError):
             GenerateRequest.model_validate({"token_ids": ids})
     assert GenerateRequest.model_validate({"token_ids": [1, 2]}).token_ids == [1, 2]
+    # A whole number written 2.0 is the integer 2, as JSON Schema (the OpenAPI document) counts it (issue 47).
+    assert GenerateRequest.model_validate({"token_ids": [1, 2.0]}).token_ids == [1, 2]
 
 
 @pytest.fixture

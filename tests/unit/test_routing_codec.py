@@ -126,3 +126,39 @@ def test_payload_splicing_into_json():
         got = json.loads(body)
         assert got["text"] == c.text
         assert got["routed_experts"] == {0: big.decode(), 1: None, 2: "AAAA"}[c.index]
+
+
+def test_raw_json_payloads_splice_in_as_values_and_pieces_join_to_the_same_body():
+    """Payloads.raw (prompt logprobs serialised once, spliced into each choice) gives exactly the JSON of the model
+    holding the value itself; dump_parts (sent piece by piece) joins to the bytes of dump."""
+    import json
+
+    from pydantic import TypeAdapter
+
+    from openai_frontend.bounded import dump_list
+    from openai_frontend.protocol import CompletionResponse, CompletionResponseChoice, UsageInfo
+    from openai_frontend.protocol_responses import PromptLogprob, PromptLogprobs
+    from openai_frontend.routing_codec import Payloads
+
+    scores: PromptLogprobs = [None] + [{7 + i: PromptLogprob(logprob=-0.5 * i, rank=1, decoded_token=f"t{i}")}
+                                       for i in range(600)]  # more than one slice of dump_list
+    adapter = TypeAdapter(PromptLogprobs)
+    assert dump_list(adapter, scores) == adapter.dump_json(scores)
+
+    def response(prompt_logprobs, routed):
+        choices = []
+        for i in range(3):
+            c = CompletionResponseChoice(index=i, text="x", routed_experts=routed[i])
+            c.prompt_logprobs = prompt_logprobs[i]
+            choices.append(c)
+        return CompletionResponse(id="cmpl-1", created=1, model="m", choices=choices,
+                                  usage=UsageInfo(prompt_tokens=1, completion_tokens=3, total_tokens=4))
+
+    plain = response([scores] * 3, ["QUJD", None, "REVG"])
+    payloads = Payloads()
+    once = dump_list(adapter, scores)
+    spliced = response([payloads.raw(once) for _ in range(3)],
+                       [payloads.ref(b"QUJD"), payloads.ref(None), payloads.ref(b"REVG")])
+    parts = payloads.dump_parts(spliced)
+    assert json.loads(b"".join(parts)) == json.loads(plain.model_dump_json())
+    assert sum(p is once for p in parts) == 3  # the same bytes, not three copies

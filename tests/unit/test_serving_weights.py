@@ -94,6 +94,16 @@ def test_the_model_card_states_the_engines_kv_block_size_and_survives_a_backend_
     assert r.status_code == 200
     card = r.json()["data"][0]
     assert card["kv_block_size"] is None and card["weight_version"] is None and card["id"] == "m"
+    assert card["deterministic_inference"] is None
+
+
+def test_the_model_card_says_whether_deterministic_inference_is_on(srv):
+    """--enable-deterministic-inference (or VLLM_BATCH_INVARIANT=1) is the engine's decision: /v1/models shows it
+    (get_engine_info), so a trainer can check that its rollouts are batch-invariant before relying on it."""
+    for on in (True, False):
+        srv.engine.answers["get_engine_info"] = {"success": True, "message": "", "kv_block_size": 16,
+                                                 "deterministic_inference": on}
+        assert srv.http.get("/v1/models/m").json()["deterministic_inference"] is on
 
 
 @pytest.mark.parametrize("path, body, param", [

@@ -165,3 +165,19 @@ def test_killing_a_process_group_waits_until_none_of_it_is_left():
     leader.wait()
     assert procfs.wait_group_gone(leader.pid, timeout=10) == []
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize("gauge", ["moe_engine_paused", "moe_engine_sleeping", "moe_engine_control_ops"])
+def test_a_paused_sleeping_or_updating_engine_is_never_a_stall_and_its_clock_restarts_after(metrics_server, gauge):
+    """Issue 47: a trainer's pause (in place), a memory release or a long weight update holds queued requests for
+    longer than the stall timeout; none of it is a stall, and the timeout counts again from when it ends."""
+    state, url = metrics_server
+    dog = watchdog(stall_s=10)
+    held = metrics_text({"": (1, 3, 42)}) + f'{gauge}{{model="moe",version="1"}} 1\n'
+    for i in range(120):  # 60 s held with 4 requests and no step
+        state["text"] = held
+        assert dog._check_progress(read_engine_gauges(url), 100.0 + 0.5 * i) is None
+    state["text"] = metrics_text({"": (1, 3, 42)}) + f'{gauge}{{model="moe",version="1"}} 0\n'  # let go, still no step
+    assert dog._check_progress(read_engine_gauges(url), 169.0) is None  # 9.5 s after the last held probe
+    reason = dog._check_progress(read_engine_gauges(url), 170.0)
+    assert reason is not None and "made no step for 10 s with 4 request(s)" in reason

@@ -114,8 +114,10 @@ class DecodeGraphs:
         capture_buf: torch.Tensor | None,
         weights_buf: torch.Tensor | None = None,
         use_kernels: bool = False,
+        batch_invariant: bool = False,  # deterministic inference: kernels/batch_invariant.py's decode attention
     ):
         self.model = model
+        self.batch_invariant = batch_invariant
         self.kv = kv
         self.block_size = bs = kv.block_size
         self.capture_buf = capture_buf  # [>= max_batch, L, K] int32, the engine's step buffer
@@ -234,7 +236,13 @@ class DecodeGraphs:
 
     def split_counts(self, B: int, Lk: int) -> tuple[int, ...]:
         """The split-decode counts a graph of B sequences at Lk keys runs its layers' attention with (the paged
-        kernels' rule, per distinct kv-head count of the layers)."""
+        kernels' rule, per distinct kv-head count of the layers; under deterministic inference the key ranges
+        kernels/batch_invariant.py splits a decode step over)."""
+        if self.batch_invariant:
+            from ..kernels import batch_invariant as bi_kernels
+
+            device = self.kv[0].k.device
+            return tuple(bi_kernels.decode_ranges(B, h, Lk, device) for h in self._kv_heads)
         return tuple(paged_attention.choose_num_splits(B, h, Lk) for h in self._kv_heads)
 
     def _stage_padding(self, B: int, Lk: int) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..layers import invariant as inv
 from ..layers.attend import ForwardBatch
 from ..layers.experts import StepRouting
 from .cuda_graphs import DecodeGraphs
@@ -126,6 +127,7 @@ def build_runner(model: torch.nn.Module, settings: ResolvedConfig, group=None) -
     from .warmup import warm_dense_prefill
 
     model.use_fused_kernels(settings.fused_kernels, within_rounding=False if settings.exact_kernels else None)
+    model.use_batch_invariant(settings.deterministic_inference)
     specs = model.kv_layout()
     dtype = next(model.parameters()).dtype
     budget = kv_cache_budget(model, specs, settings)
@@ -144,8 +146,8 @@ def build_runner(model: torch.nn.Module, settings: ResolvedConfig, group=None) -
             f"hold one sequence of max_model_len={settings.max_model_len}; raise the KV budget or lower max_model_len"
         )
     runner = ModelRunner(model, num_blocks, settings)
-    if settings.attention_kernels and runner.dtype != torch.float32:
-        warm_dense_prefill(runner, settings.step_tokens)
+    if settings.attention_kernels and runner.dtype != torch.float32 and not settings.deterministic_inference:
+        warm_dense_prefill(runner, settings.step_tokens)  # (deterministic inference keeps every prompt paged)
     return runner
 
 
@@ -184,7 +186,9 @@ class ModelRunner(ReleasableMemory):
         self._parity = 0
         self.overlap = s.async_scheduling
         # Batched sampling on the device: one host->device copy of the step's sampling parameters, no host sync.
-        self.sampler = Sampler(cfg.vocab_size, self.device, max_rows=s.max_num_seqs)
+        self.sampler = Sampler(cfg.vocab_size, self.device, max_rows=s.max_num_seqs,
+                               batch_invariant=s.deterministic_inference)
+        self.batch_invariant = s.deterministic_inference
         # Attention through paged_attention.py's kernels (they read only each sequence's own blocks) on CUDA with
         # the fused kernels on; the reference (gather + SDPA) elsewhere, and for MLA's latent cache.
         self.use_kernels = s.attention_kernels
@@ -220,7 +224,8 @@ class ModelRunner(ReleasableMemory):
         captured yet: ``capture_all`` at start, else each graph when first needed)."""
         self.graphs = DecodeGraphs(self.model, self.kv, max_batch=self.graph_max_batch,
                                    max_model_len=self.max_model_len, capture_buf=self.capture_buf,
-                                   weights_buf=self.weights_buf, use_kernels=self.use_kernels)
+                                   weights_buf=self.weights_buf, use_kernels=self.use_kernels,
+                                   batch_invariant=self.batch_invariant)
         if self.max_prefill_graph_tokens >= 16:
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.kv, self.max_prefill_graph_tokens, self.graph_max_batch, self.max_model_len,
@@ -391,12 +396,12 @@ class ModelRunner(ReleasableMemory):
         chosen, ranks, top_ids, top_vals = [], [], [], []
         for lo, logits in zip(range(0, len(rows), PROMPT_LOGPROB_ROWS), self.score_logits(hidden, rows)):
             tgt = targets_t[lo : lo + PROMPT_LOGPROB_ROWS]
-            lse = torch.logsumexp(logits, dim=-1)
+            lse = inv.logsumexp(logits) if self.batch_invariant else torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, tgt[:, None]).squeeze(1)
             chosen.append(picked - lse)
             ranks.append((logits > picked[:, None]).sum(-1) + 1)
             if top_n > 0:
-                v, k = torch.topk(logits, top_n, dim=-1)
+                v, k = inv.top_n(logits, top_n) if self.batch_invariant else torch.topk(logits, top_n, dim=-1)
                 top_vals.append(v - lse[:, None])
                 top_ids.append(k)
         chosen_h = torch.cat(chosen).cpu().numpy()

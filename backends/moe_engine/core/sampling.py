@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequestError
+from ..layers import invariant as inv
 from ..kernels.sampling import _pow2, triton_available, triton_filter_thresholds, triton_logsumexp, triton_race
 
 
@@ -195,7 +196,9 @@ class Sampler:
     tensors under ``TRITON_INTERPRET=1`` (tests); False = the torch path everywhere. ``block``: logits per
     kernel iteration (the Philox counter of a token depends on it, see ``_race_kernel``);
     ``rows_per_program``: rows of the row-wise kernels per program (1 on GPUs; more for many rows of a
-    small vocabulary, as the interpreted tests draw)."""
+    small vocabulary, as the interpreted tests draw). ``batch_invariant`` (deterministic inference): the logsumexp of
+    logprobs over chunks of the vocabulary fixed by its size (kernels/batch_invariant.py), and on the torch path every
+    exp, log and sum through layers/invariant.py; the race and the filters are batch-invariant as they are."""
 
     def __init__(
         self,
@@ -206,10 +209,12 @@ class Sampler:
         use_triton: bool | None = None,
         block: int = 1024,
         rows_per_program: int = 1,
+        batch_invariant: bool = False,
     ):
         if not 16 <= block <= 4096 or block & (block - 1) or not 1 <= candidates <= 4096:
             raise ValueError("block: a power of two in [16, 4096]; candidates: in [1, 4096]")
         self.vocab_size = vocab_size
+        self.batch_invariant = batch_invariant
         self.device = torch.device(device)
         self.candidates = candidates
         self.block = block
@@ -305,7 +310,7 @@ class Sampler:
                     x, batch.tensors, batch.candidates, self.block, self.rows_per_program, _pow2(self.candidates)
                 )
             return triton_race(x, batch.tensors, lo, self.block, out, self.rows_per_program)
-        tokens = _sample_torch(logits, batch, self.candidates)
+        tokens = _sample_torch(logits, batch, self.candidates, self.batch_invariant)
         return tokens if out is None else out.copy_(tokens)
 
     def logprobs(
@@ -317,12 +322,13 @@ class Sampler:
         if n < 0:
             return None
         if not self.use_triton:
-            return compute_logprobs(logits, tokens, n)
-        lse = triton_logsumexp(logits if logits.stride(-1) == 1 else logits.contiguous(), self.block)  # [N]
+            return compute_logprobs(logits, tokens, n, self.batch_invariant)
+        x = logits if logits.stride(-1) == 1 else logits.contiguous()
+        lse = inv.logsumexp(x) if self.batch_invariant else triton_logsumexp(x, self.block)  # [N]
         chosen = logits.gather(1, tokens.view(-1, 1)).squeeze(1) - lse
         if n <= 0:
             return chosen, None, None
-        values, ids = torch.topk(logits, n, dim=-1)
+        values, ids = inv.top_n(logits, n) if self.batch_invariant else torch.topk(logits, n, dim=-1)
         return chosen, ids, values - lse[:, None]
 
 
@@ -330,7 +336,8 @@ _TORCH_DTYPE = {np.float32: torch.float32, np.int32: torch.int32, np.int64: torc
 
 
 def _thresholds_torch(
-    x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int
+    x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """lo [M] for rows x [M, V] with k [M] (0 off), p [M] (1 off), T [M]: the exact rule of the module doc.
     As the Triton path: thresholds from the sorted top candidates; rows whose nucleus may extend past them
@@ -347,8 +354,10 @@ def _thresholds_torch(
         return t_k
     m, T = vals[:, :1], temperature[:, None]
     kept = (x >= t_k[:, None]) & (x > float("-inf"))
-    z = torch.where(kept, torch.exp((x - m) / T), torch.zeros_like(x)).sum(-1)  # [M] mass top-k keeps
-    e = torch.where((vals >= t_k[:, None]) & (vals > float("-inf")), torch.exp((vals - m) / T), torch.zeros_like(vals))
+    exp = inv.exp if invariant else torch.exp
+    z = torch.where(kept, exp((x - m) / T), torch.zeros_like(x))  # [M, V]
+    z = inv.row_sum(z) if invariant else z.sum(-1)  # [M] mass top-k keeps
+    e = torch.where((vals >= t_k[:, None]) & (vals > float("-inf")), exp((vals - m) / T), torch.zeros_like(vals))
     incl = torch.cumsum(e, dim=-1)  # [M, C]; the mass before sorted position j is incl[j - 1]
     below = (incl < (top_p * z)[:, None]).sum(-1)  # sorted positions 0..below are kept
     t_p = vals.gather(1, below.clamp(max=C - 1)[:, None]).squeeze(1)
@@ -356,12 +365,13 @@ def _thresholds_torch(
     unsettled = nucleus_only & (below >= C)
     if C < V and bool(unsettled.any()):
         rows = torch.nonzero(unsettled).squeeze(1)
-        lo[rows] = _thresholds_torch(x[rows], temperature[rows], top_k[rows], top_p[rows], V)
+        lo[rows] = _thresholds_torch(x[rows], temperature[rows], top_k[rows], top_p[rows], V, invariant)
     return lo
 
 
-def _sample_torch(logits: torch.Tensor, batch: SamplingBatch, candidates: int) -> torch.Tensor:
-    """The pure-torch path: filters batched; each sampled row's noise from a generator seeded per draw."""
+def _sample_torch(logits: torch.Tensor, batch: SamplingBatch, candidates: int, invariant: bool = False) -> torch.Tensor:
+    """The pure-torch path: filters batched; each sampled row's noise from a generator seeded per draw.
+    ``invariant``: every exp, log and sum computed alike for every row (layers/invariant.py)."""
     x = logits.float()
     h = batch.host
     out = torch.argmax(x, dim=-1)  # greedy rows keep this
@@ -374,13 +384,15 @@ def _sample_torch(logits: torch.Tensor, batch: SamplingBatch, candidates: int) -
     temperature = dev(h["temperature"])
     lo = None
     if batch.kind == "filter":
-        lo = _thresholds_torch(xs, temperature, dev(h["top_k"], torch.long), dev(h["top_p"]), candidates)
+        lo = _thresholds_torch(xs, temperature, dev(h["top_k"], torch.long), dev(h["top_p"]), candidates, invariant)
     gen = torch.Generator(device=x.device)
     noise = torch.empty_like(xs)  # [M, V]: exponential, then Gumbel, then the race's scores
     for j, r in enumerate(rows):
         gen.manual_seed(draw_key(int(h["seed"][r]), int(h["draw"][r])))
         noise[j].exponential_(generator=gen)  # CPU: drawn in double precision, so never 0 in practice
-    score = noise.clamp_min_(1e-38).log_().neg_().mul_(temperature[:, None]).add_(xs)  # x + T * Gumbel
+    noise = noise.clamp_min_(1e-38)
+    noise = inv.log(noise) if invariant else noise.log_()
+    score = noise.neg_().mul_(temperature[:, None]).add_(xs)  # x + T * Gumbel
     if lo is not None:
         score.masked_fill_(xs < lo[:, None], float("-inf"))
     out[idx] = torch.argmax(score, dim=-1)
@@ -388,15 +400,16 @@ def _sample_torch(logits: torch.Tensor, batch: SamplingBatch, candidates: int) -
 
 
 def compute_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, top_n: int
+    logits: torch.Tensor, tokens: torch.Tensor, top_n: int, invariant: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-probabilities of the raw model distribution (before temperature), as vLLM reports them.
 
     Returns chosen [N], and when top_n > 0, top ids [N, top_n] and top values [N, top_n].
+    ``invariant``: the log-softmax of layers/invariant.py (each row alike whatever the row count).
     """
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = inv.log_softmax(logits) if invariant else torch.log_softmax(logits, dim=-1)
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     if top_n <= 0:
         return chosen, None, None
-    values, ids = torch.topk(logp, top_n, dim=-1)
+    values, ids = inv.top_n(logp, top_n) if invariant else torch.topk(logp, top_n, dim=-1)
     return chosen, ids, values

@@ -25,8 +25,8 @@ def warm_up(runner, settings) -> None:
     """Compile now what the first requests would compile (CUDA with the fused kernels), capture every graph."""
     triton_kernels = runner.device.type == "cuda" and settings.fused_kernels
     with starting_up():
-        if settings.attention_kernels and runner.dtype != torch.float32:
-            warm_dense_prefill(runner, settings.step_tokens)
+        if settings.attention_kernels and runner.dtype != torch.float32 and not settings.deterministic_inference:
+            warm_dense_prefill(runner, settings.step_tokens)  # (deterministic inference keeps every prompt paged)
         if triton_kernels:
             warm_prefill(runner, settings.max_num_seqs)
         if runner.graphs is not None:

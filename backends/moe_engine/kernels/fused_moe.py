@@ -124,6 +124,16 @@ DEFAULT_CONFIGS: dict[str, tuple[TileConfig, TileConfig]] = {
 }
 
 
+# --enable-deterministic-inference: one (gate_up, down) config for every step size, so that a row's K loop, tile and
+# tensor-core instruction are the same whatever the other rows of its expert (a "deterministic" bucket in the JSON
+# file overrides it: ``loadtest/tune/tile_table_variant.py --bucket deterministic``). Row tiles of 64, the Hopper
+# instruction's height: a decode step's few rows per expert cost no more weight reads than in 16-row tiles. The
+# columns are the batch-1 table's (gate_up 32 wide: 192 programs for one Qwen3 token's 8 experts; down 128 wide
+# through TMA); a large prefill step gets narrower tiles than its bucket's 128 x 128.
+DETERMINISTIC = "deterministic"
+DETERMINISTIC_CONFIGS = (_tc(64, 32, 64, 8, 4, 4), replace(_tc(64, 128, 64, 8, 4, 3), tma=1))
+
+
 def bucket_of(pairs: int) -> str:
     for name, top in BUCKETS:
         if top is None or pairs <= top:
@@ -157,6 +167,7 @@ def _table(device: str, E: int, H: int, I: int, dtype: torch.dtype, path: str) -
     warned about). A file that cannot be read leaves the defaults (with a warning): a bad table must not stop a
     server."""
     table = dict(DEFAULT_CONFIGS)
+    table[DETERMINISTIC] = DETERMINISTIC_CONFIGS
     p = Path(path)
     if p.is_file():
         key = table_key(device, E, H, I, dtype)
@@ -182,6 +193,12 @@ def tile_configs(
 ) -> tuple[TileConfig, TileConfig]:
     """(gate_up, down) configs for a step of ``pairs`` (token, slot) pairs."""
     return _table(device_name(device), E, H, I, dtype, str(config_path()))[bucket_of(pairs)]
+
+
+def deterministic_configs(device: torch.device | str, E: int, H: int, I: int, dtype: torch.dtype
+                          ) -> tuple[TileConfig, TileConfig]:
+    """(gate_up, down) configs of every step under deterministic inference."""
+    return _table(device_name(device), E, H, I, dtype, str(config_path()))[DETERMINISTIC]
 
 
 def write_table(path: Path, key: dict, buckets: dict[str, tuple[TileConfig, TileConfig]]) -> None:
@@ -222,6 +239,8 @@ if triton is not None:
         TMA: tl.constexpr,  # w_desc: w as [E * (N or 2N), K] rows, [BLOCK_N, BLOCK_K] boxes (N % BLOCK_N == 0);
         # down: a_desc too, h as [P, K] rows, [BLOCK_M, BLOCK_K] boxes (the rows past the expert's end that a box
         # brings belong to the next expert or are zeros past P: their outputs are never stored)
+        ROWWISE: tl.constexpr,  # deterministic inference under the interpreter: each row's products summed by
+        # themselves (numpy's matmul, the interpreter's dot, sums a row by its place in the tile)
     ):
         """out[r, n] for the rows r of one expert tile and BLOCK_N columns n: down_proj (out = y, a = h rows) or
         gate_up with SwiGLU (out = h, a = x[tok[r]]). w: [E, N or 2N, K] with strides (s_we, s_wn, s_wk).
@@ -277,7 +296,10 @@ if triton is not None:
             if UPCAST:  # the interpreter's dot reads bf16 as integers: products of the same values in float32
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=PREC)
+            if ROWWISE:
+                acc += tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PREC)
             if GATE_UP:
                 if TMA:
                     wu = tl.trans(w_desc.load([w_row + N, k * BLOCK_K]))
@@ -287,7 +309,10 @@ if triton is not None:
                     wu = tl.load(u_ptrs, mask=kmask[:, None], other=0.0)
                 if UPCAST:
                     wu = wu.to(tl.float32)
-                acc_up = tl.dot(a, wu, acc_up, input_precision=PREC)
+                if ROWWISE:
+                    acc_up += tl.sum(a.to(tl.float32)[:, :, None] * wu.to(tl.float32)[None, :, :], axis=1)
+                else:
+                    acc_up = tl.dot(a, wu, acc_up, input_precision=PREC)
                 u_ptrs += BLOCK_K * s_wk
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * s_wk
@@ -345,7 +370,7 @@ def _descriptors(a, w, K: int, cfg: TileConfig, gate_up: bool):
     return a_desc, w_desc
 
 
-def _gemm(a, w, out, tok, offs, N: int, K: int, cfg: TileConfig, gate_up: bool) -> None:
+def _gemm(a, w, out, tok, offs, N: int, K: int, cfg: TileConfig, gate_up: bool, rowwise: bool = False) -> None:
     P, E = out.shape[0], w.shape[0]
     cfg = _fit(cfg, N, K)
     key = (gate_up, cfg, a.dtype, N, K)
@@ -363,7 +388,7 @@ def _gemm(a, w, out, tok, offs, N: int, K: int, cfg: TileConfig, gate_up: bool) 
                 BLOCK_E=kernel_support._pow2(E), EVEN_K=K % cfg.BLOCK_K == 0, DT=_DT[a.dtype],
                 UPCAST=interpreting(), PRECISE=not interpreting(),
                 PREC="ieee" if a.dtype == torch.float32 else "tf32", PDL=kernel_support.pdl(a.device), TMA=tma,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                ROWWISE=rowwise, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
             return
         except triton.runtime.errors.OutOfResources as err:
@@ -375,7 +400,7 @@ def _gemm(a, w, out, tok, offs, N: int, K: int, cfg: TileConfig, gate_up: bool) 
 
 
 def gate_up_swiglu(x: torch.Tensor, gate_up: torch.Tensor, tok: torch.Tensor, offs: torch.Tensor, cfg: TileConfig,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, rowwise: bool = False) -> torch.Tensor:
     """x [T, H], gate_up [E, 2I, H], tok [P] long, offs [E] int32 -> h [P, I] (into ``out`` when given):
     h[r] = silu(gate) * up of expert e's projection of x[tok[r]], every step rounded as torch's."""
     if x.stride(-1) != 1:
@@ -383,19 +408,19 @@ def gate_up_swiglu(x: torch.Tensor, gate_up: torch.Tensor, tok: torch.Tensor, of
     I, H = gate_up.shape[1] // 2, gate_up.shape[2]
     h = out if out is not None else torch.empty(tok.shape[0], I, dtype=x.dtype, device=x.device)
     if tok.shape[0]:
-        _gemm(x, gate_up, h, tok, offs, I, H, cfg, gate_up=True)
+        _gemm(x, gate_up, h, tok, offs, I, H, cfg, gate_up=True, rowwise=rowwise)
     return h
 
 
 def down_proj(h: torch.Tensor, down: torch.Tensor, offs: torch.Tensor, cfg: TileConfig,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, rowwise: bool = False) -> torch.Tensor:
     """h [P, I] grouped rows, down [E, H, I], offs [E] int32 -> y [P, H]: y[r] = down[e] @ h[r], rounded."""
     if h.stride(-1) != 1:
         h = h.contiguous()
     H, I = down.shape[1], down.shape[2]
     y = out if out is not None else torch.empty(h.shape[0], H, dtype=h.dtype, device=h.device)
     if h.shape[0]:
-        _gemm(h, down, y, offs, offs, H, I, cfg, gate_up=False)  # tok unused: rows of h are grouped already
+        _gemm(h, down, y, offs, offs, H, I, cfg, gate_up=False, rowwise=rowwise)  # tok unused: rows grouped already
     return y
 
 
@@ -407,6 +432,7 @@ def expert_mlp(
     tok: torch.Tensor,  # [T*K] long: token of each grouped row
     offs: torch.Tensor,  # [E] int32: end row of each expert's group
     configs: tuple[TileConfig, TileConfig] | None = None,  # (gate_up, down); default: the table's, by T*K
+    deterministic: bool = False,  # deterministic inference: the table's one config for every step size
 ) -> torch.Tensor:  # [T*K, H] model dtype, grouped order (routing_kernels.combine's input)
     """The routed experts' SwiGLU MLPs on expert-grouped rows, reading only the experts that have rows."""
     E, I2, H = gate_up.shape
@@ -420,6 +446,9 @@ def expert_mlp(
         raise ValueError(f"expert_mlp: offs must be int32, got {offs.dtype}")
     if x.dtype not in _DT or gate_up.dtype != x.dtype or down.dtype != x.dtype:
         raise ValueError(f"expert_mlp: x, gate_up, down must share one of {list(_DT)}")
+    if configs is None and deterministic:
+        configs = deterministic_configs(x.device, E, H, I2 // 2, x.dtype)
     g_cfg, d_cfg = configs or tile_configs(P, x.device, E, H, I2 // 2, x.dtype)
-    h = gate_up_swiglu(x, gate_up, tok, offs, g_cfg)
-    return down_proj(h, down, offs, d_cfg)
+    rowwise = deterministic and interpreting()
+    h = gate_up_swiglu(x, gate_up, tok, offs, g_cfg, rowwise=rowwise)
+    return down_proj(h, down, offs, d_cfg, rowwise=rowwise)

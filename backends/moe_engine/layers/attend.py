@@ -411,10 +411,11 @@ def attend(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq] per-head sink logits (GPT-OSS), or None
+    invariant: bool = False,  # deterministic inference: the batch-invariant attention (``attend_stored``)
 ) -> torch.Tensor:  # [T, Hq, Dv]
     """Write this step's k/v into the cache, then attend causally within each sequence (``attend_stored``)."""
     store_kv(k, v, cache, batch)
-    return attend_stored(q, k, v, cache, batch, scale, sliding_window, sinks)
+    return attend_stored(q, k, v, cache, batch, scale, sliding_window, sinks, invariant)
 
 
 def attend_stored(
@@ -426,8 +427,22 @@ def attend_stored(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:  # [T, Hq, Dv]
-    """Attend causally within each sequence over the cache, which holds this step's k/v already."""
+    """Attend causally within each sequence over the cache, which holds this step's k/v already. ``invariant``
+    (deterministic inference): kernels/batch_invariant.py's attention on the kernel path, else
+    layers/invariant.py's; a query's result then depends on its own keys only."""
+    if invariant:
+        if batch.use_kernels:
+            from ..kernels import batch_invariant as bi_kernels
+
+            return bi_kernels.attention(
+                q, cache.k, cache.v, batch.int32("block_tables"), batch.int32("cu_seqlens_q"),
+                batch.int32("seq_lens"), max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+                scale=scale, sliding_window=sliding_window, sinks=sinks)
+        from . import invariant as inv
+
+        return inv.attention_from_cache(q, cache, batch, scale, sliding_window, sinks)
     if batch.use_kernels:
         return attend_kernels(q, k, v, cache, batch, scale, sliding_window, sinks)
     Hq = q.shape[1]

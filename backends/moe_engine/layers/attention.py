@@ -9,6 +9,7 @@ from ..config import AttentionSpec, RopeSpec
 from ..kernels import norm as norm_kernels
 from ..kernels import rotary as rotary_kernels
 from ..kernels import small_linear as linear_kernels
+from . import invariant as inv
 from .attend import ForwardBatch, LayerKV, attend, attend_stored
 from .norm import RMSNorm
 from .rotary import apply_rotary
@@ -17,6 +18,11 @@ from .rotary import apply_rotary
 class Attention(nn.Module):
     """Grouped-query attention with optional q/k RMSNorm (per head: Qwen3; full width: OLMoE), qkv clipping,
     and attention sinks (GPT-OSS)."""
+
+    # deterministic inference (MoEForCausalLM.use_batch_invariant): batch-invariant GEMMs (Triton ones when
+    # ``bi_kernels``) and attention
+    batch_invariant = False
+    bi_kernels = False
 
     def __init__(self, spec: AttentionSpec, rope: RopeSpec, hidden_size: int, norm_eps: float, layer_idx: int):
         super().__init__()
@@ -66,10 +72,12 @@ class Attention(nn.Module):
             # [T, Hq, D], [T, Hkv, D]; k and v written into the cache by the same launch
             q, k = self._fused_norm_rope(q, k, cos, sin, (v, cache.k, cache.v, batch.slot_mapping))
             v = v.view(T, self.num_kv_heads, self.head_dim)
-            out = attend_stored(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)
-            return linear_kernels.decode_linear(out.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight,
-                                         self.o_proj.bias, self.within_rounding,
-                                         linear_kernels.O_PROJ_SMALL_LINEAR_TOKENS)  # [T, H]
+            out = attend_stored(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks,
+                                self.batch_invariant).reshape(T, self.num_heads * self.head_dim)
+            if self.batch_invariant:
+                return self.o_proj(out)
+            return linear_kernels.decode_linear(out, self.o_proj.weight, self.o_proj.bias, self.within_rounding,
+                                                linear_kernels.O_PROJ_SMALL_LINEAR_TOKENS)  # [T, H]
         if self.qk_norm == "full":
             q, k = self._full_norm(q, k)
         if self.clip_qkv is not None:
@@ -79,8 +87,10 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin, self.rope_style), apply_rotary(k, cos, sin, self.rope_style)
-        out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)  # [T, Hq, D]
+        q = apply_rotary(q, cos, sin, self.rope_style, self.batch_invariant)
+        k = apply_rotary(k, cos, sin, self.rope_style, self.batch_invariant)
+        out = attend(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks,
+                     self.batch_invariant)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
     def _forward_gated(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch,
@@ -119,7 +129,10 @@ class Attention(nn.Module):
         fused = self.within_rounding and self._qkv_weight()
         if fused:
             w, b = fused
-            qkv = linear_kernels.decode_linear(x, w, b, True, linear_kernels.QKV_SMALL_LINEAR_TOKENS)  # [T, Nq + 2 Nkv]
+            if self.batch_invariant:
+                qkv = inv.linear(x, w, b, self.bi_kernels)
+            else:  # [T, Nq + 2 Nkv]
+                qkv = linear_kernels.decode_linear(x, w, b, True, linear_kernels.QKV_SMALL_LINEAR_TOKENS)
             return qkv.split([p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)], -1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 

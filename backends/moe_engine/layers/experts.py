@@ -32,6 +32,11 @@ only the (token, slot) pairs routed to them (``forward_local``); the others cont
 which the decoder layer's all-reduce adds to the other ranks'. The router still picks among all experts, on every
 rank alike, and the ids captured are those logical ids.
 
+Deterministic inference (``batch_invariant``, MoEForCausalLM.use_batch_invariant): the fused path with
+fused_moe.py's one tile configuration for every step size; off it the reference (grouped) path, each expert's rows
+through layers/invariant.py's GEMM (fixed row tiles, or its Triton kernel when ``bi_kernels``) and elementwise silu.
+A row's result then does not depend on which other rows hit its expert.
+
 Each class declares what it supports (``supports_fused``, ``graph_unsafe_reason``) instead of callers checking
 its type.
 """
@@ -49,6 +54,7 @@ from torch import Tensor, nn
 from ..config import ExpertsSpec
 from ..kernels import fused_moe
 from ..kernels import moe_routing as routing_kernels
+from . import invariant as inv
 from .routing import Forced
 
 
@@ -220,6 +226,8 @@ class Experts(nn.Module):
     down_proj [E, H, I]."""
 
     supports_fused = True  # MoEForCausalLM.use_fused_kernels switches ``fused`` on where Triton runs
+    batch_invariant = False  # deterministic inference (see the module docstring)
+    bi_kernels = False
 
     def __init__(self, spec: ExpertsSpec, hidden_size: int):
         super().__init__()
@@ -270,6 +278,8 @@ class Experts(nn.Module):
         _capture(capture, ids)
         if T == 0:
             return torch.zeros_like(x)
+        if self.batch_invariant:
+            return forward_grouped(self._expert, self.num_experts, x, ids, weights)
         if self.first_expert is not None:  # expert parallelism: torch's grouped GEMM (the fused path is not EP-aware)
             mm = self._grouped_mm_local if grouped_mm_works(x.device, x.dtype) else None
             return forward_local(self._expert, self.first_expert, self.num_experts, x, ids, weights, mm)
@@ -312,7 +322,8 @@ class Experts(nn.Module):
         routed = grouped if grouped is not None else routing_kernels.route(ids, self.num_experts, capture)
         pos, tok, offs = routed  # [T, K] grouped row of each pair, [K*T] token of each row, [E] row ends
         if ids.numel() <= self.triton_gemm_max_pairs:  # only the hit experts' weights are read
-            y = fused_moe.expert_mlp(x, self.gate_up_proj, self.down_proj, pos, tok, offs)  # [K*T, H]
+            y = fused_moe.expert_mlp(x, self.gate_up_proj, self.down_proj, pos, tok, offs,
+                                     deterministic=self.batch_invariant)  # [K*T, H]
         else:
             gate, up = _GMM(x[tok], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [K*T, I] each
             y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [K*T, H]
@@ -320,6 +331,9 @@ class Experts(nn.Module):
 
     def _expert(self, e: int, rows: Tensor) -> Tensor:
         """Expert e on its rows [n, H] -> [n, H] (HF's per-expert loop body, before the routing weight)."""
+        if self.batch_invariant:
+            gate, up = inv.linear(rows, self.gate_up_proj[e], None, self.bi_kernels).chunk(2, dim=-1)
+            return inv.linear(inv.silu(gate) * up, self.down_proj[e], None, self.bi_kernels)
         gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
         return F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, H]
 
@@ -385,6 +399,8 @@ class GptOssExperts(nn.Module):
     Runs the reference (grouped) path, or gathers weights for small CUDA decode batches; no fused kernels."""
 
     supports_fused = False
+    batch_invariant = False  # deterministic inference (see the module docstring)
+    bi_kernels = False
 
     def __init__(self, spec: ExpertsSpec, hidden_size: int):
         super().__init__()
@@ -410,6 +426,8 @@ class GptOssExperts(nn.Module):
         T, K = ids.shape
         if T == 0:
             return torch.zeros_like(x)
+        if self.batch_invariant:
+            return forward_grouped(self._expert, self.num_experts, x, ids, weights)
         if self.first_expert is not None:
             return forward_local(self._expert, self.first_expert, self.num_experts, x, ids, weights)
         slot_bytes = self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes
@@ -421,9 +439,13 @@ class GptOssExperts(nn.Module):
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         gate = gate.clamp(min=None, max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        sigmoid = inv.sigmoid if self.batch_invariant else torch.sigmoid
+        return (up + 1) * (gate * sigmoid(gate * self.alpha))
 
     def _expert(self, e: int, rows: Tensor) -> Tensor:
+        if self.batch_invariant:  # matmul, then bias: as HF
+            gate_up = inv.linear(rows, self.gate_up_proj[e].t(), None, self.bi_kernels) + self.gate_up_proj_bias[e]
+            return inv.linear(self._act(gate_up), self.down_proj[e].t(), None, self.bi_kernels) + self.down_proj_bias[e]
         gate_up = rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I] (matmul, then bias: as HF)
         return self._act(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, H]
 

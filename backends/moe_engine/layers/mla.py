@@ -5,6 +5,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import AttentionSpec, RopeSpec
+from . import invariant as inv
 from .attend import ForwardBatch, LayerKV, attend_cached, cached_kv, store_kv
 from .norm import RMSNorm
 from .rotary import apply_rotary, deepseek_softmax_scale
@@ -16,6 +17,8 @@ class MLAttention(nn.Module):
     The cache holds, per token, the normalised kv latent [kv_lora_rank] (as "k") and the rotated shared rope key
     [qk_rope_head_dim] (as "v"), exactly what HF caches; every step expands the cached latents of the step's
     sequences with ``kv_b_proj`` into per-head keys (nope part + shared rope part) and values, as HF does."""
+
+    batch_invariant = False  # deterministic inference (MoEForCausalLM.use_batch_invariant)
 
     def __init__(self, spec: AttentionSpec, rope: RopeSpec, hidden_size: int, norm_eps: float, layer_idx: int):
         super().__init__()
@@ -48,7 +51,8 @@ class MLAttention(nn.Module):
         kv_latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.rope], dim=-1)
         kv_latent = self.kv_a_layernorm(kv_latent)  # [T, r]
         k_rot = k_rot.view(T, 1, self.rope)  # [T, 1, R]: one rope key shared by all heads
-        q_rot, k_rot = apply_rotary(q_rot, cos, sin, self.rope_style), apply_rotary(k_rot, cos, sin, self.rope_style)
+        q_rot = apply_rotary(q_rot, cos, sin, self.rope_style, self.batch_invariant)
+        k_rot = apply_rotary(k_rot, cos, sin, self.rope_style, self.batch_invariant)
         query = torch.cat((q_nope, q_rot), dim=-1)  # [T, Hq, nope + R]
 
         store_kv(kv_latent[:, None], k_rot, cache, batch)
@@ -57,5 +61,12 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(latent[:, 0]).view(B, Lk, Hq, self.nope + self.v_dim).transpose(1, 2)
         k_nope, values = torch.split(kv, [self.nope, self.v_dim], dim=-1)  # [B, Hq, Lk, nope], [B, Hq, Lk, V]
         keys = torch.cat((k_nope, rot.expand(B, Hq, Lk, self.rope)), dim=-1)  # [B, Hq, Lk, nope + R]
-        out = attend_cached(query, keys, values, batch, self.scale)  # [T, Hq, V]
+        if not self.batch_invariant:
+            out = attend_cached(query, keys, values, batch, self.scale)  # [T, Hq, V]
+        elif query.is_cuda:
+            from ..kernels import batch_invariant as bi_kernels
+
+            out = bi_kernels.attention_dense(query, keys, values, batch, self.scale)
+        else:
+            out = inv.attention(query, keys, values, batch, self.scale)
         return self.o_proj(out.reshape(T, Hq * self.v_dim))  # [T, H]

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ExpertsSpec, RouterSpec
+from . import invariant as inv
 from .experts import NO_ROUTING, ExpertOutputs, Experts, GptOssExperts, LayerRouting, Relu2Experts
 from .routing import make_router
 
@@ -14,6 +15,8 @@ from .routing import make_router
 class MLP(nn.Module):
     """SwiGLU MLP: dense layers and shared experts (Qwen2-MoE, DeepSeek); ``act="relu2"``: Nemotron-H's ungated
     MLP, down_proj(relu(up_proj(x)) ** 2) (no gate_proj)."""
+
+    batch_invariant = False  # deterministic inference: silu alike for every element (its Linears are swapped)
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu"):
         super().__init__()
@@ -26,7 +29,8 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.act == "relu2":
             return self.down_proj(relu2(self.up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        silu = inv.silu if self.batch_invariant else F.silu
+        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def relu2(x: Tensor) -> Tensor:
@@ -36,6 +40,8 @@ def relu2(x: Tensor) -> Tensor:
 
 class MoEBlock(nn.Module):
     """Router -> routed experts (+ optional shared expert, sigmoid-gated in Qwen2-MoE)."""
+
+    batch_invariant = False  # deterministic inference: the shared expert's gate alike for every element
 
     def __init__(self, router: RouterSpec, experts: ExpertsSpec, hidden_size: int):
         super().__init__()
@@ -62,7 +68,8 @@ class MoEBlock(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                sigmoid = inv.sigmoid if self.batch_invariant else torch.sigmoid
+                shared = sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
 

@@ -7,12 +7,15 @@ from torch import Tensor, nn
 
 from ..kernels import moe_routing as routing_kernels
 from ..kernels import norm as norm_kernels
+from . import invariant as inv
 from .experts import ExpertOutputs
 
 
 class RMSNorm(nn.Module):
     """``offset`` (Qwen3-Next / Qwen3.5, weights initialised to 0): ``(x_normed * (1 + weight)).to(dtype)`` with the
     product in float32; the kernels take it as weight mode 2 (``fp32_weight``: 0 HF's usual tail, 1 GPT-OSS's)."""
+
+    batch_invariant = False  # deterministic inference (MoEForCausalLM.use_batch_invariant)
 
     def __init__(self, dim: int, eps: float, fp32_weight: bool = False, offset: bool = False):
         super().__init__()
@@ -25,9 +28,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.fused and self.within_rounding:
             return norm_kernels.rms_norm(x, self.weight, self.eps, self.fp32_weight)[1]
-        if self.fused and x.is_contiguous():
+        if self.fused and x.is_contiguous() and not self.batch_invariant:
             _, squares, _ = norm_kernels.add_square(x)
             return self._fused_tail(x, squares)
+        if self.batch_invariant and not self.fused:
+            return self._invariant(x)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -49,11 +54,22 @@ class RMSNorm(nn.Module):
             delta = delta.combine(x.dtype)
         if self.fused and self.within_rounding:
             return norm_kernels.rms_norm(x, self.weight, self.eps, self.fp32_weight, delta)
-        if self.fused and x.is_contiguous() and delta.is_contiguous():
+        if self.fused and x.is_contiguous() and delta.is_contiguous() and not self.batch_invariant:
             s, squares, _ = norm_kernels.add_square(x, delta)
             return s, self._fused_tail(s, squares)
         s = x + delta
         return s, self(s)
+
+    def _invariant(self, x: Tensor) -> Tensor:
+        """The op-by-op norm with the mean of squares summed left to right and rsqrt computed alike for every row
+        (layers/invariant.py); the rest is the same single roundings."""
+        dtype = x.dtype
+        x = x.float()
+        var = inv.row_sum(x * x, keepdim=True) / x.shape[-1]
+        x = x * inv.rsqrt(var + self.eps)
+        if self.fp32_weight:
+            return (self.weight * x).to(dtype)
+        return self.weight * x.to(dtype)
 
     def _fused_tail(self, x: Tensor, squares: Tensor) -> Tensor:
         # torch's own mean over the same float32 squares: the summation order of the op-by-op path

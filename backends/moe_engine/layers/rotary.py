@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import RopeSpec
+from . import invariant as inv
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -91,6 +92,8 @@ class RotaryEmbedding(nn.Module):
     forward -> (cos, sin) [T, R] in the model dtype (style "half" / "interleave"), or
     (freqs_cis [T, R/2] complex64, None) for "complex" (DeepSeek-V2)."""
 
+    batch_invariant = False  # deterministic inference: cos / sin through layers/invariant.py's elementwise
+
     def __init__(self, spec: RopeSpec):
         super().__init__()
         self.spec = spec
@@ -106,6 +109,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, R/2]
+        if self.batch_invariant:
+            if self.style == "complex":  # polar(1, freqs) = cos + i sin
+                return torch.complex(inv.cos(freqs), inv.sin(freqs)) * self.attention_factor, None
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return (inv.cos(emb) * self.attention_factor).to(dtype), (inv.sin(emb) * self.attention_factor).to(dtype)
         if self.style == "complex":
             return torch.polar(torch.ones_like(freqs), freqs) * self.attention_factor, None
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
@@ -117,16 +125,18 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor | None, style: str = "half") -> Tensor:
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor | None, style: str = "half", invariant: bool = False) -> Tensor:
     """x [T, heads, D]; (cos, sin) [T, R] or (freqs_cis [T, R/2] complex, None) for the "complex" style. R < D
     (partial rotary, GLM-4.5 / Qwen3-Next, half style): the first R dims rotate, the rest pass through, as HF's
-    ``apply_rotary_pos_emb`` (rotate ``x[..., :R]``, then concatenate ``x[..., R:]``)."""
+    ``apply_rotary_pos_emb`` (rotate ``x[..., :R]``, then concatenate ``x[..., R:]``). ``invariant``: the complex
+    product computed alike for every element (layers/invariant.py)."""
     if style != "complex" and cos.shape[-1] < x.shape[-1]:
         R = cos.shape[-1]
-        return torch.cat([apply_rotary(x[..., :R], cos, sin, style), x[..., R:]], dim=-1)
+        return torch.cat([apply_rotary(x[..., :R], cos, sin, style, invariant), x[..., R:]], dim=-1)
     if style == "complex":  # DeepSeek-V2: consecutive pairs as complex numbers, rotated in float32
         xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-        return torch.view_as_real(xc * cos[:, None]).flatten(-2).type_as(x)
+        rotated = inv.mul(xc, cos[:, None]) if invariant else xc * cos[:, None]
+        return torch.view_as_real(rotated).flatten(-2).type_as(x)
     if style == "interleave":  # DeepSeek-V3 rope_interleave: even/odd pairs in, de-interleaved halves out
         half = cos.shape[-1] // 2
         cos, sin = cos[:, None, :half], sin[:, None, :half]

@@ -33,6 +33,7 @@ from torch import nn
 from ..config import RouterSpec
 from ..kernels import moe_routing as routing_kernels
 from ..kernels import small_linear as linear_kernels
+from . import invariant as inv
 
 
 class Forced:
@@ -56,7 +57,14 @@ class Router(nn.Module):
 
     With ``forced``, the chosen ids of forced tokens are replaced before the weights are taken, and the weights of
     every token are gathered from the router's scores at its ids: for unforced tokens that is exactly the top-k's
-    own values, so a step mixing forced and unforced tokens computes the unforced ones bit for bit as without."""
+    own values, so a step mixing forced and unforced tokens computes the unforced ones bit for bit as without.
+
+    ``batch_invariant`` (deterministic inference, MoEForCausalLM.use_batch_invariant): the logits' GEMM, softmax,
+    sigmoid and sums through layers/invariant.py (``bi_kernels``: its Triton GEMM); the fused router kernel, one
+    program per token, is batch-invariant as it is."""
+
+    batch_invariant = False
+    bi_kernels = False
 
     def __init__(self, spec: RouterSpec, hidden_size: int):
         super().__init__()
@@ -78,6 +86,16 @@ class Router(nn.Module):
         ids, weights = self(x, forced)
         return ids, weights, None
 
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x.sum(-1, keepdim=True); left to right under deterministic inference."""
+        return inv.row_sum(x, keepdim=True) if self.batch_invariant else x.sum(dim=-1, keepdim=True)
+
+    def _fp32_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's router logits: float32 x times the float32 gate weight."""
+        if self.batch_invariant:
+            return inv.linear(x.float(), self.weight.float(), None, self.bi_kernels)
+        return F.linear(x.float(), self.weight.float())
+
 
 class SoftmaxTopKRouter(Router):
     """Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (HF ``*TopKRouter``): softmax over all experts, then top-k.
@@ -94,6 +112,8 @@ class SoftmaxTopKRouter(Router):
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         # [T, E] in the model dtype (bf16 logits for a bf16 model); decode steps: linear_kernels.small_linear
+        if self.batch_invariant:
+            return inv.linear(x, self.weight, None, self.bi_kernels)
         return linear_kernels.decode_linear(x, self.weight, None, self.within_rounding, linear_kernels.ROUTER_SMALL_LINEAR_TOKENS)
 
     def _kernel_args(self, logits: torch.Tensor, forced: Forced | None) -> tuple:
@@ -114,13 +134,16 @@ class SoftmaxTopKRouter(Router):
         logits = self._logits(x)
         if self.within_rounding:  # routing_kernels.softmax_topk: the lines below in one launch
             return routing_kernels.softmax_topk(logits, *self._kernel_args(logits, forced))
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E] float32
+        if self.batch_invariant:
+            probs = inv.softmax(logits, torch.float32)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E] float32
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K], sorted descending
         if forced is not None:
             ids = forced.apply(ids)
             weights = probs.gather(1, ids)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / self._sum(weights)
         if not self.weights_fp32:
             weights = weights.to(logits.dtype)
         return ids, weights
@@ -147,8 +170,11 @@ class DeepseekV2Router(Router):
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())  # [T, E] float32
-        scores = all_scores = logits.softmax(dim=-1, dtype=torch.float32)
+        logits = self._fp32_logits(x)  # [T, E] float32
+        if self.batch_invariant:
+            scores = all_scores = inv.softmax(logits, torch.float32)
+        else:
+            scores = all_scores = logits.softmax(dim=-1, dtype=torch.float32)
         if self.topk_method == "group_limited_greedy":
             E, G = self.num_experts, self.n_group
             group_scores = scores.view(-1, G, E // G).max(dim=-1).values  # [T, G]
@@ -175,17 +201,17 @@ class DeepseekV3Router(Router):
 
     def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         E, G = self.num_experts, self.n_group
-        logits = F.linear(x.float(), self.weight.float())  # [T, E] float32
-        scores = logits.sigmoid()
+        logits = self._fp32_logits(x)  # [T, E] float32
+        scores = inv.sigmoid(logits) if self.batch_invariant else logits.sigmoid()
         choice = scores + self.e_score_correction_bias  # [T, E] float32
-        group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_scores = self._sum(choice.view(-1, G, E // G).topk(2, dim=-1)[0]).squeeze(-1)  # [T, G]
         choice = choice.masked_fill(~_group_mask(group_scores, self.topk_group, E // G), float("-inf"))
         ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, K]
         if forced is not None:
             ids = forced.apply(ids)
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (self._sum(weights) + 1e-20)
         return ids, weights * self.routed_scaling_factor
 
 
@@ -199,11 +225,16 @@ class GptOssRouter(Router):
         self.bias = nn.Parameter(torch.empty(spec.num_experts), requires_grad=False)
 
     def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        if self.batch_invariant:
+            logits = inv.linear(x, self.weight, self.bias, self.bi_kernels)
+        else:
+            logits = F.linear(x, self.weight, self.bias)  # [T, E]
         top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, K], sorted descending
         if forced is not None:
             ids = forced.apply(ids)
             top = logits.gather(1, ids)
+        if self.batch_invariant:
+            return ids, inv.softmax(top, top.dtype)
         return ids, torch.softmax(top, dim=1, dtype=top.dtype)
 
 

@@ -31,6 +31,8 @@ mlp_only_layers) are part of the layer dimension; their capture rows are never w
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor, nn
 
@@ -38,6 +40,7 @@ from ..config import MoEConfig
 from ..core.kv_cache import KVCache, KVSpec
 from ..kernels import moe_routing as routing_kernels
 from ..kernels import support as kernel_support
+from ..layers import invariant as inv
 from ..layers.attend import ForwardBatch, LayerKV
 from ..layers.attention import Attention
 from ..layers.experts import NO_ROUTING, TRITON_GEMM_MAX_PAIRS, ExpertOutputs, Experts, LayerRouting, StepRouting
@@ -59,6 +62,8 @@ ATTENTIONS: dict[str, type[nn.Module]] = {"gqa": Attention, "mla": MLAttention}
 class DecoderLayer(nn.Module):
     """input_layernorm -> token mixer (``self_attn``, or Gated DeltaNet ``linear_attn`` in a hybrid's linear-attention
     layers) -> post_attention_layernorm -> MLP or MoE block (``mlp``)."""
+
+    batch_invariant = False  # deterministic inference: the combine never moves into the next norm's launch
 
     def __init__(self, cfg: MoEConfig, layer_idx: int):
         super().__init__()
@@ -114,7 +119,8 @@ class DecoderLayer(nn.Module):
             return h, self._reduce(self.mlp(normed))
         if isinstance(self.mlp, MoEBlock) and self.tp is None:
             norm = self.post_attention_layernorm
-            defer = norm.fused and norm.within_rounding and normed.shape[0] >= routing_kernels.COMBINE_NORM_MIN_TOKENS
+            defer = (norm.fused and norm.within_rounding and not self.batch_invariant
+                     and normed.shape[0] >= routing_kernels.COMBINE_NORM_MIN_TOKENS)
             return h, self.mlp(normed, routing, defer_combine=defer)
         return h, self._reduce(self.mlp(normed, routing))
 
@@ -244,6 +250,32 @@ class MoEForCausalLM(nn.Module):
             if isinstance(m, Experts):
                 m.triton_gemm_max_pairs = TRITON_GEMM_MAX_PAIRS if on_gpu else 0
         return enabled
+
+    def use_batch_invariant(self, enabled: bool) -> bool:
+        """Deterministic inference on (or off): every module computes a row's result independently of the rows that
+        share its step (layers/invariant.py, kernels/batch_invariant.py; docs/design/determinism.md). With the fused
+        kernels on (call ``use_fused_kernels`` first) the per-row fusions are kept, with their one-pass norms and
+        router (each token one program of a fixed launch), the GEMMs and attention become the Triton batch-invariant
+        ones and the expert GEMMs take fused_moe.py's single tile config; without them the op-by-op path computes
+        through layers/invariant.py. Linear modules switch class (``InvariantLinear``), keeping their parameters.
+        Returns ``enabled``."""
+        kernels = bool(enabled) and any(getattr(m, "fused", False) for m in self.modules())
+        if enabled and kernels:
+            for m in self.modules():
+                if isinstance(m, (RMSNorm, Attention, Router)):
+                    m.within_rounding = True  # the per-row kernels (the exact set takes torch's batch-split mean)
+                if isinstance(m, Attention):
+                    m.fuse_qkv()
+                if isinstance(m, Experts):
+                    m.triton_gemm_max_pairs = sys.maxsize  # never torch's grouped GEMM
+        for m in self.modules():
+            if type(m) in (nn.Linear, inv.InvariantLinear):
+                m.__class__ = inv.InvariantLinear if enabled else nn.Linear
+            if hasattr(type(m), "batch_invariant"):
+                m.batch_invariant = bool(enabled)
+            if hasattr(type(m), "bi_kernels"):
+                m.bi_kernels = kernels
+        return bool(enabled)
 
     def graph_unsafe_reason(self) -> str | None:
         """Why a decode step of this model cannot be captured in a CUDA graph (a host sync inside), or None."""

@@ -164,11 +164,15 @@ class RolloutLifecycle:
 
     def get_engine_info(self) -> Future:
         """What a client cannot see in the model's metadata because the engine decides it when it starts: the KV
-        cache's block size (the prefix cache's granularity; device-dependent by default) and block count."""
+        cache's block size (the prefix cache's granularity; device-dependent by default) and block count, and
+        whether deterministic inference is on (--enable-deterministic-inference or VLLM_BATCH_INVARIANT=1)."""
         future: Future = Future()
         blocks = self.engine.blocks
-        future.set_result({"message": f"KV cache: {blocks.num_blocks} blocks x {blocks.block_size} tokens",
-                           "kv_block_size": blocks.block_size, "num_kv_blocks": blocks.num_blocks})
+        deterministic = bool(self.engine.settings.deterministic_inference)
+        future.set_result({"message": f"KV cache: {blocks.num_blocks} blocks x {blocks.block_size} tokens"
+                                      + ("; deterministic inference" if deterministic else ""),
+                           "kv_block_size": blocks.block_size, "num_kv_blocks": blocks.num_blocks,
+                           "deterministic_inference": deterministic})
         return future
 
     def is_sleeping(self) -> Future:

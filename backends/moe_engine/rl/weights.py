@@ -64,6 +64,8 @@ _META = torch.device("meta")
 class WeightUpdateError(InvalidRequestError):
     """A weight update was refused (nothing was written): the message names the first mismatching tensor."""
 
+    code: str | None = None  # checkpoint_not_found, weight_update_group_not_found: the API answers 404
+
 
 # --------------------------------------------------------------------------------------------- from disk
 
@@ -124,11 +126,19 @@ def _same_model_fields(cfg: MoEConfig) -> dict:
 
 
 def check_checkpoint(model: torch.nn.Module, path: str) -> Path:
-    """Check that checkpoint ``path`` holds every parameter of the live model, with its shape and a float dtype
-    (headers only, nothing is read). Returns the checkpoint directory; raises WeightUpdateError."""
+    """Check that checkpoint ``path`` holds every parameter of the live model, with its shape and a float dtype, and
+    finite values (``check_finite`` reads each tensor once). Returns the checkpoint directory; raises
+    WeightUpdateError."""
     root = Path(path)
-    if not root.is_dir():
-        raise WeightUpdateError(f"model_path {path!r} is not a directory", param="model_path")
+    try:
+        is_dir, why = root.is_dir(), "is not a directory"
+    except OSError as exc:  # a name too long for the file system, ...
+        is_dir, why = False, f"is not a usable path ({exc.strerror})"
+    if not is_dir:
+        err = WeightUpdateError(f"model_path {path[:200]!r}{'...' if len(path) > 200 else ''} {why}",
+                                param="model_path")
+        err.code = "checkpoint_not_found"
+        raise err
     cfg: MoEConfig = model.config
     try:
         if (root / "config.json").is_file():
@@ -143,12 +153,36 @@ def check_checkpoint(model: torch.nn.Module, path: str) -> Path:
             headers = _Headers(root, stack, cfg.key_prefixes)
             for name, p in model.named_parameters():
                 _read(headers, model, name, p, _META)
+            _check_finite(headers, root)  # a NaN / Inf tensor: refused before anything is written
     except WeightUpdateError:
         raise
     except Exception as exc:  # CheckpointError, a missing shard, an unreadable header, an unsupported config
         raise WeightUpdateError(f"checkpoint {root} cannot replace the served weights: {exc}",
                                 param="model_path") from exc
     return root
+
+
+_SCAN_ELEMENTS = 1 << 26  # elements read at once by the finiteness check (256 MB of float32)
+
+
+@torch.no_grad()
+def _check_finite(headers: _Headers, root: Path) -> None:
+    """Raise WeightUpdateError naming the first tensor the model reads from checkpoint ``root`` (``headers.used``,
+    after a headers pass) that holds a NaN or an infinity: nothing is written, the old weights stay. Reads through
+    the memory map in slices of the leading dimension."""
+    for key in sorted(headers.used):
+        sl = headers._open(headers.key_file[key]).get_slice(key)
+        if sl.get_dtype() not in _FLOAT_FILE_DTYPES:
+            continue  # MXFP4 blocks / scales
+        shape = sl.get_shape()
+        rows = shape[0] if shape else 1
+        per_row = max(1, int(torch.Size(shape[1:]).numel())) if shape else 1
+        step = max(1, _SCAN_ELEMENTS // per_row)
+        for lo in range(0, rows, step):
+            part = sl[lo:lo + step] if shape else sl[:]
+            if not torch.isfinite(part).all():
+                raise WeightUpdateError(f"checkpoint {root} cannot replace the served weights: tensor {key!r} holds "
+                                        f"NaN or infinite values", param="model_path")
 
 
 @torch.no_grad()
@@ -407,8 +441,10 @@ class UpdateGroups:
         with self._lock:
             entry = self._groups.get(group_name)
         if entry is None:
-            raise WeightUpdateError(f"no weight update group {group_name!r}: call init_weights_update_group first",
+            err = WeightUpdateError(f"no weight update group {group_name!r}: call init_weights_update_group first",
                                     param="group_name")
+            err.code = "weight_update_group_not_found"
+            raise err
         pg, backend = entry
         return pg, (self.device if backend == "nccl" else torch.device("cpu"))
 
