@@ -87,19 +87,22 @@ def expert_load_router(ctx: ServingContext) -> APIRouter:
     router = APIRouter()
     protected = APIRouter(dependencies=[Depends(api_key)])
 
-    @protected.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
+    @protected.get("/start_expert_distribution_record", include_in_schema=False)  # SGLang answers GET too (one documented method)
+    @protected.post("/start_expert_distribution_record", response_class=PlainTextResponse)
     async def start_expert_distribution_record() -> Response:
         result = await _control(ctx, "start_expert_distribution_record", {})
         _refused(result)
         return PlainTextResponse(str(result.get("message")) + "\n")
 
-    @protected.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
+    @protected.get("/stop_expert_distribution_record", include_in_schema=False)  # SGLang answers GET too (one documented method)
+    @protected.post("/stop_expert_distribution_record", response_class=PlainTextResponse)
     async def stop_expert_distribution_record() -> Response:
         result = await _control(ctx, "stop_expert_distribution_record", {})
         _refused(result)
         return PlainTextResponse(str(result.get("message")) + "\n")
 
-    @protected.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
+    @protected.get("/dump_expert_distribution_record", include_in_schema=False)  # SGLang answers GET too (one documented method)
+    @protected.post("/dump_expert_distribution_record")
     async def dump_expert_distribution_record(format: Literal["json", "npy"] = Query("json")) -> Response:  # noqa: A002
         result = await _control(ctx, "dump_expert_distribution_record", {})
         _refused(result)
