@@ -113,6 +113,7 @@ def engine_config(args, device: torch.device, **want):
                 "fused_kernels": False if args.no_fused_kernels else None,
                 "exact_kernels": True if args.exact_kernels else None,
                 "deterministic_inference": True if args.enable_deterministic_inference else None,
+                "expert_load": False if args.disable_expert_load else None,
                 "kv_cache_memory_bytes": int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None}
     want.update({k: v for k, v in optional.items() if v is not None})
     if "kv_cache_bytes" in have and "kv_cache_memory_bytes" not in have:  # the slot-cache engine (de221cd)
@@ -773,6 +774,8 @@ def parse_args(argv=None):
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--no-fused-kernels", action="store_true")
     g.add_argument("--exact-kernels", action="store_true", help="only the bit-identical fused kernels")
+    g.add_argument("--disable-expert-load", action="store_true",
+                   help="no expert-load counts (on by default: tokens per MoE layer and expert, counted each step)")
     g.add_argument("--enable-deterministic-inference", action="store_true",
                    help="the batch-invariant forward (VLLM_BATCH_INVARIANT=1 in the environment does the same)")
     g.add_argument("--dense-prefill-min", type=int, default=None,
