@@ -126,7 +126,8 @@
     });
     svg.innerHTML = out;
     svg.dataset.ymax = ymax;
-    svg.setAttribute("aria-label", "max " + fmt(ymax, 2));
+    const label = $(svg.id + "-max");
+    if (label) label.textContent = "top of the axis: " + fmt(ymax, ymax < 10 ? 2 : 0);
     return ymax;
   }
   function drawStrip(canvas, timeline, nLayers) {
