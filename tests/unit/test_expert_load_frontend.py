@@ -108,3 +108,18 @@ def test_dashboard_page_is_open_and_loads_only_what_it_ships(srv):
     data = srv.http.get("/dashboard/data").json()
     assert data["layers"] == [1, 3] and data["model"]["name"] == "m" and "success" not in data
     assert srv.engine.controls[-1] == ("get_expert_load", {})
+
+
+def test_grafana_dashboard_queries_documented_metrics():
+    """docs/grafana/expert_load.json is a dashboard whose every query names a metric docs/operations.md lists."""
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    dash = json.loads((docs / "grafana" / "expert_load.json").read_text())
+    exprs = [t["expr"] for panel in dash["panels"] for t in panel["targets"]]
+    names = {re.sub(r"_total$", "", n) for e in exprs for n in re.findall(r"moe_(?:engine|serve)_\w+", e)}
+    assert {"moe_engine_expert_load_imbalance", "moe_engine_expert_load_entropy", "moe_engine_routed_tokens",
+            "moe_engine_expert_load_top10_share"} <= names
+    operations = (docs / "operations.md").read_text()
+    assert [n for n in sorted(names) if f"`{n}" not in operations] == []
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
