@@ -271,3 +271,18 @@ def test_window_and_timeline_follow_the_clock(monkeypatch):
     assert s["timeline"][-1]["imbalance"] == [4.0, 4.0]
     clock["t"] += 30.0  # idle past the window: nothing in it
     assert load.gauges()["expert_load_window_tokens"] == 0 and load.gauges()["routed_tokens"] == 6
+
+
+def test_recorder_stat_over_every_step_keeps_no_per_step_copies():
+    """--expert-distribution-recorder-buffer-size -1 in stat mode: a running sum, however many steps."""
+    rec = el.Recorder("stat", -1, (2, 3))
+    rec.start()
+    for step in range(5):
+        rec.add(step, 2, np.array([[1, 0, 1], [0, 2, 0]]))
+    assert len(rec.steps) == 0
+    dump = rec.dump()
+    np.testing.assert_array_equal(dump["logical_count"], [[5, 0, 5], [0, 10, 0]])
+    assert (dump["num_steps"], dump["num_tokens"], dump["recording"]) == (5, 10, True)
+    assert rec.dump()["num_steps"] == 0
+    with pytest.raises(ValueError, match="per_token"):
+        el.Recorder("per_token", 10, (2, 3))
