@@ -29,6 +29,7 @@ def _complete(server, prompt: str, max_tokens: int = 32) -> np.ndarray:
     """A greedy completion that shares no cached block with any other request; its routed experts."""
     r = requests.post(f"{server.base_url}/completions", headers=_auth(server), timeout=120, json={
         "model": _model(server)["id"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True,  # ends on its length: no row forwarded after a stop token (overlapped steps on GPUs)
         "cache_salt": uuid.uuid4().hex})
     assert r.status_code == 200, r.text
     return decode_routed_experts(r.json()["choices"][0]["routed_experts"])
