@@ -286,3 +286,37 @@ def test_recorder_stat_over_every_step_keeps_no_per_step_copies():
     assert rec.dump()["num_steps"] == 0
     with pytest.raises(ValueError, match="per_token"):
         el.Recorder("per_token", 10, (2, 3))
+
+
+def test_device_path_snapshots_at_most_every_interval_and_flushes_when_idle(monkeypatch):
+    """The CUDA path's bookkeeping, on CPU tensors standing in for the pinned buffers: a snapshot rides with a step
+    at most once per interval (every step while recording); what the steps between counted reaches the host at the
+    idle flush."""
+    clock = {"t": 50.0}
+
+    class FakeTime:
+        monotonic = staticmethod(lambda: clock["t"])
+        time = staticmethod(lambda: clock["t"])
+
+    monkeypatch.setattr(el, "time", FakeTime)
+    load = el.ExpertLoad((0,), num_experts=4, top_k=1, step_tokens=4, device="cpu", window_s=60.0)
+    load._pinned = [torch.zeros(4, dtype=torch.int64) for _ in range(2)]  # as on CUDA
+
+    def step(expert):
+        load.count(torch.full((1, 1, 1), expert, dtype=torch.int32), 1, 1)
+        snap = load.snapshot()
+        if snap is not None:
+            load.collect(snap)
+        return snap is not None
+
+    assert step(0) and not step(1) and not step(1)  # the first is due, the next two within the interval
+    assert load.summary()["total"]["counts"] == [[1, 0, 0, 0]] and load.stale
+    load.flush()  # the engine ran out of work
+    assert load.summary()["total"]["counts"] == [[1, 2, 0, 0]] and not load.stale
+    load.start_record()
+    assert step(2) and step(3)  # recording: every step
+    assert load.dump_record()["logical_count"].tolist() == [[0, 0, 1, 1]]
+    load.stop_record()
+    assert not step(3)
+    clock["t"] += 1.0
+    assert step(3)  # an interval later: due again
