@@ -186,6 +186,21 @@ class StandInEngine:
                     "num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
                     "steps": self.num_steps, "overlapped_steps": 0}
 
+    # The expert load (core/expert_load.py) is off: the stand-in captures nothing.
+    def expert_load_gauges(self) -> dict:
+        return {}
+
+    def expert_load_summary(self) -> dict:
+        return {"enabled": False, "message": "stand-in engine: no expert load", "stats": self.stats()}
+
+    def __getattr__(self, op: str):
+        if op.endswith("_expert_distribution_record"):  # SGLang's recorder calls: refused, as with the load off
+            def refuse(**_: object) -> Future:
+                raise InvalidRequestError(f"{op}: the stand-in engine records no expert load", param="op")
+
+            return refuse
+        raise AttributeError(op)
+
     # ------------------------------------------------------------ engine thread
 
     def _loop(self) -> None:
