@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import faulthandler
 import gzip
 import itertools
 import json
@@ -761,6 +762,9 @@ def parse_args(argv=None):
                    help="torch.profiler over --profile-steps steps of case a, b, c or e (decode by default)")
     p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dump-stacks", type=float, default=None, metavar="S",
+                   help="every S seconds, every thread's Python stack into <out>/stacks.txt (where a long start-up or "
+                        "a slow case spends its time)")
     p.add_argument("--step-trace", action="store_true", help="time every step of the timed reps (host launch, "
                    "GPU span and idle by CUDA events) and log where each rep's wall time went")
     p.add_argument("--init", default="balanced", choices=rsm.INITS, help="random weights: balanced (near-uniform "
@@ -882,6 +886,9 @@ def main(argv=None) -> int:
         from moe_engine.layers import attend
         attend.DENSE_PREFILL_MIN_TOKENS = args.dense_prefill_min
     ctx = Ctx(args)
+    if args.dump_stacks:
+        stacks = open(ctx.out / "stacks.txt", "w")  # noqa: SIM115 - open for the process's whole life
+        faulthandler.dump_traceback_later(args.dump_stacks, repeat=True, file=stacks)
     ctx.results = {"benchmark": "loadtest/bench/bench_real_shape.py",
                    "command": " ".join(["bench_real_shape.py", *(argv or sys.argv[1:])]),
                    "timestamp_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
