@@ -106,3 +106,92 @@ def test_absorbed_decode_writes_into_strided_out_and_chooses_splits():
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
     assert mla_k.num_splits_for(2, 4, 300) == pa.choose_num_splits(2, 1, 300) > 1
     assert mla_k.head_blocks(128) == 8 and mla_k.head_blocks(16) == 1 and mla_k.head_blocks(4) == 1
+
+
+# ----------------------------------------------------------------------------- the layer on the kernel path
+
+
+def make_layer(arch: str, dtype: torch.dtype, seed: int = 0, **overrides):
+    """An MLA layer of the tiny transformers config of ``arch`` (its rope style and q_lora_rank), random weights,
+    and its rotary tables."""
+    import json
+
+    from moe_engine.config import config_from_dict
+    from moe_engine.layers.mla import MLAttention
+    from moe_engine.layers.rotary import RotaryEmbedding
+
+    from .hf_checkpoints import hf_config
+
+    cfg = config_from_dict(json.loads(hf_config(arch, **overrides).to_json_string()))
+    layer = MLAttention(cfg.attention, cfg.rope, cfg.hidden_size, cfg.rms_norm_eps, 0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name else
+                    torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    layer.prefill_config = pa.KernelConfig(prefill_block_m=16, prefill_tile_n=16, prefill_num_warps=4,
+                                           prefill_num_stages=1, prefill_tma=False)
+    layer.decode_config = SMALL
+    return cfg, layer.to(dtype).to(DEVICE), RotaryEmbedding(cfg.rope).to(DEVICE)
+
+
+def run_step(layer, rotary, cache, tables, contexts, q_lens, x, use_kernels, dense_min=None):
+    from moe_engine.layers.attend import ForwardBatch
+
+    batch = ForwardBatch.build(tables, contexts, q_lens, DEVICE, cache.block_size, dense_prefill_min=dense_min)
+    batch.use_kernels = use_kernels
+    cos, sin = rotary(batch.positions, x.dtype)
+    with torch.inference_mode():
+        return layer(x, cos, sin, batch, cache[0]), batch
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch,dtype", [("deepseek_v2", torch.float32), ("deepseek_v3", torch.float32),
+                                        ("deepseek_v3", torch.bfloat16)], ids=["v2-fp32", "v3-fp32", "v3-bf16"])
+def test_layer_kernel_path_equals_op_by_op(arch, dtype):
+    """Three sequences prefilled in chunks by the op-by-op layer; then, from copies of that cache, one decode step
+    and one mixed step (two decodes, a chunk after cached context, a prompt from position 0, and a long prompt from
+    position 0 last, which takes dense causal SDPA in bf16) on both paths: outputs within rounding, and the same
+    cache contents written (the latent and the rotated rope key, bit for bit: both paths store them alike)."""
+    from moe_engine.core.kv_cache import KVCache
+
+    cfg, layer, rotary = make_layer(arch, dtype)
+    H = cfg.hidden_size
+    g = torch.Generator().manual_seed(1)
+    cache = KVCache([mla_spec(cfg)], num_blocks=40, block_size=8, dtype=dtype, device=DEVICE)
+    free = torch.randperm(39, generator=g).tolist()
+    tables = [[free.pop() for _ in range(5)] for _ in range(5)]
+    # history: sequence 0 gets 30 tokens, 1 gets 9, 2 gets 17 (two chunks)
+    for ctx, lens in (([0, 0, 0], [21, 9, 11]), ([21, 9, 11], [9, 0, 6])):
+        keep = [i for i, n in enumerate(lens) if n]
+        x = torch.randn(sum(lens), H, generator=g).to(dtype).to(DEVICE)
+        run_step(layer, rotary, cache, [tables[i] for i in keep], [ctx[i] for i in keep], [lens[i] for i in keep],
+                 x, use_kernels=False)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=4e-2)
+    steps = (
+        ([0, 1, 2], [30, 9, 17], [1, 1, 1], None),  # decode step: absorbed for every row
+        # mixed: decodes of 0 and 1, a chunk of 2 after its 17 cached tokens, prompts 3 and 4 from position 0
+        ([0, 1, 2, 3, 4], [30, 9, 17, 0, 0], [1, 1, 5, 12, 20], 16),
+    )
+    for seqs, contexts, q_lens, dense_min in steps:
+        x = torch.randn(sum(q_lens), H, generator=g).to(dtype).to(DEVICE)
+        outs, caches = [], []
+        for use_kernels in (False, True):
+            c = KVCache([mla_spec(cfg)], num_blocks=40, block_size=8, dtype=dtype, device=DEVICE)
+            c[0].k.copy_(cache[0].k)
+            c[0].v.copy_(cache[0].v)
+            out, batch = run_step(layer, rotary, c, [tables[i] for i in seqs], contexts, q_lens, x, use_kernels,
+                                  dense_min)
+            outs.append(out)
+            caches.append(c)
+        if dense_min is not None:
+            assert batch.dense_from == 4  # the 20-token prompt (bf16: dense SDPA; float32: the paged kernel)
+        assert torch.isfinite(outs[1]).all()
+        torch.testing.assert_close(outs[1].float(), outs[0].float(), **tol)
+        assert torch.equal(caches[0][0].k, caches[1][0].k) and torch.equal(caches[0][0].v, caches[1][0].v)
+
+
+def mla_spec(cfg):
+    from moe_engine.core.kv_cache import KVSpec
+
+    return KVSpec(1, cfg.attention.mla.kv_lora_rank, cfg.attention.mla.qk_rope_head_dim)

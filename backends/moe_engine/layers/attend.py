@@ -172,6 +172,17 @@ class ForwardBatch:
             **fields,
         )
 
+    def leading_decodes(self) -> int:
+        """How many of the step's first sequences forward one token each (the scheduler plans decodes first; a
+        decode step: all of them). Host ints only; made once per step."""
+        key = "leading_decodes"
+        if key not in self._int32:
+            nd = 0
+            while nd < len(self.query_lens) and self.query_lens[nd] == 1:
+                nd += 1
+            self._int32[key] = nd
+        return self._int32[key]
+
     def int32(self, name: str) -> torch.Tensor:
         """An int32 copy of a field, for the kernels (made once per step)."""
         if name not in self._int32:
