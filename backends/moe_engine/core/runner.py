@@ -189,8 +189,9 @@ class ModelRunner(ReleasableMemory):
         self.sampler = Sampler(cfg.vocab_size, self.device, max_rows=s.max_num_seqs,
                                batch_invariant=s.deterministic_inference)
         self.batch_invariant = s.deterministic_inference
-        # Attention through paged_attention.py's kernels (they read only each sequence's own blocks) on CUDA with
-        # the fused kernels on; the reference (gather + SDPA) elsewhere, and for MLA's latent cache.
+        # Attention through paged_attention.py's kernels (they read only each sequence's own blocks; MLA: the
+        # absorbed decode over the latent blocks, mla_attention.py) on CUDA with the fused kernels on; the reference
+        # (gather + SDPA; MLA expands its latents) elsewhere.
         self.use_kernels = s.attention_kernels
         # Steps of up to max_cudagraph_capture_size tokens replay graphs: decode steps of that many sequences (at
         # most max_num_seqs), and prefill and mixed steps of that many tokens where the attention kernels read the

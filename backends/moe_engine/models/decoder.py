@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from ..config import MoEConfig
 from ..core.kv_cache import KVCache, KVSpec
+from ..kernels import mla_attention as mla_kernels
 from ..kernels import moe_routing as routing_kernels
 from ..kernels import support as kernel_support
 from ..layers import invariant as inv
@@ -293,11 +294,25 @@ class MoEForCausalLM(nn.Module):
         recurrent layers' prompt chunks run one sequence at a time from host-side lengths."""
         if self.config.is_hybrid:
             return "a hybrid model's linear-attention / Mamba layers prefill each sequence from host-side lengths"
+        if self.config.attention.mla is not None:
+            return "MLA prefill expands each prompt's cached latents into a buffer sized on the host"
         for layer in self.model.layers:
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None and not (getattr(experts, "fused", False) and experts.first_expert is None):
                 return "an MoE layer is off the fused path (expert parallelism, or the op-by-op forward)"
         return None
+
+    def decode_attention_programs(self) -> list[int]:
+        """Per attention layer kind, the programs a decode token's attention runs per split (paged_attention.py's
+        split rule counts them): GQA its kv heads, MLA its query heads in blocks of the absorbed kernel's rows."""
+        out = set()
+        for layer in self.model.layers:
+            a = getattr(layer, "self_attn", None)
+            if isinstance(a, MLAttention):
+                out.add(mla_kernels.head_blocks(a.num_heads, a.decode_config))
+            elif a is not None:
+                out.add(a.num_kv_heads)
+        return sorted(out)
 
     def param_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
         """dtype a parameter is loaded in when the model runs in ``dtype`` (HF's keep-in-fp32 rules):

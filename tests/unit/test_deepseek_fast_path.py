@@ -1,0 +1,113 @@
+"""DeepSeek-family models (MLA + DeepSeek routers) on the fast path against transformers, on checkpoints
+transformers wrote: every fused kernel on (the within-rounding set a GPU runs: fused routers, one-pass norms, fused
+experts) and the attention kernels (absorbed MLA decode, expanded prefill over the latent cache), under Triton's
+interpreter on CPU (``MOE_TEST_DEVICE=cuda`` compiles them).
+
+float32: greedy tokens equal HF ``generate``, logits within 1e-4, and the routed expert ids equal HF's routers' own
+ids for every (token, MoE layer) (as sets: DeepSeek's top-k is unsorted, HF defines no slot order), for a prompt
+prefilled in two chunks (the second over cached latents) and decode steps, on every DeepSeek variant: V2 softmax
+group-limited and greedy, V3 sigmoid with correction bias and groups (some, all), q_lora_rank null and set,
+complex / interleaved / half rope, yarn, GLM-4.7-Flash's MLA.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moe_engine.checkpoint import load_model
+from moe_engine.core.kv_cache import KVCache
+from moe_engine.kernels import mla_attention as mla_kernels
+from moe_engine.kernels import moe_routing as routing_kernels
+from moe_engine.kernels import paged_attention as pa
+from moe_engine.layers.attend import ForwardBatch
+from moe_engine.layers.experts import StepRouting
+
+from .hf_checkpoints import hf_forward_with_routing, hf_router_modules, load_hf, make_hf_model, save_hf_checkpoint
+from .test_deepseek_gpt_oss import VARIANTS
+
+DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
+needs_kernels = pytest.mark.skipif(not pa.available(DEVICE), reason="Triton (or its interpreter) unavailable")
+
+CASES = {
+    "v2_group_limited_q_proj": ("deepseek_v2", {}),
+    "v2_greedy_qlora_yarn_biases": VARIANTS["v2_greedy_qlora_yarn_biases"],
+    "v3_groups_bias_qlora_yarn": ("deepseek_v3", {}),
+    "v3_all_groups_q_proj_half_rope": VARIANTS["v3_no_interleave_all_groups"],
+    "glm4_moe_lite": ("glm4_moe_lite", {}),
+}
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def fast_path_generate(model, prompt: list[int], new: int, chunks: list[int], block_size: int = 4):
+    """Greedy tokens, per-step logits and the routing capture of prompt + new - 1 positions, on the fast path: the
+    prompt in ``chunks`` (prefill steps), then one-token decode steps, every step with the attention kernels."""
+    cfg = model.config
+    cache = KVCache.for_sequences(model.kv_layout(), 1, len(prompt) + new, model.dtype, DEVICE, block_size=block_size)
+    capture = torch.zeros(len(prompt) + new - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.int32,
+                          device=DEVICE)
+    tokens, logits, context = [], [], 0
+    steps = [prompt[sum(chunks[:i]):sum(chunks[: i + 1])] for i in range(len(chunks))]
+    with torch.inference_mode():
+        while len(tokens) < new:
+            ids = steps.pop(0) if steps else tokens[-1:]
+            batch = ForwardBatch.build([cache.sequence_blocks(0)], [context], [len(ids)], DEVICE, block_size)
+            batch.use_kernels = True
+            hidden = model(torch.tensor(ids, device=DEVICE), batch, cache, StepRouting(ids=capture[context:]))
+            context += len(ids)
+            if context >= len(prompt):
+                step_logits = model.compute_logits(hidden[batch.last_token_index])
+                logits.append(step_logits[0].cpu())
+                tokens.append(int(step_logits.argmax(-1)))
+    return tokens, torch.stack(logits), capture.cpu()
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fast_path_float32_matches_transformers(case, tmp_path, monkeypatch):
+    from moe_engine.layers.mla import MLAttention
+
+    arch, overrides = CASES[case]
+    path = save_hf_checkpoint(make_hf_model(arch, seed=3, **overrides), tmp_path / case)
+    hf = load_hf(path, torch.float32)
+    model = load_model(path, device=DEVICE, progress=False)
+    assert model.use_fused_kernels(True, within_rounding=True)
+    monkeypatch.setattr(MLAttention, "prefill_config", pa.KernelConfig(
+        prefill_block_m=16, prefill_tile_n=16, prefill_num_warps=4, prefill_num_stages=1, prefill_tma=False))
+    prompt, new = prompt_of(9, seed=1), 6
+    calls = {}
+    for module, name in ((mla_kernels, "mla_decode"), (pa, "paged_attention"), (routing_kernels, "route")):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _fn=fn, _n=name, **kw: (
+            calls.__setitem__(_n, calls.get(_n, 0) + 1), _fn(*a, **kw))[1])
+
+    hf_rows: dict[int, list[torch.Tensor]] = {}
+    hooks = [gate.register_forward_hook(lambda _m, _i, out, l=l: hf_rows.setdefault(l, []).append(out[2].clone()))
+             for l, gate in hf_router_modules(hf).items()]
+    try:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    finally:
+        for h in hooks:
+            h.remove()
+    hf_tokens = out[0, len(prompt):].tolist()
+
+    tokens, logits, capture = fast_path_generate(model, prompt, new, chunks=[6, 3])
+    n_mla, n_moe = len(model.config.attention_layers), len(model.config.moe_layers)
+    # the fast path: absorbed decode in every decode step, the paged prefill kernel for both chunks, fused experts
+    assert calls == {"mla_decode": n_mla * (new - 1), "paged_attention": 2 * n_mla, "route": n_moe * (new + 1)}, calls
+    assert tokens == hf_tokens, (case, tokens, hf_tokens)
+    hf_logits, _ = hf_forward_with_routing(hf, torch.tensor([prompt + hf_tokens[:-1]]))
+    torch.testing.assert_close(logits, hf_logits[0, len(prompt) - 1:], atol=1e-4, rtol=1e-4)
+    cfg = model.config
+    for layer in range(cfg.num_hidden_layers):
+        if layer in hf_rows:
+            ref = torch.cat(hf_rows[layer])  # [prompt + new - 1, K]: the prefill's rows, then each decode's
+            assert torch.equal(capture[:, layer].long().sort(-1).values, ref.sort(-1).values), (case, layer)
+        else:
+            assert not capture[:, layer].any()
