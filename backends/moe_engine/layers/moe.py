@@ -86,8 +86,14 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = MLP(hidden_size, width, bias=experts.shared_bias) if width else None
 
     def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING) -> Tensor:
-        ids, weights = self.gate(x, routing.forced)  # [T, K] int64 (unsorted, as HF's topk(sorted=False)), fp32
-        out = self.experts(x, ids, weights, routing.ids, routing.weights)
+        # [T, K] int64 (unsorted, as HF's topk(sorted=False); the fused router: descending), float32; for the fused
+        # experts, a one-token step's expert-grouped order from the router's launch (which also writes the capture)
+        grouped = None
+        if self.experts.takes_fused_path(x, self.gate.top_k):
+            ids, weights, grouped = self.gate.forward_grouped(x, routing.forced, routing.ids)
+        else:
+            ids, weights = self.gate(x, routing.forced)
+        out = self.experts(x, ids, weights, routing.ids, routing.weights, grouped=grouped)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
