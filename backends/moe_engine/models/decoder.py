@@ -118,7 +118,7 @@ class DecoderLayer(nn.Module):
         h, normed = self.post_attention_layernorm.add_forward(x, attn)
         if not self.is_moe:
             return h, self._reduce(self.mlp(normed))
-        if isinstance(self.mlp, MoEBlock) and self.tp is None:
+        if isinstance(self.mlp, (MoEBlock, DeepseekMoE)) and self.tp is None:
             norm = self.post_attention_layernorm
             defer = (norm.fused and norm.within_rounding and not self.batch_invariant
                      and normed.shape[0] >= routing_kernels.COMBINE_NORM_MIN_TOKENS)
@@ -250,6 +250,10 @@ class MoEForCausalLM(nn.Module):
                 m.fuse_projections()
             if isinstance(m, Experts):
                 m.triton_gemm_max_pairs = TRITON_GEMM_MAX_PAIRS if on_gpu else 0
+            if isinstance(m, DeepseekMoE):  # shared experts through the fused expert kernels (within rounding)
+                m.fused_shared = within_rounding
+                if within_rounding:
+                    m.fuse_shared()
         return enabled
 
     def use_batch_invariant(self, enabled: bool) -> bool:
