@@ -195,3 +195,42 @@ def mla_spec(cfg):
     from moe_engine.core.kv_cache import KVSpec
 
     return KVSpec(1, cfg.attention.mla.kv_lora_rank, cfg.attention.mla.qk_rope_head_dim)
+
+
+def test_kv_cache_holds_the_latent_and_reports_it(tmp_path, caplog):
+    """The cache per token is the latent + rope key (576 values per layer at the V2/V3 shapes), in the start-up log
+    and stats() (the /metrics gauge moe_engine_kv_cache_bytes_per_token); at 32k context a KV budget holds ~9x the
+    sequences expanded per-head K/V would."""
+    import logging
+    import sys
+    from pathlib import Path
+
+    from moe_engine.checkpoint import load_model
+    from moe_engine.config import config_from_dict, load_config
+    from moe_engine.core.kv_cache import KVSpec, blocks_for_budget, bytes_per_block
+    from moe_engine.engine import Engine, EngineConfig
+    from moe_engine.models.decoder import MoEForCausalLM
+
+    from .hf_checkpoints import make_hf_model, save_hf_checkpoint
+
+    path = save_hf_checkpoint(make_hf_model("deepseek_v3", seed=0), tmp_path / "v3")
+    cfg = load_config(path)
+    with caplog.at_level(logging.INFO, logger="moe_engine.engine"):
+        engine = Engine(load_model(path, progress=False), cfg, EngineConfig(max_model_len=64))
+    per_layer = 32 + 8  # the tiny config's kv_lora_rank + qk_rope_head_dim
+    assert engine.stats()["kv_bytes_per_token"] == cfg.num_hidden_layers * per_layer * 4  # float32
+    assert f"{cfg.num_hidden_layers * per_layer * 4} bytes per token, {per_layer} values per layer: MLA latent 32 + " \
+           "rope key 8" in caplog.text
+    # Moonlight-16B-A3B's shape (built on the meta device): 576 values per layer against 16 heads x (192 + 128)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from loadtest.bench import real_shape_model as rsm
+
+    moon = config_from_dict(rsm.MOONLIGHT_16B_A3B)
+    with torch.device("meta"):
+        specs = MoEForCausalLM(moon).kv_layout()
+    assert bytes_per_block(specs, 1, torch.bfloat16) == 27 * 576 * 2 == rsm.kv_bytes_per_token(moon, 2)
+    expanded = [KVSpec(16, 192, 128)] * 27
+    budget, tokens = 40 << 30, 32768
+    latent_seqs = blocks_for_budget(specs, 16, torch.bfloat16, budget) * 16 // tokens
+    expanded_seqs = blocks_for_budget(expanded, 16, torch.bfloat16, budget) * 16 // tokens
+    assert latent_seqs >= 8 * expanded_seqs > 0, (latent_seqs, expanded_seqs)
