@@ -111,3 +111,74 @@ def test_fast_path_float32_matches_transformers(case, tmp_path, monkeypatch):
             assert torch.equal(capture[:, layer].long().sort(-1).values, ref.sort(-1).values), (case, layer)
         else:
             assert not capture[:, layer].any()
+
+
+def fast_engine(model, cfg, **kw):
+    """An engine on the fast path on this device: the fused kernels with the within-rounding set (what a GPU runs)
+    and the attention kernels (absorbed MLA decode, expanded prefill), under the interpreter on CPU."""
+    from moe_engine.engine import Engine, EngineConfig
+
+    engine = Engine(model, cfg, EngineConfig(max_model_len=64, enable_prefix_caching=False, fused_kernels=True, **kw))
+    assert model.use_fused_kernels(True, within_rounding=True)
+    engine.runner.use_kernels = True
+    return engine
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_fast_path_replay_combine_weights_and_prompt_logprobs_match_transformers(arch, tmp_path, monkeypatch):
+    """test_replay.py's check on the fast path: the combine weights are HF's router weights (within float32
+    rounding), a replayed routing is used exactly and gives HF's prompt logprobs with its top-k forced to the same
+    ids, and decoding after it (absorbed decode steps) gives the op-by-op engine's tokens."""
+    import numpy as np
+
+    from moe_engine.config import load_config
+    from moe_engine.layers.mla import MLAttention
+
+    from .test_hf_parity import random_ids
+    from .test_replay import hf_forced_topk, hf_run, replacement, run
+
+    monkeypatch.setattr(MLAttention, "prefill_config", pa.KernelConfig(
+        prefill_block_m=16, prefill_tile_n=16, prefill_num_warps=4, prefill_num_stages=1, prefill_tma=False))
+    path = save_hf_checkpoint(make_hf_model(arch, seed=0), tmp_path / arch)
+    hf = load_hf(path, torch.float32)
+    cfg = load_config(path)
+    model = load_model(path, dtype="float32", device=DEVICE, progress=False)
+    ids = random_ids(24, seed=31)  # test_replay.py's prompt on its checkpoint (a free expert in every group)
+    moe, E, K = list(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
+
+    engine = fast_engine(model, cfg)
+    own = run(engine, ids, max_tokens=4, return_routed_weights=True, prompt_logprobs=0)
+    hf_logits, hf_ids, hf_weights = hf_run(hf, ids)
+    for layer in moe:
+        order = np.argsort(own.routing[: len(ids), layer], -1), hf_ids[layer].argsort(-1).numpy()
+        np.testing.assert_array_equal(np.take_along_axis(own.routing[: len(ids), layer], order[0], -1),
+                                      np.take_along_axis(hf_ids[layer].numpy(), order[1], -1))
+        got = np.take_along_axis(own.routed_weights[: len(ids), layer], order[0], -1)
+        want = np.take_along_axis(hf_weights[layer].numpy(), order[1], -1)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{arch} layer {layer}")
+    hf_lp = torch.log_softmax(hf_logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    np.testing.assert_allclose(own.prompt_logprobs[0], hf_lp.numpy(), rtol=1e-4, atol=1e-4)
+
+    group = E // max(1, cfg.router.n_group)
+    forced = own.routing[:15].astype(np.int64).copy()
+    for t in range(3, 15):
+        for layer in moe:
+            slot = (t + layer) % K
+            forced[t, layer, slot] = replacement(forced[t, layer], slot, E, group)
+    res = run(engine, ids, replay=forced, max_tokens=4, return_routed_weights=True, prompt_logprobs=0)
+    np.testing.assert_array_equal(res.routing[:15][:, moe], forced[:, moe])
+    with hf_forced_topk(hf, {layer: torch.from_numpy(forced[:, layer]) for layer in moe}, K, E):
+        f_logits, f_ids, f_weights = hf_run(hf, ids)
+    f_lp = torch.log_softmax(f_logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    np.testing.assert_allclose(res.prompt_logprobs[0], f_lp.numpy(), rtol=1e-4, atol=1e-4)
+    for layer in moe:
+        np.testing.assert_array_equal(np.sort(res.routing[15 : len(ids), layer], -1),
+                                      np.sort(f_ids[layer][15:].numpy(), -1))
+    # the op-by-op engine on the same requests: the same tokens (prefill, then absorbed decode steps)
+    model.use_fused_kernels(False)
+    from moe_engine.engine import Engine, EngineConfig
+
+    ref_engine = Engine(model, cfg, EngineConfig(max_model_len=64, enable_prefix_caching=False))
+    assert run(ref_engine, ids, max_tokens=4).tokens == own.tokens
+    assert run(ref_engine, ids, replay=forced, max_tokens=4).tokens == res.tokens
