@@ -34,13 +34,14 @@ from dataclasses import dataclass
 import torch
 
 from .paged_attention import _check_triton, _pow2, choose_num_splits, interpreting, triton
-from .support import pdl
+from .support import _DT, pdl
+from .support import _launch as _launch_exact
 
 if triton is not None:
     import triton.language as tl
 
     from .paged_attention import _dot
-    from .support import _await_inputs
+    from .support import _await_inputs, _round
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -193,6 +194,119 @@ if triton is not None:
         pacc = tl.load(part_acc_ptr + part[:, None] * R_PAD + r[None, :], mask=s_ok[:, None], other=0.0)
         o = tl.sum(pacc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + tok * s_ot + head * s_oh + r, o.to(out_ptr.dtype.element_ty), mask=r < R)
+
+
+ROPE_STYLES = {"half": 0, "interleave": 1, "complex": 2}
+
+if triton is not None:
+
+    @triton.jit
+    def _rotated(x_ptr, cos_ptr, sin_ptr, t, rows, row_ok, s_row, s_ct, s_st,
+                 P: tl.constexpr, P_PAD: tl.constexpr, STYLE: tl.constexpr, DT: tl.constexpr):
+        """[rows, P_PAD] rotated rope vectors of token t (x_ptr + row * s_row + d), rounded as layers/rotary.py's
+        apply_rotary rounds them: half (x cos + rotate_half(x) sin), interleave (DeepSeek-V3: even/odd pairs in,
+        de-interleaved halves out), complex (DeepSeek-V2: consecutive pairs times freqs_cis in float32; cos_ptr:
+        its [P/2, 2] real view)."""
+        half: tl.constexpr = P // 2
+        d = tl.arange(0, P_PAD)[None, :]
+        m = row_ok[:, None] & (d < P)
+        base = x_ptr + rows[:, None] * s_row
+        if STYLE == 0:
+            partner = tl.where(d < half, d + half, d - half)
+            x = tl.load(base + d, mask=m, other=0.0).to(tl.float32)
+            xp = tl.load(base + partner, mask=m, other=0.0).to(tl.float32)
+            c = tl.load(cos_ptr + t * s_ct + d, mask=d < P, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + t * s_st + d, mask=d < P, other=0.0).to(tl.float32)
+            y = _round(_round(x * c, DT) + _round(tl.where(d < half, -xp, xp) * s, DT), DT)
+        elif STYLE == 1:
+            j = d % half
+            first = d < half
+            a = tl.load(base + 2 * j + tl.where(first, 0, 1), mask=m, other=0.0).to(tl.float32)
+            b = tl.load(base + 2 * j + tl.where(first, 1, 0), mask=m, other=0.0).to(tl.float32)
+            c = tl.load(cos_ptr + t * s_ct + j, mask=d < P, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + t * s_st + j, mask=d < P, other=0.0).to(tl.float32)
+            bs = _round(b * s, DT)
+            y = _round(_round(a * c, DT) + tl.where(first, -bs, bs), DT)
+        else:
+            j = d // 2
+            even = d % 2 == 0
+            xr = tl.load(base + 2 * j, mask=m, other=0.0).to(tl.float32)
+            xi = tl.load(base + 2 * j + 1, mask=m, other=0.0).to(tl.float32)
+            fr = tl.load(cos_ptr + t * s_ct + 2 * j, mask=d < P, other=0.0)
+            fi = tl.load(cos_ptr + t * s_ct + 2 * j + 1, mask=d < P, other=0.0)
+            y = _round(tl.where(even, xr * fr - xi * fi, xr * fi + xi * fr), DT)
+        return y, d, m
+
+    @triton.jit
+    def _mla_rope_kernel(
+        q_ptr, kr_ptr, lat_ptr, cos_ptr, sin_ptr, lc_ptr, rc_ptr, slot_ptr,
+        s_qt, s_qh, s_kt, s_lt, s_ct, s_st, s_lcs, s_rcs, Hq,
+        NOPE: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
+        STYLE: tl.constexpr, BLOCK_H: tl.constexpr, DT: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """Program (token, head block): the heads' rope dims of q rotated in place; head block 0 also rotates the
+        token's shared rope key in place and (STORE) writes it and the token's latent into the caches at its slot
+        (slots < 0: padding, not written)."""
+        _await_inputs(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        hb = tl.program_id(1)
+        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = h < Hq
+        qrow = q_ptr + t * s_qt + NOPE
+        y, d, m = _rotated(qrow, cos_ptr, sin_ptr, t, h, hm, s_qh, s_ct, s_st, P, P_PAD, STYLE, DT)
+        # every program read its heads before writing them (no other program touches them)
+        tl.store(qrow + h[:, None] * s_qh + d, y.to(q_ptr.dtype.element_ty), mask=m)
+        if hb == 0:
+            one = tl.arange(0, 2)
+            krow = kr_ptr + t * s_kt
+            ky, kd, km = _rotated(krow, cos_ptr, sin_ptr, t, one * 0, one < 1, 0, s_ct, s_st, P, P_PAD, STYLE, DT)
+            k_out = ky.to(kr_ptr.dtype.element_ty)
+            tl.store(krow + one[:, None] * 0 + kd, k_out, mask=km)
+            if STORE:
+                slot = tl.load(slot_ptr + t).to(tl.int64)
+                if slot >= 0:
+                    tl.store(rc_ptr + slot * s_rcs + one[:, None] * 0 + kd, k_out.to(rc_ptr.dtype.element_ty),
+                             mask=km)
+                    r = tl.arange(0, R_PAD)
+                    lat = tl.load(lat_ptr + t * s_lt + r, mask=r < R)
+                    tl.store(lc_ptr + slot * s_lcs + r, lat.to(lc_ptr.dtype.element_ty), mask=r < R)
+
+
+def mla_rope_store(
+    q: torch.Tensor,  # [T, Hq, nope + P]: the rope dims of each head rotated in place
+    k_rope: torch.Tensor,  # [T, P] (unit last stride): rotated in place
+    cos: torch.Tensor,  # [T, P] model dtype (half / interleave); complex style: view_as_real(freqs_cis) [T, P/2, 2]
+    sin: torch.Tensor | None,
+    style: str,
+    nope: int,
+    latent: torch.Tensor | None = None,  # [T, R]: with the caches, written with the rotated key at each slot
+    latent_cache: torch.Tensor | None = None,  # [num_blocks, block_size, 1, R]
+    rope_cache: torch.Tensor | None = None,  # [num_blocks, block_size, 1, P]
+    slots: torch.Tensor | None = None,  # [T] flat slots, < 0: not written
+    block_h: int = 16,
+) -> None:
+    """MLA's rotary of q's and k's rope parts and the KV-cache write in one launch: the values layers/rotary.py's
+    apply_rotary and store_kv give (half and interleave styles to the bit; the complex style's float32 product in
+    its own order, within rounding), written in place."""
+    T, Hq, D = q.shape
+    P = k_rope.shape[-1]
+    if D != nope + P or q.stride(-1) != 1 or k_rope.stride(-1) != 1 or style not in ROPE_STYLES:
+        raise ValueError(f"mla_rope_store: q {tuple(q.shape)}, k_rope {tuple(k_rope.shape)}, nope {nope}, style {style}")
+    if T == 0:
+        return
+    if style == "complex":
+        cos = torch.view_as_real(cos).reshape(T, P)  # [T, P]: (real, imag) pairs, float32
+        sin = cos
+    store = latent_cache is not None
+    R = latent.shape[-1] if store else 1
+    _launch_exact(
+        _mla_rope_kernel, (T, -(-Hq // block_h)), q, k_rope, latent if store else q, cos, sin,
+        latent_cache if store else q, rope_cache if store else q, slots if store else q,
+        q.stride(0), q.stride(1), k_rope.stride(0), latent.stride(0) if store else 0, cos.stride(0), sin.stride(0),
+        latent_cache.stride(1) if store else 0, rope_cache.stride(1) if store else 0, Hq,
+        NOPE=nope, P=P, P_PAD=max(_pow2(P), 2), R=R, R_PAD=_pow2(R), STYLE=ROPE_STYLES[style], BLOCK_H=block_h,
+        DT=_DT[q.dtype], STORE=store, PDL=pdl(q.device),
+    )
 
 
 def _launch(kernel, grid, *args, num_warps: int | None = None, num_stages: int | None = None, **meta):

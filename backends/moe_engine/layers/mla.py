@@ -85,16 +85,20 @@ class MLAttention(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rot = torch.split(q.view(T, Hq, self.qk_head_dim), [self.nope, self.rope], dim=-1)
         kv_latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.rope], dim=-1)
         kv_latent = self.kv_a_layernorm(kv_latent)  # [T, r]
+        if batch.use_kernels and not self.batch_invariant:
+            # the rope parts of q and k rotated in place and the latent + rotated key cached, in one launch
+            q = q.view(T, Hq, self.qk_head_dim)
+            mla_kernels.mla_rope_store(q, k_rot, cos, sin, self.rope_style, self.nope, kv_latent, cache.k, cache.v,
+                                       batch.slot_mapping)
+            out = self._attend_kernels(q, kv_latent, k_rot, cache, batch)  # [T, Hq, V]
+            return self.o_proj(out.reshape(T, Hq * self.v_dim))
+        q_nope, q_rot = torch.split(q.view(T, Hq, self.qk_head_dim), [self.nope, self.rope], dim=-1)
         k_rot = k_rot.view(T, 1, self.rope)  # [T, 1, R]: one rope key shared by all heads
         q_rot = apply_rotary(q_rot, cos, sin, self.rope_style, self.batch_invariant)
         k_rot = apply_rotary(k_rot, cos, sin, self.rope_style, self.batch_invariant)
         store_kv(kv_latent[:, None], k_rot, cache, batch)
-        if batch.use_kernels and not self.batch_invariant:
-            out = self._attend_kernels(q_nope, q_rot, kv_latent, k_rot, cache, batch)  # [T, Hq, V]
-            return self.o_proj(out.reshape(T, Hq * self.v_dim))
         query = torch.cat((q_nope, q_rot), dim=-1)  # [T, Hq, nope + R]
         latent, rot = cached_kv(cache, batch)  # [B, 1, Lk, r], [B, 1, Lk, R]
         B, Lk = latent.shape[0], latent.shape[2]
@@ -113,31 +117,32 @@ class MLAttention(nn.Module):
 
     # ------------------------------------------------------------------------------------------- kernel path
 
-    def _attend_kernels(self, q_nope: Tensor, q_rot: Tensor, kv_latent: Tensor, k_rot: Tensor, cache: LayerKV,
+    def _attend_kernels(self, q: Tensor, kv_latent: Tensor, k_rot: Tensor, cache: LayerKV,
                         batch: ForwardBatch) -> Tensor:  # [T, Hq, V]
-        """Decode rows absorbed, prompt rows expanded (the module docstring); the step's token order."""
-        T, B = q_nope.shape[0], len(batch.query_lens)
+        """Decode rows absorbed, prompt rows expanded (the module docstring); the step's token order. q [T, Hq,
+        nope + R] and k_rot [T, R] rotated already."""
+        T, B = q.shape[0], len(batch.query_lens)
         nd = batch.leading_decodes()
         if nd == B:
-            return self._decode_absorbed(q_nope, q_rot, cache, batch)
-        out = q_nope.new_empty(T, self.num_heads, self.v_dim)
+            return self._decode_absorbed(q, cache, batch)
+        out = q.new_empty(T, self.num_heads, self.v_dim)
         if nd:
-            out[:nd] = self._decode_absorbed(q_nope[:nd], q_rot[:nd], cache, batch)
-        self._prefill_expanded(q_nope, q_rot, kv_latent, k_rot, cache, batch, nd, out)
+            out[:nd] = self._decode_absorbed(q[:nd], cache, batch)
+        self._prefill_expanded(q, kv_latent, k_rot, cache, batch, nd, out)
         return out
 
     def _w(self) -> Tensor:
         """kv_b_proj's weight per head [Hq, nope + v, R] (a view: weight updates and CUDA graphs see it)."""
         return self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
 
-    def _decode_absorbed(self, q_nope: Tensor, q_rot: Tensor, cache: LayerKV, batch: ForwardBatch) -> Tensor:
-        """The first n = len(q_nope) sequences' one query each: q_lat = q_nope @ W_UK, the absorbed kernel over
-        their latent blocks, @ W_UV^T. [n, Hq, V] (a transposed view)."""
+    def _decode_absorbed(self, q: Tensor, cache: LayerKV, batch: ForwardBatch) -> Tensor:
+        """The first n = len(q) sequences' one query each: q_lat = q_nope @ W_UK, the absorbed kernel over their
+        latent blocks, @ W_UV^T. [n, Hq, V] (a transposed view)."""
         w = self._w()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, : self.nope])  # [Hq, n, R]
+        q_lat = torch.bmm(q[..., : self.nope].transpose(0, 1), w[:, : self.nope])  # [Hq, n, R]
         o_lat = torch.empty_like(q_lat)
         mla_kernels.mla_decode(
-            q_lat.transpose(0, 1), q_rot, cache.k, cache.v, batch.int32("block_tables"), batch.int32("seq_lens"),
+            q_lat.transpose(0, 1), q[..., self.nope:], cache.k, cache.v, batch.int32("block_tables"), batch.int32("seq_lens"),
             max_seq_len=batch.max_seq_len, scale=self.scale, out=o_lat.transpose(0, 1), config=self.decode_config)
         return torch.bmm(o_lat, w[:, self.nope:].transpose(1, 2)).transpose(0, 1)  # [n, Hq, V]
 
@@ -149,25 +154,25 @@ class MLAttention(nn.Module):
         keys = torch.cat((kv[..., : self.nope], rope[:, None, :].expand(L, Hq, self.rope)), dim=-1)
         return keys, kv
 
-    def _prefill_expanded(self, q_nope: Tensor, q_rot: Tensor, kv_latent: Tensor, k_rot: Tensor, cache: LayerKV,
+    def _prefill_expanded(self, q: Tensor, kv_latent: Tensor, k_rot: Tensor, cache: LayerKV,
                           batch: ForwardBatch, nd: int, out: Tensor) -> None:
         """Rows of the sequences nd.. into out: dense causal SDPA for the step's trailing long prompts from position
         0 (bf16/fp16), the paged prefill kernel over expanded cached latents for the others."""
         Hq, D, V = self.num_heads, self.qk_head_dim, self.v_dim
-        key = (q_nope.device.type, q_nope.dtype, D, D)
-        dense_ok = q_nope.dtype != torch.float32 and key not in attend._dense_refused
+        key = (q.device.type, q.dtype, D, D)
+        dense_ok = q.dtype != torch.float32 and key not in attend._dense_refused
         plan = _prefill_plan(batch, nd, dense_ok)
         if plan.dense:
             lo = plan.dense[0][0]
-            keys, kv = self._expand(kv_latent[lo:], k_rot[lo:, 0])
+            keys, kv = self._expand(kv_latent[lo:], k_rot[lo:])
             values = F.pad(kv[..., self.nope:], (0, D - V))  # [n, Hq, D]: one shape with the keys
             try:
                 for a, b in plan.dense:
-                    q = torch.cat((q_nope[a:b], q_rot[a:b]), dim=-1)
-                    out[a:b] = attend.dense_causal(q, keys[a - lo : b - lo], values[a - lo : b - lo], self.scale)[..., :V]
+                    out[a:b] = attend.dense_causal(q[a:b], keys[a - lo : b - lo], values[a - lo : b - lo],
+                                                   self.scale)[..., :V]
             except RuntimeError as err:  # no SDPA backend takes these shapes here: the paged kernel does all of it
                 attend._refuse_dense(key, err)
-                return self._prefill_expanded(q_nope, q_rot, kv_latent, k_rot, cache, batch, nd, out)
+                return self._prefill_expanded(q, kv_latent, k_rot, cache, batch, nd, out)
         if plan.paged is not None:
             lo, hi, slots, tables, cu, lens, max_q, max_len, nblk = plan.paged
             R, P = self.kv_lora_rank, self.rope
@@ -176,8 +181,7 @@ class MLAttention(nn.Module):
             keys, kv = self._expand(latent, rope)
             k_buf = keys.view(nblk, TMP_BLOCK, Hq, D)
             v_buf = kv.view(nblk, TMP_BLOCK, Hq, self.nope + V)[..., self.nope:]
-            q = torch.cat((q_nope[lo:hi], q_rot[lo:hi]), dim=-1)
-            paged_attention.paged_attention(q, k_buf, v_buf, tables, cu, lens, max_query_len=max_q,
+            paged_attention.paged_attention(q[lo:hi], k_buf, v_buf, tables, cu, lens, max_query_len=max_q,
                                             max_seq_len=max_len, scale=self.scale, out=out[lo:hi],
                                             config=self.prefill_config)
 
