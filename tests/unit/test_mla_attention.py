@@ -140,6 +140,10 @@ def run_step(layer, rotary, cache, tables, contexts, q_lens, x, use_kernels, den
 
     batch = ForwardBatch.build(tables, contexts, q_lens, DEVICE, cache.block_size, dense_prefill_min=dense_min)
     batch.use_kernels = use_kernels
+    layer.within_rounding = use_kernels  # and q/q_a with kv_a in one GEMM (fuse_projections), o_proj small_linear
+    if use_kernels:
+        layer.fuse_projections()
+        assert layer._joined_weight() is not None
     cos, sin = rotary(batch.positions, x.dtype)
     with torch.inference_mode():
         return layer(x, cos, sin, batch, cache[0]), batch

@@ -31,6 +31,7 @@ from ..config import AttentionSpec, RopeSpec
 from ..core.uploads import upload
 from ..kernels import mla_attention as mla_kernels
 from ..kernels import paged_attention
+from ..kernels import small_linear as linear_kernels
 from . import attend
 from . import invariant as inv
 from .attend import ForwardBatch, LayerKV, attend_cached, cached_kv, store_kv
@@ -46,6 +47,9 @@ class MLAttention(nn.Module):
     sequences with ``kv_b_proj`` into per-head keys (nope part + shared rope part) and values, as HF does."""
 
     batch_invariant = False  # deterministic inference (MoEForCausalLM.use_batch_invariant)
+    # q (or q_a) and kv_a in one GEMM, o_proj of one token in small_linear: equal within rounding (set by
+    # MoEForCausalLM.use_fused_kernels)
+    within_rounding = False
     # The paged prefill kernel's launch over the expanded keys (heads of qk 192 padded to 256, values 128 in V2/V3):
     # 64 query rows, 64-key tiles, 2 stages fit shared memory without TMA (the keys are not powers of two).
     prefill_config = paged_attention.KernelConfig(prefill_block_m=64, prefill_tile_n=64, prefill_num_warps=4,
@@ -73,6 +77,39 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, H, bias=spec.o_bias)
 
+    def _joined_weight(self) -> tuple[Tensor, Tensor | None] | None:
+        """[q (or q_a) rows; kv_a rows] (and the biases) viewing the two projections' parameters, when
+        ``fuse_projections`` laid them out back to back in one storage; else None."""
+        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        views = []
+        for attr in ("weight", "bias"):
+            a, b = getattr(first, attr), getattr(self.kv_a_proj_with_mqa, attr)
+            if a is None and b is None:
+                views.append(None)
+                continue
+            if a is None or b is None or not (a.is_contiguous() and b.is_contiguous()) or \
+                    b.data_ptr() != a.data_ptr() + a.nbytes or \
+                    b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr():
+                return None
+            views.append(a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride()))
+        return views[0], views[1]
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Lay the q (or q_a) and kv_a weights (and biases) out back to back in one tensor, each projection's
+        parameter a view of its rows (as Attention.fuse_qkv), so that both read x in one GEMM. Idempotent; left
+        alone when only one of them has a bias."""
+        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        projs = (first, self.kv_a_proj_with_mqa)
+        if self._joined_weight() is not None or (first.bias is None) != (self.kv_a_proj_with_mqa.bias is None):
+            return
+        for attr in ("weight", "bias"):
+            if getattr(first, attr) is None:
+                continue
+            joined = torch.cat([getattr(p, attr) for p in projs])
+            for p, part in zip(projs, joined.split([getattr(p, attr).shape[0] for p in projs])):
+                setattr(p, attr, nn.Parameter(part, requires_grad=False))
+
     @property
     def dense_prefill_shape(self) -> tuple[int, int, int, int]:
         """(Hq, Hkv, Dk, Dv) of the dense causal SDPA a long prompt takes on the kernel path: expanded keys, values
@@ -81,11 +118,17 @@ class MLAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor | None, batch: ForwardBatch, cache: LayerKV) -> Tensor:
         T, Hq = x.shape[0], self.num_heads
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
+        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        joined = self._joined_weight() if self.within_rounding and not self.batch_invariant else None
+        if joined is not None:  # q (or q_a) and kv_a in one GEMM over x (small_linear for one token)
+            w, b = joined
+            q, kv = linear_kernels.decode_linear(x, w, b, True, linear_kernels.QKV_SMALL_LINEAR_TOKENS).split(
+                [first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], dim=-1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        kv_latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.rope], dim=-1)
+            q, kv = first(x), self.kv_a_proj_with_mqa(x)
+        if not hasattr(self, "q_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        kv_latent, k_rot = torch.split(kv, [self.kv_lora_rank, self.rope], dim=-1)
         kv_latent = self.kv_a_layernorm(kv_latent)  # [T, r]
         if batch.use_kernels and not self.batch_invariant:
             # the rope parts of q and k rotated in place and the latent + rotated key cached, in one launch
@@ -93,7 +136,8 @@ class MLAttention(nn.Module):
             mla_kernels.mla_rope_store(q, k_rot, cos, sin, self.rope_style, self.nope, kv_latent, cache.k, cache.v,
                                        batch.slot_mapping)
             out = self._attend_kernels(q, kv_latent, k_rot, cache, batch)  # [T, Hq, V]
-            return self.o_proj(out.reshape(T, Hq * self.v_dim))
+            return linear_kernels.decode_linear(out.reshape(T, Hq * self.v_dim), self.o_proj.weight, self.o_proj.bias,
+                                                self.within_rounding, linear_kernels.O_PROJ_SMALL_LINEAR_TOKENS)
         q_nope, q_rot = torch.split(q.view(T, Hq, self.qk_head_dim), [self.nope, self.rope], dim=-1)
         k_rot = k_rot.view(T, 1, self.rope)  # [T, 1, R]: one rope key shared by all heads
         q_rot = apply_rotary(q_rot, cos, sin, self.rope_style, self.batch_invariant)

@@ -242,10 +242,12 @@ class MoEForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention)) or getattr(m, "supports_fused", False):
                 m.fused = enabled
-            if isinstance(m, (RMSNorm, Attention, Router, GatedDeltaNet, Mamba2Mixer)):
+            if isinstance(m, (RMSNorm, Attention, Router, GatedDeltaNet, Mamba2Mixer, MLAttention)):
                 m.within_rounding = within_rounding
             if isinstance(m, Attention) and within_rounding:
                 m.fuse_qkv()
+            if isinstance(m, MLAttention) and within_rounding:
+                m.fuse_projections()
             if isinstance(m, GatedDeltaNet) and within_rounding:
                 m.fuse_projections()
             if isinstance(m, Experts):
