@@ -118,6 +118,8 @@ def fast_engine(model, cfg, **kw):
     and the attention kernels (absorbed MLA decode, expanded prefill), under the interpreter on CPU."""
     from moe_engine.engine import Engine, EngineConfig
 
+    if DEVICE == "cuda":  # a small KV cache and few decode graphs (captured at start: the MLA decode kernel in them)
+        kw = {"kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4, **kw}
     engine = Engine(model, cfg, EngineConfig(max_model_len=64, enable_prefix_caching=False, fused_kernels=True, **kw))
     assert model.use_fused_kernels(True, within_rounding=True)
     engine.runner.use_kernels = True
@@ -179,6 +181,8 @@ def test_fast_path_replay_combine_weights_and_prompt_logprobs_match_transformers
     model.use_fused_kernels(False)
     from moe_engine.engine import Engine, EngineConfig
 
-    ref_engine = Engine(model, cfg, EngineConfig(max_model_len=64, enable_prefix_caching=False))
+    gpu = {"kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4} if DEVICE == "cuda" else {}
+    ref_engine = Engine(model, cfg, EngineConfig(max_model_len=64, enable_prefix_caching=False, fused_kernels=False,
+                                                 **gpu))
     assert run(ref_engine, ids, max_tokens=4).tokens == own.tokens
     assert run(ref_engine, ids, replay=forced, max_tokens=4).tokens == res.tokens
