@@ -15,7 +15,7 @@ USERS ?= 32
 DURATION ?= 60s
 LOADTEST_ARGS ?=
 
-.PHONY: serve test venv loadtest bench clean-venv
+.PHONY: serve test venv browser loadtest bench clean-venv
 
 venv: $(STAMP)
 
@@ -31,8 +31,17 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 serve: $(STAMP)
 	$(BIN)/moe-serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+
+# The dashboard's test (tests/integration/test_expert_load.py) drives a real headless browser: Debian's chromium,
+# installed here when missing and run as root (CI is); elsewhere the test says how to install it and is skipped.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium for the dashboard's browser test"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium not found and not root: the dashboard's browser test will be skipped"; fi
 
 # Starts moe-serve, runs locust headless, scrapes /metrics, plots; results in loadtest/results/<timestamp>/.
 loadtest: $(STAMP)

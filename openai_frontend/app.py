@@ -50,6 +50,8 @@ from .responses import disconnected_response
 from .serving import ServingContext
 from .serving_chat import create_chat_completion
 from .serving_completions import create_completion
+from .serving_expert_load import PROTECTED_PATHS as EXPERT_LOAD_PATHS
+from .serving_expert_load import expert_load_router
 from .serving_generate import create_generate
 from .serving_weights import RL_PATHS, engine_state, refresh_weights_state, rl_router
 from .tokenizer import Tokenizer
@@ -90,7 +92,7 @@ class _FrontMiddleware:
         try:
             # The key is checked before anything reads the body (the RL endpoints included: no key, no parsing).
             if self.api_key is not None and (path.startswith(_PROTECTED_PREFIXES) or path in _PROTECTED_PATHS
-                                             or path in RL_PATHS):
+                                             or path in RL_PATHS or path in EXPERT_LOAD_PATHS):
                 headers = dict(scope.get("headers") or [])
                 auth = headers.get(b"authorization")
                 try:
@@ -188,6 +190,7 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
     app.openapi = lambda: documented_openapi(app)
     _add_status_routes(app, ctx, state)
     app.include_router(rl_router(ctx))  # RL rollout lifecycle (SGLang's endpoints), behind the API key
+    app.include_router(expert_load_router(ctx))  # SGLang's expert-distribution recorder, /dashboard
     _add_generation_routes(app, ctx)
     return app
 

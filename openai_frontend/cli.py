@@ -113,6 +113,9 @@ def _add_serving_flags(add) -> None:
     add("--enable-prompt-tokens-details", action="store_true", default=False,
         help="usage.prompt_tokens_details.cached_tokens in responses: the prompt tokens served from the prefix "
              "cache (vLLM's flag)")
+    add("--expert-distribution-recorder-dir", default=None,
+        help="/dump_expert_distribution_record also writes each record here as expert_distribution_recorder_<time>"
+             ".npy and .json (default: only in the response)")
 
 
 def _add_triton_flags(add) -> None:
@@ -259,6 +262,10 @@ def check_model_and_engine(args, checkpoint: Path):  # noqa: ANN001 - argparse n
                           f"({cfg.max_position_embeddings})")
     if not 0 < engine_config.gpu_memory_utilization <= 1:
         raise usage_error("--gpu-memory-utilization must be in (0, 1]")
+    if not engine_config.expert_load_window > 0:
+        raise usage_error("--expert-load-window must be > 0 seconds")
+    if engine_config.expert_distribution_recorder_buffer_size < -1:
+        raise usage_error("--expert-distribution-recorder-buffer-size must be >= 0, or -1 (every step)")
     try:
         check_parallel(cfg, engine_config.tensor_parallel_size, engine_config.enable_expert_parallel)
         groups = instance_groups(args.data_parallel_size, engine_config.tensor_parallel_size, args.device)
@@ -393,6 +400,7 @@ class Serving:
                 trust_request_chat_template=args.trust_request_chat_template,
                 enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                 max_response_logprobs=args.max_response_logprobs or None,
+                expert_distribution_recorder_dir=args.expert_distribution_recorder_dir,
             )
         )
 

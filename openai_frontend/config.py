@@ -27,3 +27,5 @@ class FrontendConfig:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (as vLLM's flag)
     # Logprob entries one response may carry at most (bounded.py); None = no limit.
     max_response_logprobs: int | None = 1 << 20
+    # /dump_expert_distribution_record also writes its record here (.npy + .json); None: only in the response.
+    expert_distribution_recorder_dir: str | None = None

@@ -94,6 +94,27 @@ _SUCCESS: dict[str, dict[str, Any]] = {
     "/metrics": {"description": "Prometheus text exposition: the API's metrics and the engine's gauges",
                  "content": {"text/plain": {"schema": {"type": "string"}}}},
 }
+# The expert load (serving_expert_load.py): SGLang's recorder (400: counting is off) and the dashboard's data.
+_TEXT_ANSWER = {"content": {"text/plain": {"schema": {"type": "string"}}}}
+_DUMP = {"type": "object", "required": ["mode", "dims", "layers", "experts", "logical_count", "num_steps"],
+         "properties": {"mode": {"enum": ["stat", "per_pass"]}, "dims": {"type": "array", "items": {"type": "string"}},
+                        "layers": {"type": "array", "items": {"type": "integer"}},
+                        "experts": {"type": "array", "items": {"type": "integer"}},
+                        "logical_count": {"type": "array"}, "num_steps": {"type": "integer"},
+                        "num_tokens": {"type": "integer"}, "path": {"type": "string"}}}
+for _path, _answer in (("/start_expert_distribution_record", "Recording (SGLang's text)"),
+                       ("/stop_expert_distribution_record", "Not recording (SGLang's text)")):
+    _STATUSES[_path] = (400, 401, 503)
+    _SUCCESS[_path] = {"description": _answer, **_TEXT_ANSWER}
+_STATUSES["/dump_expert_distribution_record"] = (400, 401, 503)
+_SUCCESS["/dump_expert_distribution_record"] = {
+    "description": "The record, its axes named (then cleared); with format=npy the counts as .npy",
+    "content": {"application/json": {"schema": _DUMP},
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+_STATUSES["/dashboard/data"] = (400, 401, 503)
+_SUCCESS["/dashboard/data"] = {
+    "description": "The expert load over the window and since start, the timeline, the engine's gauges",
+    "content": {"application/json": {"schema": {"type": "object"}}}}
 
 
 # Refusals that depend on more than one field, or on the prompt's tokens, the chat template or the server's state:

@@ -1,4 +1,5 @@
-"""Control requests of the moe backend: the RL rollout lifecycle (weight updates, pause, release, cache flush).
+"""Control requests of the moe backend: the RL rollout lifecycle (weight updates, pause, release, cache flush), and
+the expert load (SGLang's expert-distribution recorder, the dashboard's data).
 
 A request with the optional BYTES input ``control`` = one JSON object ``{"op": <name>, ...arguments}`` (``input_ids``
 is required by the model config: send an empty INT64 [0]) is one of these. It gets exactly one response, whose
@@ -10,9 +11,12 @@ steps (moe_engine/rl/lifecycle.py) and the response thread sends the answer (``s
 """
 from __future__ import annotations
 
+import base64
+import io
 import json
 import logging
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,12 +41,32 @@ CONTROL_OPS = {
     "get_weight_version": (),
     "get_engine_info": (),
     "is_sleeping": (),
+    # expert load (moe_engine/core/expert_load.py): methods of the engine itself
+    "start_expert_distribution_record": (),
+    "stop_expert_distribution_record": (),
+    "dump_expert_distribution_record": (),
+    "get_expert_load": (),
 }
+ENGINE_OPS = frozenset({"start_expert_distribution_record", "stop_expert_distribution_record",
+                        "dump_expert_distribution_record", "get_expert_load"})
 # Ops that only read this instance's state; the others change it, and a request reaches one Triton instance.
-READ_ONLY_OPS = frozenset({"get_weight_version", "get_engine_info", "is_sleeping"})
+READ_ONLY_OPS = frozenset({"get_weight_version", "get_engine_info", "is_sleeping", "get_expert_load"})
 # Ops that run on the engine thread between steps (a long one holds steps back: not a stall, see ``running``).
 ENGINE_THREAD_OPS = frozenset(CONTROL_OPS) - READ_ONLY_OPS - {"init_weights_update_group"}
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _jsonable(result: dict) -> dict:
+    """numpy arrays of a result (the recorder's ``logical_count``) as base64 ``.npy`` under ``<key>_npy``."""
+    out = {}
+    for key, value in result.items():
+        if isinstance(value, np.ndarray):
+            buf = io.BytesIO()
+            np.save(buf, value, allow_pickle=False)
+            out[f"{key}_npy"] = base64.b64encode(buf.getvalue()).decode("ascii")
+        else:
+            out[key] = value
+    return out
 
 
 @dataclass
@@ -102,10 +126,11 @@ class ControlOps:
                 f"the {self.num_instances} replicas; the others would keep their state); run one server per replica "
                 f"and send the operation to each", param="op")
         try:
-            future = getattr(self.engine.lifecycle, op)(**body)
+            future = self._call(op, body)
         except TypeError as exc:  # a required argument missing
             raise InvalidRequestError(f"control {op}: {exc}", param="control") from exc
-        log.info("control %s %s", op, {k: v for k, v in body.items() if k not in ("names", "dtypes", "shapes")})
+        if op != "get_expert_load":  # the dashboard polls it
+            log.info("control %s %s", op, {k: v for k, v in body.items() if k not in ("names", "dtypes", "shapes")})
         if op in ENGINE_THREAD_OPS:
             with self._lock:
                 self._futures.add(future)
@@ -118,6 +143,18 @@ class ControlOps:
             self.replies.put(ControlReply(sender, op, f, outputs))
 
         future.add_done_callback(done)
+
+    def _call(self, op: str, body: dict):
+        """Start ``op``: a Future of its result dict."""
+        if op == "get_expert_load":  # read from this thread (host-side copies), no step waits for it
+            future = Future()
+            try:
+                future.set_result(self.engine.expert_load_summary())
+            except Exception as exc:  # answered as a failed op
+                future.set_exception(exc)
+            return future
+        owner = self.engine if op in ENGINE_OPS else self.engine.lifecycle
+        return getattr(owner, op)(**body)
 
     def weights_changed(self, op: str, body: dict) -> None:
         version = self.engine.lifecycle.weight_version
@@ -149,7 +186,7 @@ class ControlOps:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 f"unavailable: {exc}", pb_utils.TritonError.UNAVAILABLE))
         if exc is None:
-            result = {"success": True, **reply.future.result()}
+            result = {"success": True, **_jsonable(reply.future.result())}
         elif isinstance(exc, EngineError):  # refused: nothing changed
             result = {"success": False, "message": str(exc), "param": getattr(exc, "param", None)}
             if getattr(exc, "code", None):  # e.g. checkpoint_not_found

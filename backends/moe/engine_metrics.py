@@ -1,6 +1,9 @@
 """The engine's gauges and counters on Triton's /metrics (custom metrics of the python backend), refreshed by the
 response thread every poll. moe-serve copies them into the API's /metrics, and its watchdog reads them: steps must
-grow while the engine holds requests, unless it is paused, sleeping or running a control operation on purpose."""
+grow while the engine holds requests, unless it is paused, sleeping or running a control operation on purpose.
+
+The expert load (moe_engine/core/expert_load.py) adds a counter of routed tokens and three gauges per MoE layer (never
+per expert: the series are the MoE layers x 3, fixed by the model), each over the sliding window."""
 from __future__ import annotations
 
 import json
@@ -36,6 +39,21 @@ FAMILIES = (
      "steps back while it loads)", {"control_ops": {}}),
     ("moe_engine_weights_lost", "gauge", "1 while generation is refused because a restart could not bring the "
      "served weights back (pushed again: 0)", {"weights_lost": {}}),
+    # expert load (present while it is on)
+    ("moe_engine_routed_tokens", "counter", "Tokens forwarded through the MoE layers (once per step a token is "
+     "forwarded in; prompt tokens served from the prefix cache are not forwarded)", {"routed_tokens": {}}),
+    ("moe_engine_expert_load_window_seconds", "gauge", "Seconds of the window the per-layer expert-load gauges count "
+     "over (--expert-load-window)", {"expert_load_window_seconds": {}}),
+)
+
+# (family name, stats key: a list with one value per MoE layer, in the order of stats["layers"], description)
+LAYER_FAMILIES = (
+    ("moe_engine_expert_load_imbalance", "expert_load_imbalance", "Per MoE layer over the window: tokens of its "
+     "busiest expert / mean tokens per expert (1 = balanced; 0 while the window saw no tokens)"),
+    ("moe_engine_expert_load_entropy", "expert_load_entropy", "Per MoE layer over the window: entropy of the "
+     "routing distribution over the experts / log(experts) (1 = uniform; 0 while the window saw no tokens)"),
+    ("moe_engine_expert_load_top10_share", "expert_load_top10_share", "Per MoE layer over the window: share of "
+     "the expert selections that went to the busiest 10% of its experts"),
 )
 
 
@@ -50,6 +68,9 @@ class EngineMetrics:
         self._families = []  # families must outlive their metrics: kept here
         self._metrics: dict[str, tuple[str, object]] = {}
         self._last: dict[str, float] = {}
+        self._labels = labels
+        self._layer_families = {}  # stats key -> family; its per-layer series made at the first update
+        self._layer_metrics: dict[str, list] = {}
         for name, kind, description, keys in FAMILIES:
             family = pb_utils.MetricFamily(
                 name=name, description=description,
@@ -58,10 +79,18 @@ class EngineMetrics:
             self._families.append(family)
             for key, extra in keys.items():
                 self._metrics[key] = (kind, family.Metric(labels={**labels, **extra}))
+        for name, key, description in LAYER_FAMILIES:
+            family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
+            self._families.append(family)
+            self._layer_families[key] = family
 
     def update(self, stats: dict) -> None:
         """Set the gauges and advance the counters to ``stats`` (keys without a series are ignored)."""
+        layers = stats.get("layers")
         for key, value in stats.items():
+            if key in self._layer_families and layers is not None:
+                self._update_layers(key, layers, value)
+                continue
             if key not in self._metrics:
                 continue
             kind, metric = self._metrics[key]
@@ -72,3 +101,12 @@ class EngineMetrics:
                 self._last[key] = value
             else:
                 metric.set(value)
+
+    def _update_layers(self, key: str, layers, values) -> None:
+        metrics = self._layer_metrics.get(key)
+        if metrics is None:  # one series per MoE layer, labelled with its global index
+            family = self._layer_families[key]
+            metrics = self._layer_metrics[key] = [family.Metric(labels={**self._labels, "layer": str(layer)})
+                                                  for layer in layers]
+        for metric, value in zip(metrics, values):
+            metric.set(float(value))

@@ -343,7 +343,8 @@ class TritonPythonModel:
         lifecycle = self.engine.lifecycle
         return dict(self.engine.stats(), alive=0 if self.engine.dead is not None else 1,
                     paused=int(lifecycle.paused), sleeping=int(bool(lifecycle.released)),
-                    control_ops=self._control.running(), weights_lost=int(self._control.lost is not None))
+                    control_ops=self._control.running(), weights_lost=int(self._control.lost is not None),
+                    **self.engine.expert_load_gauges())  # routed tokens, per-layer balance (engine_metrics.py)
 
     def _poll_cancellations(self) -> None:
         with self._lock:

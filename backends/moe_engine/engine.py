@@ -25,6 +25,11 @@ weights after ``continue_generation``, as SGLang's in_place pause). Every weight
 which the scheduler puts in the prefix-cache key of every sequence it admits: blocks (and routing rows) computed
 under other weights never match a later request, whether or not the cache is flushed. The operations are
 ``engine.lifecycle``'s (rl/lifecycle.py), the weight loading rl/weights.py's.
+
+Expert load (core/expert_load.py): tokens per (MoE layer, expert), counted on the device in every step;
+``expert_load_summary`` and ``expert_load_gauges`` read it from any thread, and SGLang's recorder operations
+(``start_expert_distribution_record`` / ``stop_...`` / ``dump_...``) run between steps like the control operations.
+When the engine runs out of work it brings the device's counts to the host (the device is idle then).
 """
 from __future__ import annotations
 
@@ -53,6 +58,13 @@ from .kernels import support as kernel_support
 from .rl.lifecycle import Control, RolloutLifecycle
 
 log = logging.getLogger(__name__)
+
+
+def _failed(exc: Exception) -> Future:
+    future: Future = Future()
+    future.set_exception(exc)
+    return future
+
 
 __all__ = ["Engine", "EngineConfig", "Request", "RequestOutput"]
 
@@ -118,6 +130,9 @@ class Engine:
         self.blocks = BlockManager.for_engine(self.runner.kv.num_blocks - 1, s, cfg)
         self.kv_bytes_per_token = self.runner.kv.bytes_per_token  # (kept while the cache is released)
         self.scheduler = Scheduler(self.blocks, s, frozenset(cfg.eos_token_ids))
+        self.expert_load = self.runner.expert_load  # None when off (or routed experts off)
+        if self.expert_load is not None:
+            self.expert_load.probe = self._load_probe
         log.info("engine: %s", self._describe())
         self.lifecycle = RolloutLifecycle(self)  # control operations, pause / release state, weight version
         self._inbox: collections.deque = collections.deque()  # ("add", seq) | ("abort", id) | ("control", c)
@@ -156,7 +171,9 @@ class Engine:
                 f"({b.num_blocks * s.block_size} tokens; {r.kv.bytes_per_token} bytes per token, {per_layer}), "
                 f"{s.max_num_seqs} seqs, {s.step_tokens} tokens/step, "
                 f"max_model_len {s.max_model_len}, prefix caching {prefix}, routed experts "
-                f"{'on' if s.enable_routed_experts else 'off'}, device {self.device}, {self.dtype}, CUDA graphs "
+                f"{'on' if s.enable_routed_experts else 'off'}, expert load "
+                f"{f'on ({s.expert_load_window:g} s window)' if self.runner.expert_load is not None else 'off'}, "
+                f"device {self.device}, {self.dtype}, CUDA graphs "
                 f"{r.describe_graphs()}, fused kernels {kernels}, attention "
                 f"{'paged kernels' if r.use_kernels else 'reference (gather + SDPA)'}"
                 + (", deterministic inference (batch-invariant forward)" if s.deterministic_inference else ""))
@@ -311,6 +328,63 @@ class Engine:
                 "overlapped_steps": self.num_followed,
             }
 
+    # ---------------------------------------------------------------- expert load (any thread)
+
+    def _expert_load_or_refuse(self):
+        if self.expert_load is None:
+            why = ("routed experts are off (--disable-routed-experts)" if not self.settings.enable_routed_experts
+                   else "the server runs with --disable-expert-load")
+            raise InvalidRequestError(f"expert load counting is off: {why}", param="expert_load")
+        return self.expert_load
+
+    def expert_load_gauges(self) -> dict:
+        """Totals and per-layer balance over the window for /metrics ({} when the expert load is off)."""
+        return self.expert_load.gauges() if self.expert_load is not None else {}
+
+    def expert_load_summary(self) -> dict:
+        """The dashboard's data (core/expert_load.py ``summary``) with the engine's current gauges."""
+        if self.expert_load is None:
+            return {"enabled": False, "message": self._expert_load_message(), "stats": self.stats()}
+        return {**self.expert_load.summary(), "stats": self.stats()}
+
+    def _expert_load_message(self) -> str:
+        try:
+            self._expert_load_or_refuse()
+        except InvalidRequestError as exc:
+            return str(exc)
+        return ""
+
+    def start_expert_distribution_record(self) -> Future:
+        """SGLang's recorder: clear the record and record every step from now on (between steps)."""
+        try:
+            load = self._expert_load_or_refuse()
+        except InvalidRequestError as exc:
+            return _failed(exc)
+        return self.call(lambda: {"message": load.start_record()})
+
+    def stop_expert_distribution_record(self) -> Future:
+        try:
+            load = self._expert_load_or_refuse()
+        except InvalidRequestError as exc:
+            return _failed(exc)
+        return self.call(lambda: {"message": load.stop_record()})
+
+    def dump_expert_distribution_record(self) -> Future:
+        """The record (``logical_count`` as a numpy array, its axes in ``dims``, the MoE layers in ``layers``),
+        cleared after the dump."""
+        try:
+            load = self._expert_load_or_refuse()
+        except InvalidRequestError as exc:
+            return _failed(exc)
+        return self.call(lambda: {"message": "Dump expert distribution record.", **load.dump_record()})
+
+    def _load_probe(self) -> dict:
+        """The engine's gauges at an expert-load tick (engine thread): KV use, prefix-cache counters, requests."""
+        b = self.blocks
+        return {"kv_cache_usage": round(b.usage(), 4), "prefix_cache_hits": b.hit_tokens,
+                "prefix_cache_queries": b.query_tokens, "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting)}
+
     # ---------------------------------------------------------------- engine thread
 
     def _loop(self) -> None:
@@ -319,6 +393,8 @@ class Engine:
                 with self._cv:
                     while not (self._stop or self._inbox or self.lifecycle.pending or self._inflight or
                                self._failure is not None or (self.lifecycle.can_run and self.scheduler.has_work())):
+                        if self.expert_load is not None and self.expert_load.stale:
+                            self.expert_load.flush()  # nothing in flight: the last steps' counts to the host
                         self._cv.wait()
                     if self._failure is not None:
                         raise self._failure

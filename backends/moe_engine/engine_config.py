@@ -58,6 +58,18 @@ class EngineConfig:
     enable_routed_experts: bool = _setting(
         True, "turn routed experts off server-wide (no capture work at all)", flag="--disable-routed-experts",
         action="store_true", to_field=lambda off: not off)
+    expert_load: bool = _setting(
+        True, "turn off the expert-load counts: tokens per MoE layer and expert, added up on the device each step "
+              "(/metrics' per-layer balance, /dashboard, the expert-distribution recorder; they need routed experts "
+              "on)", flag="--disable-expert-load", action="store_true", to_field=lambda off: not off)
+    expert_load_window: float = _setting(
+        60.0, "seconds of the sliding window over which /metrics' per-layer expert balance and /dashboard's heatmap "
+              "count")
+    expert_distribution_recorder_mode: str = _setting(
+        "stat", "what /dump_expert_distribution_record returns (SGLang's modes): stat, the counts per layer and expert "
+                "summed over the recorded steps; per_pass, one record per step", choices=["stat", "per_pass"])
+    expert_distribution_recorder_buffer_size: int = _setting(
+        1000, "the expert-distribution recorder keeps the last N steps (SGLang's default 1000); -1: every step")
     enforce_eager: bool = _setting(
         False, "CUDA: run every step eagerly instead of replaying CUDA graphs (debugging; saves the graphs' memory)",
         action="store_true")
@@ -151,6 +163,14 @@ class EngineConfig:
             else self.max_cudagraph_capture_size
         if graph_tokens < 0:
             raise ValueError(f"max_cudagraph_capture_size must be >= 0, got {graph_tokens}")
+        if not self.expert_load_window > 0:
+            raise ValueError(f"expert_load_window must be > 0 seconds, got {self.expert_load_window}")
+        if self.expert_distribution_recorder_buffer_size < -1:
+            raise ValueError("expert_distribution_recorder_buffer_size must be >= 0, or -1 (every step), got "
+                             f"{self.expert_distribution_recorder_buffer_size}")
+        if self.expert_distribution_recorder_mode not in ("stat", "per_pass"):
+            raise ValueError("expert_distribution_recorder_mode must be stat or per_pass, got "
+                             f"{self.expert_distribution_recorder_mode!r}")
         fused = ((cuda if self.fused_kernels is None else self.fused_kernels)
                  and kernel_support.available(device) and kernel_support.supports(dtype))
         attention_kernels = fused and cuda and paged_attention.available(device)  # MLA: kernels/mla_attention.py too
@@ -184,6 +204,11 @@ class EngineConfig:
             tensor_parallel_size=self.tensor_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
             deterministic_inference=deterministic,
+            # the counts read the routing capture: none without routed experts
+            expert_load=bool(self.expert_load and self.enable_routed_experts),
+            expert_load_window=float(self.expert_load_window),
+            expert_distribution_recorder_mode=self.expert_distribution_recorder_mode,
+            expert_distribution_recorder_buffer_size=int(self.expert_distribution_recorder_buffer_size),
         )
 
 
@@ -223,11 +248,21 @@ class ResolvedConfig:
     tensor_parallel_size: int
     enable_expert_parallel: bool
     deterministic_inference: bool = False  # batch-invariant forward (docs/design/determinism.md)
+    expert_load: bool = False  # tokens per (MoE layer, expert) counted on the device (core/expert_load.py)
+    expert_load_window: float = 60.0  # seconds
+    expert_distribution_recorder_mode: str = "stat"
+    expert_distribution_recorder_buffer_size: int = 1000
 
     @property
     def keep_routing_rows(self) -> bool:
         """Routing rows kept with cached prefix blocks (so, with the prefix cache on, every step captures)."""
         return self.enable_prefix_caching and self.enable_routed_experts
+
+    @property
+    def captures_every_step(self) -> bool:
+        """Every step writes the routing capture: the prefix cache keeps its rows, or the expert load counts them
+        (a step in which no request asks for routing still captures, and hands no rows to the host)."""
+        return self.keep_routing_rows or self.expert_load
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -2,8 +2,9 @@
 """bench_real_shape.py for several versions of the code, alternated on one machine: the A/B runs behind the
 "before / after" figures of reports/real_shape_h200.md, in one command.
 
-A variant is ``NAME=DIR[,VAR=VALUE...]``: a tree holding backends/ and loadtest/ (the checkout, or an older commit
-unpacked with ``git archive REV backends loadtest | tar -x -C DIR``) and environment settings (``MOE_PDL=0``). Each
+A variant is ``NAME=DIR[,VAR=VALUE...][,--FLAG...]``: a tree holding backends/ and loadtest/ (the checkout, or an older
+commit unpacked with ``git archive REV backends loadtest | tar -x -C DIR``), environment settings (``MOE_PDL=0``) and
+benchmark flags of that variant alone (``--disable-expert-load``: a setting A/B on one tree). Each
 round runs every variant once, in the order given, each as its own process started in its tree with that tree first
 on the path (a tree's benchmark imports that tree's engine: running the checkout's script against an older
 backends/ would time a mix). The benchmark's arguments after ``--`` go to every run. Alternating rounds is what
@@ -37,18 +38,21 @@ def bench_script(tree: Path) -> Path | None:
     return next((tree / s for s in SCRIPTS if (tree / s).is_file()), None)
 
 
-def parse_variant(text: str) -> tuple[str, Path, dict[str, str]]:
+def parse_variant(text: str) -> tuple[str, Path, dict[str, str], list[str]]:
     name, _, rest = text.partition("=")
     parts = rest.split(",")
-    tree, env = Path(parts[0]).resolve(), {}
+    tree, env, flags = Path(parts[0]).resolve(), {}, []
     for item in parts[1:]:
+        if item.startswith("--"):  # a benchmark flag of this variant
+            flags.append(item)
+            continue
         var, eq, value = item.partition("=")
         if not eq:
             raise SystemExit(f"--variant {text!r}: {item!r} is not VAR=VALUE")
         env[var] = value
     if not name or bench_script(tree) is None or not (tree / "backends").is_dir():
         raise SystemExit(f"--variant {text!r}: want NAME=DIR with DIR/backends and DIR/{SCRIPTS[0]}")
-    return name, tree, env
+    return name, tree, env, flags
 
 
 def run_one(name: str, tree: Path, env: dict[str, str], bench_args: list[str], out: Path, timeout: float) -> dict:
@@ -101,8 +105,10 @@ def summarize(variants: list[str], runs: list[dict]) -> list[dict]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                usage="%(prog)s --variant NAME=DIR[,VAR=VALUE...] [...] [options] -- BENCH_ARGS")
-    p.add_argument("--variant", action="append", required=True, help="NAME=DIR[,VAR=VALUE...] (two or more)")
+                                usage="%(prog)s --variant NAME=DIR[,VAR=VALUE...][,--FLAG...] [...] [options] -- "
+                                      "BENCH_ARGS")
+    p.add_argument("--variant", action="append", required=True,
+                   help="NAME=DIR[,VAR=VALUE...][,--FLAG...] (two or more)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per benchmark run")
     p.add_argument("--out", default=None)
@@ -120,9 +126,9 @@ def main() -> int:
           f"{' '.join(bench_args)}; runs under {out}", flush=True)
     runs = []
     for r in range(1, args.rounds + 1):
-        for name, tree, env in variants:
-            reps = run_one(name, tree, env, bench_args, out / f"{name}-r{r}", args.timeout)
-            runs.append(dict(variant=name, round=r, tree=str(tree), env=env, reps=reps))
+        for name, tree, env, flags in variants:
+            reps = run_one(name, tree, env, bench_args + flags, out / f"{name}-r{r}", args.timeout)
+            runs.append(dict(variant=name, round=r, tree=str(tree), env=env, flags=flags, reps=reps))
     rows = summarize(names, runs)
     print(f"\n| case | variant | reps | decode ITL p50 ms | vs {names[0]} | output tok/s | TTFT p50 ms |")
     print("|---|---|---:|---:|---:|---:|---:|")

@@ -9,8 +9,9 @@ Cases (``--cases``, default all; sizes at ``--scale 1``):
   b   64 x (1024 + 256), all submitted at once: output tok/s (output tokens / first submit to last finish),
       decode ITL p50, TTFT
   e   capture on vs off at (b), paired: one engine, repetitions alternate requests with and without
-      ``return_routed_experts`` (off: the step does no capture work), order swapped each pair; median of the
-      per-pair tok/s ratios
+      ``return_routed_experts`` (off: the step does no capture work; this engine has the expert load off), order
+      swapped each pair; median of the per-pair tok/s ratios. The expert load's own cost (counts on vs off):
+      ``ab_real_shape.py --variant on=. --variant off=.,--disable-expert-load -- --quick --cases a,b``
   c   16 x (8192 + 128): decode ITL p50, TTFT p50/p99, prefill matmul TFLOP/s (16 x 8192 / last first token)
   d   512 requests of 1024 + 512 at max_model_len 32768, max_num_seqs 512: peak of ``stats()["running"]``.
       512 output tokens, not 64: with 64 the earliest sequences finish while later ones are still prefilled,
@@ -117,6 +118,7 @@ def engine_config(args, device: torch.device, **want):
                 "fused_kernels": False if args.no_fused_kernels else None,
                 "exact_kernels": True if args.exact_kernels else None,
                 "deterministic_inference": True if args.enable_deterministic_inference else None,
+                "expert_load": False if args.disable_expert_load else None,
                 "kv_cache_memory_bytes": int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None}
     want.update({k: v for k, v in optional.items() if v is not None})
     if "kv_cache_bytes" in have and "kv_cache_memory_bytes" not in have:  # the slot-cache engine (de221cd)
@@ -337,8 +339,9 @@ def case_b(ctx) -> None:
 
 def case_e(ctx) -> None:
     """Capture on vs off at (b)'s shape (or (a)'s with --e-shape a), paired: both members of a pair use the same
-    prompts, the order alternates between pairs; the medians of the per-pair ratios are updated after each pair."""
-    engine = ctx.engines.get("short")
+    prompts, the order alternates between pairs; the medians of the per-pair ratios are updated after each pair.
+    Its engine has the expert load off (with it on, every step captures, for the counts)."""
+    engine = ctx.engines.get("short_capture")
     key = ctx.args.e_shape
     n, p, o = ctx.sizes[key]
     ctx.current["shape"] = key
@@ -814,6 +817,8 @@ def parse_args(argv=None):
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--no-fused-kernels", action="store_true")
     g.add_argument("--exact-kernels", action="store_true", help="only the bit-identical fused kernels")
+    g.add_argument("--disable-expert-load", action="store_true",
+                   help="no expert-load counts (on by default: tokens per MoE layer and expert, counted each step)")
     g.add_argument("--enable-deterministic-inference", action="store_true",
                    help="the batch-invariant forward (VLLM_BATCH_INVARIANT=1 in the environment does the same)")
     g.add_argument("--dense-prefill-min", type=int, default=None,
@@ -850,9 +855,11 @@ class Ctx:
         self.sizes = {k: scaled(*v) for k, v in SIZES.items()}
         short = [self.sizes[k] for k in ("a", "b", "hf1", "hf64")]
         n_d, p_d, o_d = self.sizes["d"]
+        short_group = {"max_num_seqs": max(n for n, _, _ in short), "max_model_len": max(p + o for _, p, o in short)}
         self.groups = {
-            "short": {"max_num_seqs": max(n for n, _, _ in short), "max_model_len": max(p + o for _, p, o in short)},
+            "short": short_group,
             "long": {"max_num_seqs": self.sizes["c"][0], "max_model_len": sum(self.sizes["c"][1:])},
+            "short_capture": {**short_group, "expert_load": False},  # case e: a step without routing captures nothing
             "capacity": {"max_num_seqs": n_d, "max_model_len": max(p_d + o_d, round(D_MAX_MODEL_LEN * args.scale)),
                          "max_waiting": max(1024, n_d + 16)},
         }

@@ -90,12 +90,14 @@ def test_trusted_chat_templates_render_off_the_event_loop(server):
     assert max(latencies) < 0.25, (statistics.median(latencies), sorted(latencies)[-3:])
 
 
-def test_the_key_guards_every_rl_path_the_router_serves(server):
+def test_the_key_guards_every_control_path_the_router_serves(server):
+    from openai_frontend.serving_expert_load import PROTECTED_PATHS as EXPERT_LOAD_PATHS
     from openai_frontend.serving_weights import RL_PATHS
 
     others = {"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
     routed = set(server.app.openapi()["paths"]) - others
-    assert {p for p in routed if not p.startswith(("/v1/", "/inference/"))} == set(RL_PATHS)
-    for path in RL_PATHS:  # no key, a broken body: 401 before anything reads it
+    control = set(RL_PATHS) | set(EXPERT_LOAD_PATHS)
+    assert {p for p in routed if not p.startswith(("/v1/", "/inference/"))} == control
+    for path in sorted(control):  # no key, a broken body: 401 before anything reads it
         r = httpx.post(server.root_url + path, content=b"{", headers={"Content-Type": "application/json"})
         assert r.status_code == 401, path

@@ -350,9 +350,10 @@ def test_a_kernel_variant_first_used_after_start_is_logged(tiny_cuda, caplog):
 @cuda
 def test_graph_decode_without_routing_requests_skips_capture(tiny_cuda):
     cfg, model = tiny_cuda
-    # Prefix caching off: with it on, every step captures (cached blocks keep their routing rows).
+    # Prefix caching and the expert load off: with either on, every step captures (cached blocks keep their routing
+    # rows; the expert load counts them).
     engine = Engine(model, cfg, EngineConfig(max_model_len=256, kv_cache_memory_bytes=256 << 20,
-                                             enable_prefix_caching=False))
+                                             enable_prefix_caching=False, expert_load=False))
     with_rows = submit(engine, prompt_of(11, 5), max_tokens=8, ignore_eos=True)
     run_all(engine, [with_rows])
     without = submit(engine, prompt_of(11, 5), routing=False, max_tokens=8, ignore_eos=True)
@@ -363,12 +364,12 @@ def test_graph_decode_without_routing_requests_skips_capture(tiny_cuda):
 
 @cuda
 def test_without_prefix_caching_steps_without_routing_requests_compile_nothing_after_start(tiny_cuda):
-    """Routed experts on, prefix cache off: a decode step in which no request asks for routing replays a graph
-    without the capture (other variants of the router's and route's kernels). Those graphs are captured at start
-    too, so the first such step, at any batch size, waits for no compile and no capture."""
+    """Routed experts on, prefix cache and expert load off: a decode step in which no request asks for routing
+    replays a graph without the capture (other variants of the router's and route's kernels). Those graphs are
+    captured at start too, so the first such step, at any batch size, waits for no compile and no capture."""
     cfg, model = tiny_cuda
     engine = Engine(model, cfg, EngineConfig(max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=256 << 20,
-                                             enable_prefix_caching=False))
+                                             enable_prefix_caching=False, expert_load=False))
     at_start = set(engine.runner.graphs._graphs)
     assert at_start == every_graph(engine.runner.graphs, captures=(True, False))
     before = _compiled_variants()

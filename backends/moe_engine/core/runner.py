@@ -9,7 +9,10 @@ is done; ``results`` waits for that copy.
 Routing capture: the model writes each MoE layer's top-k ids into a step buffer ``[step_tokens,
 num_hidden_layers, top_k]`` (experts.py says where); the step's first T rows travel to the host in the step's
 one transfer, together with the sampled tokens. With no request wanting routing in a step (and no prefix cache
-keeping rows), the model gets no buffer and does no capture work.
+keeping rows, and the expert load off), the model gets no buffer and does no capture work.
+
+Expert load (expert_load.py): after the forward, two launches add the step's captured ids to a device counter of
+tokens per (MoE layer, expert); its cumulative value goes to the host with the step's transfer when one is due.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from ..layers import invariant as inv
 from ..layers.attend import ForwardBatch
 from ..layers.experts import StepRouting
 from .cuda_graphs import DecodeGraphs
+from .expert_load import ExpertLoad
 from ..engine_config import ResolvedConfig
 from .kv_cache import KVCache, blocks_for_budget, kv_cache_budget, state_bytes
 from .prefill_graphs import PrefillGraphs
@@ -47,6 +51,7 @@ class Transfer:
     routing: np.ndarray | None = None
     weights: np.ndarray | None = None
     weight_rows: int = 0  # combine-weight rows fetched (0: none)
+    load: object | None = None  # ExpertLoad's snapshot of its counts after this step, when one is due
 
 
 @dataclass
@@ -183,6 +188,12 @@ class ModelRunner(ReleasableMemory):
         )
         self._host_np = [h.numpy() for h in self.step_out_host] if cuda else None
         self._events = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        # tokens per (MoE layer, expert), counted on the device from the capture buffer (rank 0: it has the buffer)
+        self.expert_load = ExpertLoad(
+            cfg.moe_layers, cfg.num_experts, K, S, self.device, window_s=s.expert_load_window,
+            recorder_mode=s.expert_distribution_recorder_mode,
+            recorder_buffer_size=s.expert_distribution_recorder_buffer_size,
+        ) if s.expert_load and self.capture_buf is not None else None
         self._parity = 0
         self.overlap = s.async_scheduling
         # Batched sampling on the device: one host->device copy of the step's sampling parameters, no host sync.
@@ -262,6 +273,8 @@ class ModelRunner(ReleasableMemory):
                 input_ids[staged[T : T + len(rows_fed)]] = fed_from[staged[T + len(rows_fed) :]]
             ids = None
         want_routing = want_routing and self.capture_buf is not None
+        load = self.expert_load
+        capture = want_routing or load is not None  # the expert load counts from the capture: rows stay on the device
         want_weights = want_routing and any(s.req.return_routed_weights for s, _ in items)
         forced = self._forced_routing(plan)
         scoring = [i for i, ((s, n), c) in enumerate(zip(items, context))
@@ -269,7 +282,7 @@ class ModelRunner(ReleasableMemory):
         score = self._scoring_rows(plan, scoring) if scoring else None
         step = StepInputs(
             ids=ids, context=list(context), query_lens=[n for _, n in items],
-            tables=[seq.table.blocks for seq, _ in items], want_routing=want_routing, want_weights=want_weights,
+            tables=[seq.table.blocks for seq, _ in items], want_routing=capture, want_weights=want_weights,
             state_slots=[seq.table.state_slot for seq, _ in items] if self.kv.num_state_slots else None,
             forced=forced, samplers=list(plan.samplers), score_rows=score[0] if score else [],
         )
@@ -298,8 +311,13 @@ class ModelRunner(ReleasableMemory):
                 if lps is not None:
                     lp = tuple(self._to_host(t) if t is not None else None for t in lps)
         prompt_lp = self._prompt_logprobs(plan, score, hidden) if scoring else None
-        return LaunchedStep(plan, samplers, tokens, lp,
-                            self._transfer(tokens, T if want_routing else 0, T if want_weights else 0), prompt_lp)
+        snapshot = None
+        if load is not None:  # queued before the transfer's event: complete when the transfer is
+            load.count(self.capture_buf, T, len(samplers))
+            snapshot = load.snapshot()
+        transfer = self._transfer(tokens, T if want_routing else 0, T if want_weights else 0)
+        transfer.load = snapshot
+        return LaunchedStep(plan, samplers, tokens, lp, transfer, prompt_lp)
 
     @torch.inference_mode()
     def forward(self, step: "StepInputs", input_ids: torch.Tensor | None = None
@@ -463,9 +481,13 @@ class ModelRunner(ReleasableMemory):
         tr = step.transfer
         result = StepResult(step.plan, [], logprobs=step.logprobs, prompt_logprobs=step.prompt_logprobs)
         if tr.host is None:
+            if tr.load is not None:
+                self.expert_load.collect(tr.load)
             result.tokens, result.routing, result.weights = tr.tokens, tr.routing, tr.weights
             return result
         tr.event.synchronize()
+        if tr.load is not None:
+            self.expert_load.collect(tr.load)
         S, (L, K) = self.step_tokens, self.routing_shape
         # One conversion for the step, into a fresh array: requests get views of it (no per-request copy).
         if tr.rows:

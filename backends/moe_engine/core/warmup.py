@@ -30,11 +30,12 @@ def warm_up(runner, settings) -> None:
         if triton_kernels:
             warm_prefill(runner, settings.max_num_seqs)
         if runner.graphs is not None:
-            # Routing on and the prefix cache off: a step in which no request asks for routing replays graphs
-            # without the capture, whose kernels are other variants (the router's and route's CAPTURE=False):
-            # captured now too, or the first such step would compile them (about a second at real shapes).
+            # Routing on, the prefix cache and the expert load off: a step in which no request asks for routing
+            # replays graphs without the capture, whose kernels are other variants (the router's and route's
+            # CAPTURE=False): captured now too, or the first such step would compile them (about a second at real
+            # shapes).
             routing = runner.capture_buf is not None
-            for capture in (True, False) if routing and not settings.keep_routing_rows else (routing,):
+            for capture in (True, False) if routing and not settings.captures_every_step else (routing,):
                 runner.graphs.capture_all(capture=capture)
                 if runner.prefill_graphs is not None:
                     runner.prefill_graphs.capture_all(capture=capture)
