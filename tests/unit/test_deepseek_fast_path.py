@@ -186,3 +186,42 @@ def test_fast_path_replay_combine_weights_and_prompt_logprobs_match_transformers
                                                  **gpu))
     assert run(ref_engine, ids, max_tokens=4).tokens == own.tokens
     assert run(ref_engine, ids, replay=forced, max_tokens=4).tokens == res.tokens
+
+
+def run_mixed_requests(model, cfg, **engine_args):
+    """test_cuda_graphs.py's mixed batch on an MLA model: seven greedy requests of different prompt and output
+    lengths arriving over time (prefill chunks of up to 64 tokens, some beside decodes), on the fast path."""
+    from moe_engine.engine import Engine, EngineConfig
+
+    from .test_engine import run_all, submit
+
+    engine = Engine(model, cfg, EngineConfig(max_model_len=160, max_num_batched_tokens=64, fused_kernels=True,
+                                             kv_cache_memory_bytes=256 << 20, max_num_seqs=8, **engine_args))
+    out = []
+    for i in range(7):
+        out.append(submit(engine, prompt_of(3 + 13 * i, 50 + i), max_tokens=6 + 5 * i, ignore_eos=True))
+        engine.step()
+    run_all(engine, out)
+    return engine, out
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (MOE_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
+def test_mla_prefill_graph_steps_equal_eager_steps(arch, tmp_path):
+    """MLA's prefill and mixed steps replayed from CUDA graphs (every row through the absorbed kernel) against the
+    same requests with those steps eager (max_cudagraph_capture_size=8: decode graphs only; prompt rows expanded),
+    float32: the same tokens and routing rows."""
+    import numpy as np
+
+    from moe_engine.config import load_config
+
+    path = save_hf_checkpoint(make_hf_model(arch, seed=3), tmp_path / arch)
+    cfg = load_config(path)
+    model = load_model(path, dtype="float32", device=DEVICE, progress=False)
+    eager, want = run_mixed_requests(model, cfg, max_cudagraph_capture_size=8)
+    graphed, got = run_mixed_requests(model, cfg)
+    assert eager.runner.prefill_graphs is None and eager.runner.use_kernels
+    assert graphed.runner.prefill_graphs is not None and graphed.runner.prefill_graphs.replays >= 5
+    for w, g in zip(want, got):
+        assert (g.finish_reason, g.tokens) == (w.finish_reason, w.tokens)
+        np.testing.assert_array_equal(np.sort(g.routing, -1), np.sort(w.routing, -1))

@@ -160,18 +160,8 @@ def test_layer_kernel_path_equals_op_by_op(arch, dtype):
     ulp of float32: kernels/mla_attention.py's mla_rope_store)."""
     from moe_engine.core.kv_cache import KVCache
 
-    cfg, layer, rotary = make_layer(arch, dtype)
+    cfg, layer, rotary, cache, tables, g = layer_with_history(arch, dtype)
     H = cfg.hidden_size
-    g = torch.Generator().manual_seed(1)
-    cache = KVCache([mla_spec(cfg)], num_blocks=40, block_size=8, dtype=dtype, device=DEVICE)
-    free = torch.randperm(39, generator=g).tolist()
-    tables = [[free.pop() for _ in range(5)] for _ in range(5)]
-    # history: sequence 0 gets 30 tokens, 1 gets 9, 2 gets 17 (two chunks)
-    for ctx, lens in (([0, 0, 0], [21, 9, 11]), ([21, 9, 11], [9, 0, 6])):
-        keep = [i for i, n in enumerate(lens) if n]
-        x = torch.randn(sum(lens), H, generator=g).to(dtype).to(DEVICE)
-        run_step(layer, rotary, cache, [tables[i] for i in keep], [ctx[i] for i in keep], [lens[i] for i in keep],
-                 x, use_kernels=False)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=4e-2)
     steps = (
         ([0, 1, 2], [30, 9, 17], [1, 1, 1], None),  # decode step: absorbed for every row
@@ -198,6 +188,75 @@ def test_layer_kernel_path_equals_op_by_op(arch, dtype):
             torch.testing.assert_close(caches[1][0].v, caches[0][0].v, atol=1e-6, rtol=1e-6)
         else:
             assert torch.equal(caches[0][0].v, caches[1][0].v)
+
+
+def layer_with_history(arch: str, dtype: torch.dtype):
+    """make_layer's layer and a cache of 40 blocks of 8 (the last: the null block) where the op-by-op layer prefilled
+    sequence 0 with 30 tokens, 1 with 9 and 2 with 17 (two chunks); five tables of 5 shuffled blocks each."""
+    from moe_engine.core.kv_cache import KVCache
+
+    cfg, layer, rotary = make_layer(arch, dtype)
+    g = torch.Generator().manual_seed(1)
+    cache = KVCache([mla_spec(cfg)], num_blocks=40, block_size=8, dtype=dtype, device=DEVICE)
+    free = torch.randperm(39, generator=g).tolist()
+    tables = [[free.pop() for _ in range(5)] for _ in range(5)]
+    for ctx, lens in (([0, 0, 0], [21, 9, 11]), ([21, 9, 11], [9, 0, 6])):
+        keep = [i for i, n in enumerate(lens) if n]
+        x = torch.randn(sum(lens), cfg.hidden_size, generator=g).to(dtype).to(DEVICE)
+        run_step(layer, rotary, cache, [tables[i] for i in keep], [ctx[i] for i in keep], [lens[i] for i in keep],
+                 x, use_kernels=False)
+    return cfg, layer, rotary, cache, tables, g
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch,dtype", [("deepseek_v3", torch.float32), ("deepseek_v2", torch.bfloat16)],
+                         ids=["v3-fp32", "v2-bf16"])
+def test_prefill_graph_step_attends_every_row_absorbed(arch, dtype):
+    """A prefill graph's step (core/prefill_graphs.py: staged as a replay stages it, padded to its token bucket, no
+    host lengths) takes every row through the absorbed kernel, each token a query of its own keys (split over
+    them): two decodes, a chunk after 17 cached tokens and a prompt from position 0 give the op-by-op layer's
+    outputs within rounding and write the same cache; the padding rows write only the null block."""
+    import numpy as np
+
+    from moe_engine.core.kv_cache import KVCache
+    from moe_engine.core.prefill_graphs import StagingLayout, replay_batch, stage_step
+
+    cfg, layer, rotary, cache, tables, g = layer_with_history(arch, dtype)
+    seqs, contexts, q_lens = [0, 1, 2, 3], [30, 9, 17, 0], [1, 1, 5, 12]
+    T, Tp, max_model_len = sum(q_lens), 32, 200  # 200: the kernel splits each token's keys 4 ways
+    x = torch.randn(T, cfg.hidden_size, generator=g).to(dtype).to(DEVICE)
+    caches = [KVCache([mla_spec(cfg)], num_blocks=40, block_size=8, dtype=dtype, device=DEVICE) for _ in range(2)]
+    for c in caches:
+        c[0].k.copy_(cache[0].k)
+        c[0].v.copy_(cache[0].v)
+    want, _ = run_step(layer, rotary, caches[0], [tables[i] for i in seqs], contexts, q_lens, x, use_kernels=False)
+
+    layout = StagingLayout.for_engine(Tp, 6, max_model_len, 8)
+    host = np.zeros(layout.size, dtype=np.int64)
+    stage_step(host, layout, None, contexts, q_lens, [tables[i] for i in seqs], Tp, null_block=39, block_size=8)
+    batch = replay_batch(torch.from_numpy(host).to(DEVICE), layout, Tp, max_model_len, 8)
+    assert not batch.host_lengths and mla_k.num_splits_for(Tp, cfg.attention.num_heads, max_model_len) == 4
+    calls = []
+    real = layer._prefill_expanded
+    layer._prefill_expanded = lambda *a, **kw: calls.append(a) or real(*a, **kw)
+    layer.within_rounding = True
+    layer.fuse_projections()
+    x_pad = torch.cat([x, x[:1].expand(Tp - T, -1)])  # the padding's token-0 embeddings
+    cos, sin = rotary(batch.positions, dtype)
+    with torch.inference_mode():
+        got = layer(x_pad, cos, sin, batch, caches[1][0])
+    assert not calls  # nothing expanded
+    tables_t, lens_t = batch.token_rows()
+    assert lens_t[:T].tolist() == [31, 10, *range(18, 23), *range(1, 13)] and lens_t[T:].eq(1).all()
+    assert tables_t[T:, 0].eq(39).all()  # padding rows read the null block
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=4e-2)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[:T].float(), want.float(), **tol)
+    assert torch.equal(caches[0][0].k[:39], caches[1][0].k[:39])
+    if cfg.rope.style == "complex":
+        torch.testing.assert_close(caches[1][0].v[:39], caches[0][0].v[:39], atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.equal(caches[0][0].v[:39], caches[1][0].v[:39])
 
 
 def mla_spec(cfg):

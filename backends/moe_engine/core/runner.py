@@ -212,6 +212,9 @@ class ModelRunner(ReleasableMemory):
         self.max_prefill_graph_tokens = (
             min(s.max_cudagraph_capture_size, S)
             if s.attention_kernels and model.prefill_graph_unsafe_reason() is None else 0)
+        # keys a prefill graph's step may read in all; None: no bound (MLA: its graphs attend every row absorbed)
+        self.prefill_graph_max_key_reads = (model.prefill_graph_max_key_reads() if self.max_prefill_graph_tokens
+                                            else None)
         self.graphs_off = graphs_off_reason(model, s)
         self.graphs_on = self.graphs_off is None
         self.graphs: DecodeGraphs | None = None
@@ -243,6 +246,12 @@ class ModelRunner(ReleasableMemory):
                 self.model, self.kv, self.max_prefill_graph_tokens, self.graph_max_batch, self.max_model_len,
                 self.capture_buf, self.weights_buf, logits=self.graphs.logits, pool=self.graphs.pool)
 
+
+    def _prefill_graph_affordable(self, context: list[int], query_lens: list[int]) -> bool:
+        """Whether a step's keys read in all (sum over its tokens of position + 1) stay within the model's bound for
+        prefill graphs (MLA: its graphs attend every row absorbed)."""
+        bound = self.prefill_graph_max_key_reads
+        return bound is None or sum(n * c + n * (n + 1) // 2 for c, n in zip(context, query_lens)) <= bound
 
     @torch.inference_mode()
     def launch(
@@ -290,7 +299,8 @@ class ModelRunner(ReleasableMemory):
                       and self.graphs.supports(T, max(context) + 1))
         step.prefill_graph = (not step.graph and self.prefill_graphs is not None and forced is None and not scoring
                               and self.prefill_graphs.supports(T, len(items), max(c + n for c, (_, n) in
-                                                                                 zip(context, items))))
+                                                                                 zip(context, items)))
+                              and self._prefill_graph_affordable(context, step.query_lens))
         if self.publish is not None:  # tensor parallelism: the other ranks run the same forward (ranks.py)
             self.publish(step, input_ids)
         logits, hidden = self.forward(step, input_ids)

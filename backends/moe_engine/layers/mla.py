@@ -15,6 +15,9 @@ Two paths compute the same attention:
     expanded keys and values (values zero-padded to the key width, one shape); every other prompt chunk (chunked
     prefill, prefix-cache hits) gathers its sequence's cached latents, expands them into a step-local paged
     buffer, and runs paged_attention.py's prefill kernel over it, its queries the chunk's positions.
+  * a prefill graph's step (core/prefill_graphs.py: padded, lengths on the device only): every row absorbed, each
+    token a one-query sequence of its own keys (position + 1) through its sequence's table row; its work grows with
+    tokens x keys, so the runner replays MLA's prefill graphs only within ``GRAPH_MAX_KEY_READS``.
   Equal to the op-by-op path within rounding (another summation order; the absorbed query is rounded to the model
   dtype where the op-by-op path rounds the expanded keys).
 """
@@ -166,6 +169,8 @@ class MLAttention(nn.Module):
         """Decode rows absorbed, prompt rows expanded (the module docstring); the step's token order. q [T, Hq,
         nope + R] and k_rot [T, R] rotated already."""
         T, B = q.shape[0], len(batch.query_lens)
+        if not batch.host_lengths:  # a prefill graph's padded step: every row absorbed, lengths from the device
+            return self._decode_absorbed(q, cache, batch, *batch.token_rows())
         nd = batch.leading_decodes()
         if nd == B:
             return self._decode_absorbed(q, cache, batch)
@@ -179,15 +184,19 @@ class MLAttention(nn.Module):
         """kv_b_proj's weight per head [Hq, nope + v, R] (a view: weight updates and CUDA graphs see it)."""
         return self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
 
-    def _decode_absorbed(self, q: Tensor, cache: LayerKV, batch: ForwardBatch) -> Tensor:
-        """The first n = len(q) sequences' one query each: q_lat = q_nope @ W_UK, the absorbed kernel over their
+    def _decode_absorbed(self, q: Tensor, cache: LayerKV, batch: ForwardBatch, tables: Tensor | None = None,
+                         lens: Tensor | None = None) -> Tensor:
+        """n = len(q) queries, one per row of ``tables`` [>= n, nb] int32 with ``lens`` [>= n] int32 keys (default:
+        the step's first n sequences, a decode token each): q_lat = q_nope @ W_UK, the absorbed kernel over their
         latent blocks, @ W_UV^T. [n, Hq, V] (a transposed view)."""
+        if tables is None:
+            tables, lens = batch.int32("block_tables"), batch.int32("seq_lens")
         w = self._w()
         q_lat = torch.bmm(q[..., : self.nope].transpose(0, 1), w[:, : self.nope])  # [Hq, n, R]
         o_lat = torch.empty_like(q_lat)
         mla_kernels.mla_decode(
-            q_lat.transpose(0, 1), q[..., self.nope:], cache.k, cache.v, batch.int32("block_tables"), batch.int32("seq_lens"),
-            max_seq_len=batch.max_seq_len, scale=self.scale, out=o_lat.transpose(0, 1), config=self.decode_config)
+            q_lat.transpose(0, 1), q[..., self.nope:], cache.k, cache.v, tables, lens, max_seq_len=batch.max_seq_len,
+            scale=self.scale, out=o_lat.transpose(0, 1), config=self.decode_config)
         return torch.bmm(o_lat, w[:, self.nope:].transpose(1, 2)).transpose(0, 1)  # [n, Hq, V]
 
     def _expand(self, latent: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
@@ -229,6 +238,13 @@ class MLAttention(nn.Module):
                                             max_seq_len=max_len, scale=self.scale, out=out[lo:hi],
                                             config=self.prefill_config)
 
+
+# Prefill and mixed steps replay a CUDA graph (every row absorbed) when their tokens read at most this many keys
+# in all (sum over tokens of position + 1), else run eagerly (expanded prompt rows): e.g. 1,024 new tokens from
+# position 0, or 256 after 4k cached ones. Absorbed prompt rows read their sequence's latents once per token (16
+# heads of one token per program), about 32 us per layer per million key reads on an H100 by its L2 bandwidth
+# (an estimate, not yet measured), where the graph saves the eager step's ~1,000 launches (10-20 ms of host time).
+GRAPH_MAX_KEY_READS = 1 << 20
 
 TMP_BLOCK = 64  # keys per block of a step's expanded prefill buffer (whole key tiles of the prefill kernel)
 

@@ -47,7 +47,7 @@ from ..layers.attention import Attention
 from ..layers.experts import NO_ROUTING, TRITON_GEMM_MAX_PAIRS, ExpertOutputs, Experts, LayerRouting, StepRouting
 from ..layers.linear_attention import GatedDeltaNet
 from ..layers.mamba import Mamba2Mixer
-from ..layers.mla import MLAttention
+from ..layers.mla import GRAPH_MAX_KEY_READS, MLAttention
 from ..layers.moe import MLP, DeepseekMoE, GptOssMoE, MoEBlock, NemotronHMoE
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -300,13 +300,17 @@ class MoEForCausalLM(nn.Module):
         recurrent layers' prompt chunks run one sequence at a time from host-side lengths."""
         if self.config.is_hybrid:
             return "a hybrid model's linear-attention / Mamba layers prefill each sequence from host-side lengths"
-        if self.config.attention.mla is not None:
-            return "MLA prefill expands each prompt's cached latents into a buffer sized on the host"
         for layer in self.model.layers:
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None and not (getattr(experts, "fused", False) and experts.first_expert is None):
                 return "an MoE layer is off the fused path (expert parallelism, or the op-by-op forward)"
         return None
+
+    def prefill_graph_max_key_reads(self) -> int | None:
+        """The most keys a step may read in all (sum over its tokens of position + 1) to replay a prefill graph, or
+        None (no bound): MLA's graphs attend every row through the absorbed kernel, whose work grows with tokens x
+        keys (layers/mla.py); longer steps run eagerly, their prompt rows expanded."""
+        return GRAPH_MAX_KEY_READS if self.config.attention.mla is not None else None
 
     def decode_attention_programs(self) -> list[int]:
         """Per attention layer kind, the programs a decode token's attention runs per split (paged_attention.py's
