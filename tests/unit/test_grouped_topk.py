@@ -1,7 +1,7 @@
 """DeepSeek routers in one launch (kernels/grouped_topk.py) against the op-by-op routers of layers/routing.py (the ones
 test_deepseek_gpt_oss.py holds to HF's router modules): the same expert ids (as sets: HF's top-k is unsorted; the
 kernel's slots are in descending order), weights within float32 rounding, for V2 greedy and group-limited, V3 with
-its correction bias and groups (some kept, all kept, one group), norm_topk_prob on and off, routed_scaling_factor,
+its correction bias and groups (some kept, all kept, one group; Kimi-K2's 384 experts), norm_topk_prob on and off, routed_scaling_factor,
 replayed (forced) tokens, and the one-token launch that also groups the pairs as ``route`` does. Under Triton's
 interpreter on CPU; ``MOE_TEST_DEVICE=cuda`` compiles it."""
 from __future__ import annotations
@@ -27,6 +27,7 @@ SPECS = [
     ("deepseek_v3", 64, 6, "noaux_tc", 1, 1, True, 2.446),  # Moonlight-16B-A3B
     ("deepseek_v3", 256, 8, "noaux_tc", 8, 4, True, 2.5),  # DeepSeek-V3
     ("deepseek_v3", 16, 4, "noaux_tc", 4, 4, False, 2.5),  # every group kept, no renormalisation
+    ("deepseek_v3", 384, 8, "noaux_tc", 1, 1, True, 2.827),  # Kimi-K2: 384 experts (not a power of two), one group
 ]
 
 
