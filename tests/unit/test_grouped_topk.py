@@ -1,9 +1,9 @@
 """DeepSeek routers in one launch (kernels/grouped_topk.py) against the op-by-op routers of layers/routing.py (the ones
 test_deepseek_gpt_oss.py holds to HF's router modules): the same expert ids (as sets: HF's top-k is unsorted; the
 kernel's slots are in descending order), weights within float32 rounding, for V2 greedy and group-limited, V3 with
-its correction bias and groups (some kept, all kept, one group; Kimi-K2's 384 experts), norm_topk_prob on and off, routed_scaling_factor,
-replayed (forced) tokens, and the one-token launch that also groups the pairs as ``route`` does. Under Triton's
-interpreter on CPU; ``MOE_TEST_DEVICE=cuda`` compiles it."""
+its correction bias and groups (some kept, all kept, one group; Kimi-K2's 384 experts), norm_topk_prob on and off,
+routed_scaling_factor, replayed (forced) tokens, and the one-token launch that also groups the pairs as ``route``
+does. Under Triton's interpreter on CPU; ``MOE_TEST_DEVICE=cuda`` compiles it."""
 from __future__ import annotations
 
 import os
