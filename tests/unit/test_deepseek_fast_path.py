@@ -120,7 +120,8 @@ def fast_engine(model, cfg, **kw):
 
     if DEVICE == "cuda":  # a small KV cache and few decode graphs (captured at start: the MLA decode kernel in them)
         kw = {"kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4, **kw}
-    engine = Engine(model, cfg, EngineConfig(max_model_len=64, enable_prefix_caching=False, fused_kernels=True, **kw))
+    engine = Engine(model, cfg, EngineConfig(**{"max_model_len": 64, "enable_prefix_caching": False,
+                                                "fused_kernels": True, **kw}))
     assert model.use_fused_kernels(True, within_rounding=True)
     engine.runner.use_kernels = True
     return engine
@@ -225,3 +226,33 @@ def test_mla_prefill_graph_steps_equal_eager_steps(arch, tmp_path):
     for w, g in zip(want, got):
         assert (g.finish_reason, g.tokens) == (w.finish_reason, w.tokens)
         np.testing.assert_array_equal(np.sort(g.routing, -1), np.sort(w.routing, -1))
+
+
+@needs_kernels
+def test_fast_path_prefix_cache_hit_on_latent_blocks_matches_op_by_op(tmp_path):
+    """Prefix caching on latent blocks: a second prompt sharing 16 tokens (four blocks of 4) with the first reuses
+    them, its 6 new tokens prefilled over the cached latents (the expanded paged kernel), then absorbed decode:
+    the op-by-op engine's tokens and routing rows (the reused ones from the block manager), float32."""
+    import numpy as np
+
+    from moe_engine.config import load_config
+    from moe_engine.engine import Engine, EngineConfig
+
+    from .test_replay import run
+
+    path = save_hf_checkpoint(make_hf_model("deepseek_v3", seed=3), tmp_path / "v3")
+    cfg = load_config(path)
+    model = load_model(path, dtype="float32", device=DEVICE, progress=False)
+    first = prompt_of(20, seed=7)
+    second = first[:16] + prompt_of(6, seed=8)
+    engine = fast_engine(model, cfg, enable_prefix_caching=True, block_size=4)
+    run(engine, first, max_tokens=3, return_routed_experts=True)
+    got = run(engine, second, max_tokens=3, return_routed_experts=True)
+    assert engine.stats()["prefix_cache_hits"] >= 16
+    model.use_fused_kernels(False)
+    gpu = {"kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4} if DEVICE == "cuda" else {}
+    ref = Engine(model, cfg, EngineConfig(max_model_len=64, enable_prefix_caching=False, fused_kernels=False,
+                                          block_size=4, **gpu))
+    want = run(ref, second, max_tokens=3, return_routed_experts=True)
+    assert got.tokens == want.tokens
+    np.testing.assert_array_equal(np.sort(got.routing, -1), np.sort(want.routing, -1))
