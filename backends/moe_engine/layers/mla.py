@@ -241,7 +241,7 @@ class MLAttention(nn.Module):
 
 # Prefill and mixed steps replay a CUDA graph (every row absorbed) when their tokens read at most this many keys
 # in all (sum over tokens of position + 1), else run eagerly (expanded prompt rows): e.g. 1,024 new tokens from
-# position 0, or 256 after 4k cached ones. Absorbed prompt rows read their sequence's latents once per token (16
+# position 0, or 240 after 4k cached ones. Absorbed prompt rows read their sequence's latents once per token (16
 # heads of one token per program), about 32 us per layer per million key reads on an H100 by its L2 bandwidth
 # (an estimate, not yet measured), where the graph saves the eager step's ~1,000 launches (10-20 ms of host time).
 GRAPH_MAX_KEY_READS = 1 << 20
