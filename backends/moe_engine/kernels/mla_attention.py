@@ -25,7 +25,8 @@ summed in another order and with the query rounded to the model dtype after the 
 after the expansion: equal within rounding (float32: ~1e-6 relative), not bit for bit.
 
 CUDA-graph capturable: no host sync, grids from host ints (tokens, head blocks, splits). A token whose seq_len is 1
-at the null block (graph padding) reads one key. Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (tests).
+at the null block (graph padding) reads one key. Any query can be a "decode token": a prefill graph's step passes
+every token of its prompt chunks as one, with its sequence's table row and its position + 1 keys (layers/mla.py). Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (tests).
 """
 from __future__ import annotations
 
