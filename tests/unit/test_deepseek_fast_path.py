@@ -7,7 +7,9 @@ float32: greedy tokens equal HF ``generate``, logits within 1e-4, and the routed
 ids for every (token, MoE layer) (as sets: DeepSeek's top-k is unsorted, HF defines no slot order), for a prompt
 prefilled in two chunks (the second over cached latents) and decode steps, on every DeepSeek variant: V2 softmax
 group-limited and greedy, V3 sigmoid with correction bias and groups (some, all), q_lora_rank null and set,
-complex / interleaved / half rope, yarn, GLM-4.7-Flash's MLA.
+complex / interleaved / half rope, yarn, GLM-4.7-Flash's MLA. Engines on the fast path: combine weights, replay and
+prompt logprobs, a prefix-cache hit on latent blocks; a prefill graph's step (every row absorbed) against the eager
+step, and on a GPU replayed from graphs against eager steps.
 """
 from __future__ import annotations
 
@@ -256,3 +258,62 @@ def test_fast_path_prefix_cache_hit_on_latent_blocks_matches_op_by_op(tmp_path):
     want = run(ref, second, max_tokens=3, return_routed_experts=True)
     assert got.tokens == want.tokens
     np.testing.assert_array_equal(np.sort(got.routing, -1), np.sort(want.routing, -1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["deepseek_v2", "glm4_moe_lite"])
+def test_prefill_graph_step_forward_equals_the_eager_step(arch, tmp_path, monkeypatch):
+    """The forward of a step as a prefill graph replays it (core/prefill_graphs.py's stage_step and replay_batch:
+    padded to its token bucket, lengths on the device only, every MLA row absorbed), here run without the graph
+    (under the interpreter on CPU), against the eager fast-path step (prompt rows expanded): a decode, a chunk after
+    cached tokens and a prompt from position 0 give each sequence's last-token logits within float32 rounding and
+    the same routing rows, and write the same cache (the null block aside)."""
+    import numpy as np
+
+    from moe_engine.core.prefill_graphs import StagingLayout, replay_batch, stage_step
+    from moe_engine.layers.mla import MLAttention
+
+    expanded = []
+    real = MLAttention._prefill_expanded
+    monkeypatch.setattr(MLAttention, "_prefill_expanded", lambda self, *a: expanded.append(1) or real(self, *a))
+    path = save_hf_checkpoint(make_hf_model(arch, seed=3), tmp_path / arch)
+    model = load_model(path, device=DEVICE, progress=False)  # float32
+    assert model.use_fused_kernels(True, within_rounding=True)
+    cfg, bs, max_len = model.config, 4, 32
+    L, K = cfg.num_hidden_layers, cfg.num_experts_per_tok
+    caches = [KVCache.for_sequences(model.kv_layout(), 3, max_len, model.dtype, DEVICE, block_size=bs)
+              for _ in range(2)]
+    tables = [caches[0].sequence_blocks(s) for s in range(3)]
+    with torch.inference_mode():
+        history = ForwardBatch.build(tables[:2], [0, 0], [10, 5], DEVICE, bs)
+        history.use_kernels = True
+        model(torch.tensor(prompt_of(15, seed=4), device=DEVICE), history, caches[0], StepRouting(ids=None))
+        for a, b in zip(caches[0].kv_layers, caches[1].kv_layers):
+            b.k.copy_(a.k)
+            b.v.copy_(a.v)
+        context, q_lens = [10, 5, 0], [1, 6, 7]
+        expanded.clear()
+        ids = prompt_of(sum(q_lens), seed=5)
+        T, Tp = sum(q_lens), 16
+        eager = ForwardBatch.build(tables, context, q_lens, DEVICE, bs)
+        eager.use_kernels = True
+        want_rows = torch.zeros(T, L, K, dtype=torch.int32, device=DEVICE)
+        hidden = model(torch.tensor(ids, device=DEVICE), eager, caches[0], StepRouting(ids=want_rows))
+        want = model.compute_logits(hidden[eager.last_token_index])
+        n_eager, expanded[:] = len(expanded), []
+
+        layout = StagingLayout.for_engine(Tp, 4, max_len, bs)
+        host = np.zeros(layout.size, dtype=np.int64)
+        stage_step(host, layout, ids, context, q_lens, tables, Tp, caches[1].null_block, bs)
+        inputs = torch.from_numpy(host).to(DEVICE)
+        graph = replay_batch(inputs, layout, Tp, max_len, bs)
+        got_rows = torch.zeros(Tp, L, K, dtype=torch.int32, device=DEVICE)
+        hidden = model(layout.views(inputs)[0][0, :Tp], graph, caches[1], StepRouting(ids=got_rows))
+        got = model.compute_logits(hidden[graph.last_token_index[:3]])
+    assert n_eager == len(cfg.attention_layers) and not expanded  # the graph's step expands nothing
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got_rows[:T].sort(-1).values, want_rows.sort(-1).values)
+    null = caches[1].null_block
+    for a, b in zip(caches[0].kv_layers, caches[1].kv_layers):
+        torch.testing.assert_close(b.k[:null], a.k[:null], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(b.v[:null], a.v[:null], atol=1e-6, rtol=1e-6)
