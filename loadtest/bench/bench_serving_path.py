@@ -148,7 +148,7 @@ class Expect:
         arr = np.load(io.BytesIO(base64.b64decode(b64)))
         want = standin_rows(self.table, 0, n_prompt + n_out - 1) if self.exact else arr
         if arr.dtype != np.uint8 or arr.shape != want.shape or not np.array_equal(arr, want):
-                raise RuntimeError(f"{what}: routed experts {arr.dtype} {arr.shape} differ from the stand-in's "
+            raise RuntimeError(f"{what}: routed experts {arr.dtype} {arr.shape} differ from the stand-in's "
                                f"{want.shape}")
         self.check_array(arr, n_prompt, n_out, what)
 
