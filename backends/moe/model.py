@@ -328,11 +328,15 @@ class TritonPythonModel:
 
     def _response_loop(self) -> None:
         last_poll = time.monotonic()
+        carry: list = []  # what a pacing pause took from the queue: the start of the next round
         while not self._stopping.is_set() or self._pending:
-            try:
-                batch = [self._outputs.get(timeout=QUEUE_WAIT_S)]
-            except queue.Empty:
-                batch = []
+            if carry:
+                batch, carry = carry, []
+            else:
+                try:
+                    batch = [self._outputs.get(timeout=QUEUE_WAIT_S)]
+                except queue.Empty:
+                    batch = []
             # Take whatever else is queued: when the engine runs ahead of Triton's IPC, a streaming
             # request's queued steps go out as one response (fewer, larger messages under load).
             while batch and len(batch) < MAX_OUTPUTS_PER_ROUND:
@@ -364,7 +368,7 @@ class TritonPythonModel:
                 busy = time.monotonic() - t_round
                 pause = min(PACE_MAX_S, busy * (1 / self.send_duty - 1))
                 if pause > 1e-4:
-                    time.sleep(pause)
+                    carry = self._pause(pause)
             if time.monotonic() - last_poll >= CANCEL_POLL_S:
                 try:
                     self._poll_cancellations()
@@ -372,6 +376,33 @@ class TritonPythonModel:
                 except Exception:  # the response thread must survive anything
                     log.exception("cancellation/metrics poll failed")
                 last_poll = time.monotonic()
+
+    def _pause(self, seconds: float) -> list:
+        """The pacing pause: ``seconds``, cut short by a request's first output (time to first token is not paced)
+        or a control reply. What arrives meanwhile is taken from the queue a step's burst at a time and returned, in
+        order, for the next round."""
+        taken: list = []
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            new = len(taken)
+            try:
+                taken.append(self._outputs.get(timeout=left))
+            except queue.Empty:
+                break
+            while len(taken) < MAX_OUTPUTS_PER_ROUND:
+                try:
+                    taken.append(self._outputs.get_nowait())
+                except queue.Empty:
+                    break
+            if len(taken) >= MAX_OUTPUTS_PER_ROUND or any(self._urgent(out) for out in taken[new:]):
+                break
+        return taken
+
+    def _urgent(self, out) -> bool:  # noqa: ANN001 - a RequestOutput or a ControlReply
+        if isinstance(out, ControlReply):
+            return True
+        p = self._pending.get(out.request_id)
+        return p is not None and p.stream and not p.first_sent
 
     def _gauges(self) -> dict:
         lifecycle = self.engine.lifecycle
