@@ -329,7 +329,7 @@ class TritonPythonModel:
     def _response_loop(self) -> None:
         last_poll = time.monotonic()
         carry: list = []  # what a pacing pause took from the queue: the start of the next round
-        while not self._stopping.is_set() or self._pending:
+        while not self._stopping.is_set() or self._pending or carry:
             if carry:
                 batch, carry = carry, []
             else:
