@@ -8,6 +8,9 @@
 - GPT-OSS experts as transformers writes them ([E, H, 2I] / [E, I, H] plus biases) or MXFP4 as on the Hub
   (``*_blocks`` uint8 [E, R, C/32, 16] + ``*_scales`` uint8 [E, R, C/32]), dequantised at load exactly as
   transformers' ``integrations/mxfp4.py`` does (LUT, ldexp, transpose);
+- FP8 block-scaled as DeepSeek-V3 / Qwen3-FP8 / GLM-FP8 publish (e4m3 ``weight`` + float32 ``weight_scale_inv``
+  per ``weight_block_size`` block, per expert or fused; fp8.py), dequantised at load: float32 product, one cast
+  to the model dtype, as transformers' ``Fp8Dequantize``;
 - bf16 / fp16 / fp32 on disk, converted tensor by tensor to the requested dtype, except where HF keeps float32
   (DeepSeek's router weight and e_score_correction_bias; ``MoEForCausalLM.param_dtype``);
 - tied embeddings (``lm_head`` shares ``embed_tokens``; a stored ``lm_head.weight`` is ignored, as HF);
@@ -37,6 +40,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import DTYPE_ALIASES, MoEConfig, load_config
+from .fp8 import dequantize_fp8
 from .distributed.sharding import Selection
 from .models.decoder import MoEForCausalLM
 
@@ -76,8 +80,10 @@ class _Tensors:
     prefix, the checkpoint's) pairs (``MoEConfig.key_prefixes``): a key stored under the checkpoint's prefix is also
     found under ours (Nemotron-H's ``backbone.``, a Qwen3.5 checkpoint's ``model.language_model.``)."""
 
-    def __init__(self, root: Path, stack: ExitStack, prefixes: tuple[tuple[str, str], ...] = ()):
+    def __init__(self, root: Path, stack: ExitStack, prefixes: tuple[tuple[str, str], ...] = (),
+                 fp8_block: tuple[int, int] | None = None):
         self.root, self._stack, self._handles = root, stack, {}
+        self.fp8_block = fp8_block  # weight_block_size of an FP8 checkpoint (None: per-tensor scales)
         index = root / "model.safetensors.index.json"
         if index.is_file():
             self.key_file = dict(json.loads(index.read_text())["weight_map"])
@@ -116,8 +122,38 @@ class _Tensors:
         key = self._real(key)
         return list(self._open(self.key_file[key]).get_slice(key).get_shape())
 
+    def _fp8_scale_key(self, key: str) -> str | None:
+        """The ``weight_scale_inv`` of an FP8 tensor (``X.weight`` -> ``X.weight_scale_inv``, fused experts'
+        ``...gate_up_proj`` -> ``...gate_up_proj_scale_inv``); None for a tensor stored unquantized. An e4m3
+        tensor without its scales is an error, not silently read as values."""
+        if not self._open(self.key_file[key]).get_slice(key).get_dtype().startswith("F8"):
+            return None
+        scale = key[: -len("weight")] + "weight_scale_inv" if key.endswith("weight") else key + "_scale_inv"
+        if scale not in self.key_file:
+            raise CheckpointError(f"FP8 tensor {key!r} in {self.key_file[key]} has no {scale!r}: only block- or "
+                                  "tensor-scaled FP8 (quantization_config quant_method 'fp8') is supported")
+        return scale
+
+    def _read(self, key: str, rows: slice | None = None) -> torch.Tensor:
+        """A stored tensor (``rows`` of its first dim), FP8 dequantised to float32 with its scales."""
+        handle = self._open(self.key_file[key])
+        value = handle.get_slice(key)[rows] if rows is not None else handle.get_tensor(key)
+        scale_key = self._fp8_scale_key(key)
+        if scale_key is None:
+            return value
+        self.used.add(scale_key)
+        scale_handle = self._open(self.key_file[scale_key])
+        if rows is not None and len(scale_handle.get_slice(scale_key).get_shape()) == value.dim():
+            scales = scale_handle.get_slice(scale_key)[rows]  # one expert's grid
+        else:
+            scales = scale_handle.get_tensor(scale_key)
+        try:
+            return dequantize_fp8(value, scales, self.fp8_block)
+        except ValueError as e:
+            raise CheckpointError(f"{key!r} in {self.key_file[key]}: {e}") from None
+
     def get(self, key: str, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
-        """Read one tensor (from the memory map) after checking its shape."""
+        """Read one tensor (from the memory map) after checking its shape (FP8: dequantised to float32)."""
         key = self._real(key)
         found = self.shape(key)
         if list(found) != list(shape):
@@ -125,7 +161,7 @@ class _Tensors:
                 f"tensor {key!r} in {self.key_file[key]} has shape {_fmt(found)}, expected {_fmt(shape)}"
             )
         self.used.add(key)
-        return self._open(self.key_file[key]).get_tensor(key)
+        return self._read(key)
 
     def get_row(self, key: str, shape: list[int] | tuple[int, ...], i: int) -> torch.Tensor:
         """Rows [i : i + 1] of one tensor (read through the memory map) after checking the whole shape."""
@@ -136,7 +172,7 @@ class _Tensors:
                 f"tensor {key!r} in {self.key_file[key]} has shape {_fmt(found)}, expected {_fmt(shape)}"
             )
         self.used.add(key)
-        return self._open(self.key_file[key]).get_slice(key)[i : i + 1]
+        return self._read(key, slice(i, i + 1))
 
     def read_selected(self, key: str, sel: Selection, out: torch.Tensor) -> None:
         """This rank's part of one tensor (``sel``) into ``out`` (zeros where nothing is read), slice by slice
@@ -151,6 +187,8 @@ class _Tensors:
         if sel.zeros:
             return
         part = self._open(self.key_file[key]).get_slice(key)
+        if self._fp8_scale_key(key) is not None:  # scales cover blocks, not slices: dequantise, then slice
+            part = self._read(key)
         for src, dst in _pieces(sel):
             out[dst].copy_(part[src])
 
@@ -374,7 +412,7 @@ def load_model(
             bar = None
 
     with ExitStack() as stack:
-        tensors = _Tensors(root, stack, cfg.key_prefixes)
+        tensors = _Tensors(root, stack, cfg.key_prefixes, cfg.quantization.weight_block_size)
         for name, meta in params:
             shape = tuple(meta.shape)
             pdtype = model.param_dtype(name, tdtype)
