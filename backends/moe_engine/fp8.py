@@ -108,3 +108,21 @@ def w8a8_linear_reference(x: Tensor, weight: Tensor, scale_inv: Tensor, block: t
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def w8a8_expert_mlp_reference(x: Tensor, gate_up_q: Tensor, gate_up_s: Tensor, down_q: Tensor, down_s: Tensor,
+                              tok: Tensor, offs: Tensor, block: tuple[int, int] = (128, 128)) -> Tensor:
+    """The op-by-op W8A8 routed experts on expert-grouped rows (kernels/fp8_moe.py's reference): per expert e with
+    rows r, g|u = w8a8_linear(x[tok[r]], gate_up[e]) in the model dtype, h = silu(g) * u as torch rounds it,
+    y = w8a8_linear(h, down[e]) -> [P, H]."""
+    import torch.nn.functional as F
+
+    P, H = tok.shape[0], x.shape[1]
+    y = torch.zeros(P, H, dtype=x.dtype, device=x.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            gate, up = w8a8_linear_reference(x[tok[start:end]], gate_up_q[e], gate_up_s[e], block).chunk(2, dim=-1)
+            y[start:end] = w8a8_linear_reference(F.silu(gate) * up, down_q[e], down_s[e], block)
+        start = end
+    return y
