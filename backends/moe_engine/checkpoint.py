@@ -40,6 +40,8 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import DTYPE_ALIASES, MoEConfig, load_config
+from . import fp8_load
+from .fp8 import FP8_DTYPE as fp8_dtype
 from .fp8 import dequantize_fp8
 from .distributed.sharding import Selection
 from .models.decoder import MoEForCausalLM
@@ -122,10 +124,11 @@ class _Tensors:
         key = self._real(key)
         return list(self._open(self.key_file[key]).get_slice(key).get_shape())
 
-    def _fp8_scale_key(self, key: str) -> str | None:
+    def fp8_scale_key(self, key: str) -> str | None:
         """The ``weight_scale_inv`` of an FP8 tensor (``X.weight`` -> ``X.weight_scale_inv``, fused experts'
         ``...gate_up_proj`` -> ``...gate_up_proj_scale_inv``); None for a tensor stored unquantized. An e4m3
         tensor without its scales is an error, not silently read as values."""
+        key = self._real(key)
         if not self._open(self.key_file[key]).get_slice(key).get_dtype().startswith("F8"):
             return None
         scale = key[: -len("weight")] + "weight_scale_inv" if key.endswith("weight") else key + "_scale_inv"
@@ -134,11 +137,23 @@ class _Tensors:
                                   "tensor-scaled FP8 (quantization_config quant_method 'fp8') is supported")
         return scale
 
+    def get_fp8(self, key: str, shape, scale_shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 tensor as stored (e4m3) and its float32 scales, on ``device``, after checking both shapes."""
+        key = self._real(key)
+        scale_key = self.fp8_scale_key(key)
+        for k, want in ((key, shape), (scale_key, scale_shape)):
+            if list(self.shape(k)) != list(want):
+                raise CheckpointError(f"tensor {k!r} in {self.key_file[k]} has shape {_fmt(self.shape(k))}, "
+                                      f"expected {_fmt(want)}")
+            self.used.add(k)
+        read = lambda k, dtype: _place(self._open(self.key_file[k]).get_tensor(k), dtype, device)  # noqa: E731
+        return read(key, fp8_dtype), read(scale_key, torch.float32)
+
     def _read(self, key: str, rows: slice | None = None) -> torch.Tensor:
         """A stored tensor (``rows`` of its first dim), FP8 dequantised to float32 with its scales."""
         handle = self._open(self.key_file[key])
         value = handle.get_slice(key)[rows] if rows is not None else handle.get_tensor(key)
-        scale_key = self._fp8_scale_key(key)
+        scale_key = self.fp8_scale_key(key)
         if scale_key is None:
             return value
         self.used.add(scale_key)
@@ -187,7 +202,7 @@ class _Tensors:
         if sel.zeros:
             return
         part = self._open(self.key_file[key]).get_slice(key)
-        if self._fp8_scale_key(key) is not None:  # scales cover blocks, not slices: dequantise, then slice
+        if self.fp8_scale_key(key) is not None:  # scales cover blocks, not slices: dequantise, then slice
             part = self._read(key)
         for src, dst in _pieces(sel):
             out[dst].copy_(part[src])
@@ -386,37 +401,59 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     shard=None,
+    fp8: str | None = None,
 ) -> MoEForCausalLM:
     """Build ``MoEForCausalLM`` from a HF checkpoint directory (config.json + safetensors). ``shard``: a callable
     that shards the meta model for one rank and returns its selections (sharding.shard_model); then only this
-    rank's parts are read."""
+    rank's parts are read. ``fp8``: serve the dense projections and experts in W8A8 block FP8 (fp8_load.py):
+    "checkpoint" keeps an FP8 checkpoint's weights as stored, "quantize" quantises them at load; None: FP8 weights
+    are dequantised into ``dtype``."""
     root = Path(path)
     cfg = load_config(root)
     tdtype = resolve_dtype(dtype, cfg)
     device = torch.device(device)
     start = time.monotonic()
+    if fp8 is not None and shard is not None:
+        raise ValueError("FP8 weights are not supported with tensor parallelism")
     with torch.device("meta"):
         model = MoEForCausalLM(cfg)
     selections = shard(model) if shard is not None else {}
-    params = list(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens.weight
-    total = sum(p.numel() * torch.empty((), dtype=model.param_dtype(n, tdtype)).element_size() for n, p in params)
-
-    bar = None
-    if progress:
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, desc=f"Loading {root.name}", unit="B", unit_scale=True, delay=2.0,
-                       file=sys.stderr, leave=False)
-        except ImportError:  # pragma: no cover - tqdm is a pinned dependency
-            bar = None
 
     with ExitStack() as stack:
         tensors = _Tensors(root, stack, cfg.key_prefixes, cfg.quantization.weight_block_size)
+        fp8_names = fp8_load.prepare(model, cfg, tensors, fp8) if fp8 is not None else set()
+        params = list(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens.weight
+        total = sum(p.numel() * (p.element_size() if n in fp8_names or n.endswith("_scale_inv") else torch.empty(
+            (), dtype=model.param_dtype(n, tdtype)).element_size()) for n, p in params)
+        bar = None
+        if progress:
+            try:
+                from tqdm import tqdm
+
+                bar = tqdm(total=total, desc=f"Loading {root.name}", unit="B", unit_scale=True, delay=2.0,
+                           file=sys.stderr, leave=False)
+            except ImportError:  # pragma: no cover - tqdm is a pinned dependency
+                bar = None
         for name, meta in params:
             shape = tuple(meta.shape)
             pdtype = model.param_dtype(name, tdtype)
             sel = selections.get(name)
+            if name.endswith("_scale_inv"):
+                continue  # read with its FP8 weight
+            if name in fp8_names:
+                module_name, _, attr = name.rpartition(".")
+                module = model.get_submodule(module_name)
+                scale_attr = "weight_scale_inv" if attr == "weight" else f"{attr}_scale_inv"
+                if fp8 == "checkpoint":
+                    q, s = fp8_load.read_checkpoint_fp8(tensors, cfg, name, meta, getattr(module, scale_attr), device)
+                else:
+                    load = _load_experts if is_experts_param(name) else _load_direct
+                    q, s = fp8_load.quantize_loaded(load(tensors, cfg, name, shape, pdtype, device))
+                setattr(module, attr, nn.Parameter(q, requires_grad=False))
+                setattr(module, scale_attr, nn.Parameter(s, requires_grad=False))
+                if bar is not None:
+                    bar.update(q.nbytes + s.nbytes)
+                continue
             if is_experts_param(name):
                 value = _load_experts(tensors, cfg, name, shape, pdtype, device, sel)
             else:

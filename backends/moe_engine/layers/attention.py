@@ -11,6 +11,7 @@ from ..kernels import rotary as rotary_kernels
 from ..kernels import small_linear as linear_kernels
 from . import invariant as inv
 from .attend import ForwardBatch, LayerKV, attend, attend_stored
+from .fp8_linear import Fp8Linear
 from .norm import RMSNorm
 from .rotary import apply_rotary
 
@@ -76,8 +77,7 @@ class Attention(nn.Module):
                                 self.batch_invariant).reshape(T, self.num_heads * self.head_dim)
             if self.batch_invariant:
                 return self.o_proj(out)
-            return linear_kernels.decode_linear(out, self.o_proj.weight, self.o_proj.bias, self.within_rounding,
-                                                linear_kernels.O_PROJ_SMALL_LINEAR_TOKENS)  # [T, H]
+            return self._o_proj(out)  # [T, H]
         if self.qk_norm == "full":
             q, k = self._full_norm(q, k)
         if self.clip_qkv is not None:
@@ -119,8 +119,14 @@ class Attention(nn.Module):
         out = out.reshape(T, Hq * D)
         if gate is not None:
             out = out * torch.sigmoid(gate)
+        return self._o_proj(out)  # [T, H]
+
+    def _o_proj(self, out: Tensor) -> Tensor:
+        """[T, Hq*D] -> [T, H]: ``small_linear`` for few tokens, cuBLAS beyond; an FP8 o_proj runs its own GEMM."""
+        if isinstance(self.o_proj, Fp8Linear):
+            return self.o_proj(out)
         return linear_kernels.decode_linear(out, self.o_proj.weight, self.o_proj.bias, self.within_rounding,
-                                            linear_kernels.O_PROJ_SMALL_LINEAR_TOKENS)  # [T, H]
+                                            linear_kernels.O_PROJ_SMALL_LINEAR_TOKENS)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The q, k and v projections: one GEMM over [Wq; Wk; Wv] when ``fuse_qkv`` laid the three weights out
@@ -157,7 +163,9 @@ class Attention(nn.Module):
     @torch.no_grad()
     def fuse_qkv(self) -> None:
         """Lay the q/k/v weights (and biases) out back to back in one tensor, each projection's parameter a view
-        of its rows, so that ``_qkv`` runs one GEMM. Idempotent."""
+        of its rows, so that ``_qkv`` runs one GEMM. Idempotent. FP8 projections stay three W8A8 GEMMs."""
+        if any(isinstance(p, Fp8Linear) for p in (self.q_proj, self.k_proj, self.v_proj)):
+            return
         if self._qkv_weight() is not None:
             return
         for attr in ("weight", "bias"):

@@ -242,9 +242,28 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
         self.first_expert: int | None = None  # expert parallelism: this rank's first expert (sharding.py)
+        # W8A8 block FP8 (keep_fp8): gate_up_proj / down_proj in e4m3 with *_scale_inv per block; None: model dtype
+        self.fp8_block: tuple[int, int] | None = None
+
+    def keep_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the expert weights in e4m3 with float32 scales per ``block`` (rows, columns) of each expert's
+        projections: ``gate_up_proj_scale_inv`` [E, 2I / bm, H / bn], ``down_proj_scale_inv`` [E, H / bm, I / bn]
+        (the checkpoint's names). Called on the meta model before loading; the fused path then runs
+        kernels/fp8_moe.py, the others the op-by-op W8A8 reference (fp8.w8a8_linear_reference per expert)."""
+        from .. import fp8
+
+        bm, bn = self.fp8_block = tuple(block)
+        for name in ("gate_up_proj", "down_proj"):
+            E, R, C = getattr(self, name).shape
+            device = getattr(self, name).device
+            setattr(self, name, nn.Parameter(torch.empty(E, R, C, dtype=fp8.FP8_DTYPE, device=device),
+                                             requires_grad=False))
+            setattr(self, f"{name}_scale_inv", nn.Parameter(
+                torch.empty(E, -(-R // bm), -(-C // bn), dtype=torch.float32, device=device), requires_grad=False))
 
     def graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        if self.fused and self.triton_gemm_max_pairs == sys.maxsize and self.first_expert is None:
+        if self.fused and self.first_expert is None and (self.triton_gemm_max_pairs == sys.maxsize
+                                                         or self.fp8_block is not None):
             return None  # never torch's grouped GEMM
         if not grouped_mm_capturable(device, dtype):
             return f"torch's grouped GEMM syncs with the host for {dtype} on this GPU (use bfloat16)"
@@ -256,7 +275,8 @@ class Experts(nn.Module):
         # Fused, the grouped path is faster than gathering weights even for one token (H200, C=1 decode step:
         # 0.41 vs 0.46 ms), and its route kernel does the capture copy.
         return bool(self.fused and T and self.first_expert is None and (
-            T * top_k <= self.triton_gemm_max_pairs or grouped_mm_works(x.device, x.dtype)))
+            self.fp8_block is not None or T * top_k <= self.triton_gemm_max_pairs
+            or grouped_mm_works(x.device, x.dtype)))
 
     def forward(
         self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None,
@@ -278,7 +298,7 @@ class Experts(nn.Module):
         _capture(capture, ids)
         if T == 0:
             return torch.zeros_like(x)
-        if self.batch_invariant:
+        if self.batch_invariant or self.fp8_block is not None:  # (FP8 off the fused path: the W8A8 reference)
             return forward_grouped(self._expert, self.num_experts, x, ids, weights)
         if self.first_expert is not None:  # expert parallelism: torch's grouped GEMM (the fused path is not EP-aware)
             mm = self._grouped_mm_local if grouped_mm_works(x.device, x.dtype) else None
@@ -321,7 +341,12 @@ class Experts(nn.Module):
         ``combine`` (weights, HF-order sum; ``ExpertOutputs.combine``, or the next norm's launch) after them."""
         routed = grouped if grouped is not None else routing_kernels.route(ids, self.num_experts, capture)
         pos, tok, offs = routed  # [T, K] grouped row of each pair, [K*T] token of each row, [E] row ends
-        if ids.numel() <= self.triton_gemm_max_pairs:  # only the hit experts' weights are read
+        if self.fp8_block is not None:  # W8A8 block FP8 for every step size
+            from ..kernels.fp8_moe import expert_mlp_fp8
+
+            y = expert_mlp_fp8(x, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
+                               self.down_proj_scale_inv, pos, tok, offs, self.fp8_block)  # [K*T, H]
+        elif ids.numel() <= self.triton_gemm_max_pairs:  # only the hit experts' weights are read
             y = fused_moe.expert_mlp(x, self.gate_up_proj, self.down_proj, pos, tok, offs,
                                      deterministic=self.batch_invariant)  # [K*T, H]
         else:
@@ -331,6 +356,11 @@ class Experts(nn.Module):
 
     def _expert(self, e: int, rows: Tensor) -> Tensor:
         """Expert e on its rows [n, H] -> [n, H] (HF's per-expert loop body, before the routing weight)."""
+        if self.fp8_block is not None:
+            from ..fp8 import w8a8_linear_reference as w8a8
+
+            gate, up = w8a8(rows, self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], self.fp8_block).chunk(2, -1)
+            return w8a8(F.silu(gate) * up, self.down_proj[e], self.down_proj_scale_inv[e], self.fp8_block)
         if self.batch_invariant:
             gate, up = inv.linear(rows, self.gate_up_proj[e], None, self.bi_kernels).chunk(2, dim=-1)
             return inv.linear(inv.silu(gate) * up, self.down_proj[e], None, self.bi_kernels)
@@ -426,7 +456,7 @@ class GptOssExperts(nn.Module):
         T, K = ids.shape
         if T == 0:
             return torch.zeros_like(x)
-        if self.batch_invariant:
+        if self.batch_invariant or self.fp8_block is not None:  # (FP8 off the fused path: the W8A8 reference)
             return forward_grouped(self._expert, self.num_experts, x, ids, weights)
         if self.first_expert is not None:
             return forward_local(self._expert, self.first_expert, self.num_experts, x, ids, weights)

@@ -1,0 +1,130 @@
+"""Serving FP8 weights in FP8 (W8A8 block FP8): an FP8 checkpoint kept as stored (fp8="checkpoint"), or a bf16 /
+fp32 checkpoint quantised at load (``--quantization fp8``, fp8="quantize"), against the dequantised reference.
+
+On CPU the FP8 modules run the op-by-op W8A8 reference (fp8.w8a8_linear_reference: activations quantised per token
+and 128 channels, dequantised operands, float32 matmul); the Triton kernels equal it (test_fp8_kernels.py). The
+activation quantisation changes the forward, so logits and routing are compared with the dequantised model
+statistically (what an FP8 deployment changes), while what must be exact is exact: the stored e4m3 bytes and
+scales reach the model untouched, and the routed experts returned are those the FP8 forward used (replay forces
+them).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_engine import fp8
+from moe_engine.checkpoint import load_model
+from moe_engine.fp8_load import fp8_mode
+from moe_engine.layers.fp8_linear import Fp8Linear
+from moe_engine.models.decoder import reference_forward
+
+from .hf_checkpoints import make_hf_model, save_fp8_checkpoint, save_hf_checkpoint
+from .test_fp8_checkpoint import WIDE, random_ids
+
+
+# Expert widths a multiple of the 128-row block (as Qwen3's 768, DeepSeek-V3's 2048): the per-expert scale grids of
+# gate and up stack into the experts' [2I, H] grid, so the experts are served in FP8 too
+SERVE = {arch: dict(shape, moe_intermediate_size=256) for arch, shape in WIDE.items()}
+
+
+def routed_agreement(a: torch.Tensor, b: torch.Tensor, layers) -> float:
+    """Fraction of (token, MoE layer) whose routed expert sets are equal."""
+    same = [torch.equal(a[t, i].sort().values, b[t, i].sort().values) for t in range(a.shape[0]) for i in layers]
+    return sum(same) / len(same)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
+def test_fp8_checkpoint_served_in_fp8(arch, tmp_path):
+    path = save_fp8_checkpoint(make_hf_model(arch, seed=0, **SERVE[arch]), tmp_path / "fp8")
+    ours = load_model(path, dtype=torch.float32, progress=False, fp8="checkpoint")
+    ref = load_model(path, dtype=torch.float32, progress=False)  # dequantised
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as h:
+        o = ours.model.layers[0].self_attn.o_proj
+        assert isinstance(o, Fp8Linear) and o.weight.dtype == fp8.FP8_DTYPE
+        key = "model.layers.0.self_attn.o_proj.weight"
+        assert torch.equal(o.weight.view(torch.uint8), h.get_tensor(key).view(torch.uint8))  # the stored bytes
+        assert torch.equal(o.weight_scale_inv, h.get_tensor(key + "_scale_inv"))
+        moe = ours.config.moe_layers[0]
+        experts = ours.model.layers[moe].mlp.experts
+        assert experts.fp8_block == (128, 128) and experts.gate_up_proj.dtype == fp8.FP8_DTYPE
+        up = h.get_tensor(f"model.layers.{moe}.mlp.experts.3.up_proj.weight")
+        assert torch.equal(experts.gate_up_proj[3, up.shape[0]:].view(torch.uint8), up.view(torch.uint8))
+        # dequantising what the FP8 model holds gives the reference model's weights
+        assert torch.equal(fp8.dequantize_fp8(experts.gate_up_proj, experts.gate_up_proj_scale_inv, (128, 128)),
+                           ref.model.layers[moe].mlp.experts.gate_up_proj)
+    # routers, norms, embeddings and lm_head stay in the model dtype
+    assert ours.lm_head.weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for n, p in ours.named_parameters() if "norm" in n or ".mlp.gate." in n)
+    ids = random_ids(48, seed=1)
+    logits, routed = reference_forward(ours, ids)
+    ref_logits, ref_routed = reference_forward(ref, ids)
+    rel = (logits - ref_logits).norm() / ref_logits.norm()
+    # random tiny models (hidden 256, 3-4 layers): e4m3 activations (3 mantissa bits) move logits by 5-17%
+    assert rel < 0.25, f"W8A8 logits {rel:.3f} away from the dequantised model's"
+    agree = routed_agreement(routed, ref_routed, ours.config.moe_layers)
+    print(f"{arch}: W8A8 vs dequantised: logits rel. error {rel:.4f}, routed sets equal {agree:.1%}")
+    assert agree >= 0.6
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
+def test_fp8_weights_without_activation_quantization_equal_dequantized(arch, tmp_path, monkeypatch):
+    """The wiring, exactly: with activations passed through unquantised (scale 1), every FP8 module computes
+    x @ dequantised(W), so the FP8 model equals the dequantised model to float32 rounding, ids included."""
+    path = save_fp8_checkpoint(make_hf_model(arch, seed=0, **SERVE[arch]), tmp_path / "fp8")
+    ours = load_model(path, dtype=torch.float32, progress=False, fp8="checkpoint")
+    ref = load_model(path, dtype=torch.float32, progress=False)
+    monkeypatch.setattr(fp8, "quantize_activations",
+                        lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
+    ids = random_ids(32, seed=4)
+    logits, routed = reference_forward(ours, ids)
+    ref_logits, ref_routed = reference_forward(ref, ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
+    assert torch.equal(routed, ref_routed)
+
+
+def test_fp8_experts_kept_only_where_blocks_stack(tmp_path):
+    """Expert width 192 (not a multiple of 128): gate's last scale block would cover up's first rows once stacked,
+    so those experts load dequantised while the dense projections stay FP8."""
+    path = save_fp8_checkpoint(make_hf_model("qwen3_moe", seed=0, **WIDE["qwen3_moe"]), tmp_path / "fp8")
+    model = load_model(path, dtype=torch.float32, progress=False, fp8="checkpoint")
+    assert model.model.layers[1].mlp.experts.fp8_block is None
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float32
+    assert isinstance(model.model.layers[1].self_attn.q_proj, Fp8Linear)
+
+
+def test_online_quantization(tmp_path):
+    """--quantization fp8: a float32 checkpoint's projections and experts quantised at load in 128 x 128 blocks."""
+    src = make_hf_model("qwen3_moe", seed=0, **SERVE["qwen3_moe"])
+    path = save_hf_checkpoint(src, tmp_path / "bf16")
+    ours = load_model(path, dtype=torch.float32, progress=False, fp8="quantize")
+    ref = load_model(path, dtype=torch.float32, progress=False)
+    q = ours.model.layers[0].self_attn.q_proj
+    assert isinstance(q, Fp8Linear)
+    want_q, want_s = fp8.quantize_fp8_blocks(ref.model.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(q.weight.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(q.weight_scale_inv, want_s)
+    assert ours.model.layers[1].mlp.experts.fp8_block == (128, 128)
+    assert ours.model.layers[1].mlp.gate.weight.dtype == torch.float32  # the router is not quantised
+    ids = random_ids(48, seed=2)
+    logits, routed = reference_forward(ours, ids)
+    ref_logits, ref_routed = reference_forward(ref, ids)
+    assert (logits - ref_logits).norm() / ref_logits.norm() < 0.1
+    assert routed_agreement(routed, ref_routed, ours.config.moe_layers) >= 0.6
+
+
+def test_fp8_mode_choices(tmp_path):
+    from moe_engine.config import load_config
+
+    fp8_path = save_fp8_checkpoint(make_hf_model("qwen3_moe", seed=0), tmp_path / "fp8")
+    plain = save_hf_checkpoint(make_hf_model("qwen3_moe", seed=0), tmp_path / "plain")
+    fp8_cfg, plain_cfg = load_config(fp8_path), load_config(plain)
+    assert fp8_mode(fp8_cfg, None, "cpu", fused_kernels=False) is None  # CPU: dequantised
+    assert fp8_mode(plain_cfg, None, "cpu", fused_kernels=False) is None
+    assert fp8_mode(plain_cfg, "fp8", "cpu", fused_kernels=False) == "quantize"
+    assert fp8_mode(fp8_cfg, "fp8", "cpu", fused_kernels=False) is None  # already FP8: served as stored
+    with pytest.raises(ValueError, match="supported: fp8"):
+        fp8_mode(plain_cfg, "awq", "cpu", fused_kernels=False)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        fp8_mode(plain_cfg, "fp8", "cpu", fused_kernels=False, tensor_parallel=True)
