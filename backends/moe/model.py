@@ -190,8 +190,10 @@ class TritonPythonModel:
         """Build the engine on ``checkpoint`` (refused if a weight is NaN or infinite)."""
         from moe_engine.checkpoint import load_model
         from moe_engine.config import load_config
+        from moe_engine.fp8_load import serve_fp8
 
         self.cfg = load_config(checkpoint)
+        fp8 = serve_fp8(self.cfg, ecfg, device)  # (refuses --quantization fp8 with tensor parallelism)
         if ecfg.tensor_parallel_size > 1:  # this instance is rank 0; it starts the other ranks (ranks.py)
             from moe_engine.distributed.ranks import build_parallel_engine
 
@@ -202,7 +204,7 @@ class TritonPythonModel:
         else:
             if device == "cuda" and args.get("model_instance_kind") == "GPU":
                 device = f"cuda:{args.get('model_instance_device_id') or 0}"
-            model = load_model(checkpoint, dtype=dtype, device=device)
+            model = load_model(checkpoint, dtype=dtype, device=device, fp8=fp8)
             bad = next((n for n, p in model.named_parameters() if p.is_floating_point() and not p.isfinite().all()),
                        None)
             if bad is not None:

@@ -35,26 +35,43 @@ _KEEP_DENSE = ("mlp.gate", "mixer.gate", "shared_expert_gate", "kv_b_proj", ".ro
 
 
 def fp8_mode(cfg, quantization: str | None, device: torch.device | str, fused_kernels: bool,
-             tensor_parallel: bool = False) -> str | None:
+             tensor_parallel: bool = False, deterministic: bool = False) -> str | None:
     """"quantize" (``--quantization fp8``), "checkpoint" (an FP8 checkpoint served in FP8) or None (dequantised or
-    unquantized weights). Raises ValueError for a ``quantization`` this engine does not know."""
+    unquantized weights). Raises ValueError for a ``quantization`` this engine does not know or cannot combine.
+    The W8A8 GEMMs pick tiles by step size, so deterministic inference serves an FP8 checkpoint dequantised."""
     if quantization not in (None, "", "none", "fp8"):
         raise ValueError(f"--quantization {quantization!r} is not supported (supported: fp8)")
     if quantization == "fp8":
         if cfg.quantization.method != "none":
             log.info("--quantization fp8: the checkpoint is already quantized (%s); serving it as stored",
                      cfg.quantization.method)
-        elif tensor_parallel:
-            raise ValueError("--quantization fp8 is not supported with tensor parallelism")
+        elif tensor_parallel or deterministic:
+            raise ValueError("--quantization fp8 is not supported with tensor parallelism or deterministic inference")
         else:
             return "quantize"
     q = cfg.quantization
-    if q.method != "fp8" or q.weight_block_size is None or tensor_parallel or not fused_kernels:
+    if q.method != "fp8" or q.weight_block_size is None or tensor_parallel or deterministic or not fused_kernels:
         return None
     device = torch.device(device)
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         return None  # no FP8 tensor cores: the dequantised reference path
     return "checkpoint"
+
+
+def serve_fp8(cfg, ecfg, device: str) -> str | None:
+    """``fp8_mode`` for an engine's settings (EngineConfig) on ``device``: fused kernels unless disabled, where
+    Triton runs."""
+    from .engine_config import batch_invariant_env
+    from .kernels import support as kernel_support
+
+    dev = torch.device(device)
+    fused = ecfg.fused_kernels is not False and dev.type == "cuda" and kernel_support.available(dev)
+    mode = fp8_mode(cfg, ecfg.quantization, dev, fused, ecfg.tensor_parallel_size > 1,
+                    bool(ecfg.deterministic_inference) or batch_invariant_env())
+    if cfg.quantization.method == "fp8" and mode is None:
+        log.info("FP8 checkpoint: dequantised at load (W8A8 needs a GPU with FP8 tensor cores, the fused kernels, "
+                 "one GPU and no deterministic inference)")
+    return mode
 
 
 def _dense_targets(model: nn.Module):

@@ -128,3 +128,40 @@ def test_fp8_mode_choices(tmp_path):
         fp8_mode(plain_cfg, "awq", "cpu", fused_kernels=False)
     with pytest.raises(ValueError, match="tensor parallelism"):
         fp8_mode(plain_cfg, "fp8", "cpu", fused_kernels=False, tensor_parallel=True)
+
+
+def test_engine_serves_fp8_routes_and_replays(tmp_path):
+    """Through the engine (paged KV cache, prefill then decode steps): the routed experts returned are the FP8
+    forward's own (the reference forward of the same FP8 model on prompt + output gives the same ids), replaying
+    them changes nothing, a forced routing is used as given, the engine reports serving FP8, and weight updates
+    are refused rather than cast into e4m3."""
+    import numpy as np
+
+    from moe_engine.engine import Engine, EngineConfig
+    from moe_engine.rl.weights import WeightUpdateError
+
+    from .test_replay import replacement, run
+
+    path = save_fp8_checkpoint(make_hf_model("qwen3_moe", seed=0, **SERVE["qwen3_moe"]), tmp_path / "fp8")
+    model = load_model(path, dtype=torch.float32, progress=False, fp8="checkpoint")
+    cfg = model.config
+    engine = Engine(model, cfg, EngineConfig(max_model_len=128, enable_prefix_caching=False))
+    ids = random_ids(20, seed=6)
+    first = run(engine, ids, max_tokens=6)
+    _, routed = reference_forward(model, ids + first.tokens[:-1])
+    moe = list(cfg.moe_layers)
+    np.testing.assert_array_equal(first.routing[:, moe], routed[:, moe].numpy())
+    again = run(engine, ids, replay=first.routing[:20], max_tokens=6)
+    assert again.tokens == first.tokens
+    np.testing.assert_array_equal(again.routing, first.routing)
+    forced = first.routing[:20].astype(np.int64).copy()
+    for t in range(5, 10):
+        for layer in moe:
+            forced[t, layer, 0] = replacement(forced[t, layer], 0, cfg.num_experts, cfg.num_experts)
+    res = run(engine, ids, replay=forced, max_tokens=1)
+    np.testing.assert_array_equal(res.routing[:20][:, moe], forced[:, moe])  # the FP8 forward used them
+    assert engine.lifecycle.get_engine_info().result()["weights_served_as"] == "fp8"
+    with pytest.raises(WeightUpdateError, match="FP8 weights"):
+        from moe_engine.rl.weights import check_checkpoint
+
+        check_checkpoint(model, str(path))
