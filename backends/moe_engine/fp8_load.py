@@ -145,3 +145,63 @@ def quantize_loaded(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return fp8.quantize_fp8_blocks(value, ONLINE_BLOCK)
     pairs = [fp8.quantize_fp8_blocks(value[e], ONLINE_BLOCK) for e in range(value.shape[0])]
     return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+# ----------------------------------------------------------------------------- a model already in memory
+# (the real-shape benchmark: random bf16 weights built on the GPU, quantised there)
+
+
+def target_names(model: nn.Module) -> list[str]:
+    """The weights ``--quantization fp8`` would quantise in this model: dense "X.weight", experts "X.gate_up_proj"
+    and "X.down_proj"."""
+    names = [f"{name}.weight" for name, *_ in _dense_targets(model)]
+    for name, module in model.named_modules():
+        if type(module) is Experts and module.fp8_block is None:
+            names += [f"{name}.gate_up_proj", f"{name}.down_proj"]
+    return names
+
+
+@torch.no_grad()
+def quantize_in_memory(model: nn.Module, names: list[str], to: torch.device | str | None = None) -> dict:
+    """name -> (e4m3 weight, float32 scales) of each named weight, quantised on its device in 128 x 128 blocks
+    (experts one at a time) and moved to ``to`` (e.g. the host, while the model keeps its bf16 weights)."""
+    out = {}
+    for name in names:
+        q, s = quantize_loaded(model.get_parameter(name))
+        out[name] = (q.to(to), s.to(to)) if to is not None else (q, s)
+    return out
+
+
+@torch.no_grad()
+def dequantize_in_place(model: nn.Module, quantized: dict) -> None:
+    """Each named weight := its dequantised FP8 value in the model dtype: the reference an FP8 forward is compared
+    with (the same weights, unquantised activations)."""
+    for name, (q, s) in quantized.items():
+        p = model.get_parameter(name)
+        for e in range(p.shape[0]) if p.dim() == 3 else [None]:  # experts one at a time: small temporaries
+            dst, qq, ss = (p, q, s) if e is None else (p[e], q[e], s[e])
+            dst.copy_(fp8.dequantize_fp8(qq.to(p.device), ss.to(p.device), ONLINE_BLOCK, p.dtype))
+
+
+@torch.no_grad()
+def install_fp8(model: nn.Module, quantized: dict) -> None:
+    """Serve the named weights in FP8 from ``quantized`` (moved to the model's device), freeing their bf16 tensors:
+    dense projections become Fp8Linear (bias kept), experts take their e4m3 weights and scales."""
+    for name, (q, s) in quantized.items():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        device = getattr(module, attr).device
+        if isinstance(module, nn.Linear):
+            parent_name, _, child = module_name.rpartition(".")
+            lin = Fp8Linear(module.in_features, module.out_features, module.bias is not None, ONLINE_BLOCK,
+                            dtype=module.weight.dtype, device="meta")
+            lin.weight = nn.Parameter(q.to(device), requires_grad=False)
+            lin.weight_scale_inv = nn.Parameter(s.to(device), requires_grad=False)
+            lin.bias = module.bias
+            lin.fused = getattr(module, "fused", False)
+            setattr(model.get_submodule(parent_name), child, lin)
+        else:
+            if module.fp8_block is None:
+                module.fp8_block = ONLINE_BLOCK
+            setattr(module, attr, nn.Parameter(q.to(device), requires_grad=False))
+            setattr(module, f"{attr}_scale_inv", nn.Parameter(s.to(device), requires_grad=False))

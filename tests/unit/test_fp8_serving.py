@@ -165,3 +165,28 @@ def test_engine_serves_fp8_routes_and_replays(tmp_path):
         from moe_engine.rl.weights import check_checkpoint
 
         check_checkpoint(model, str(path))
+
+
+def test_in_memory_quantization_equals_load_time_quantization(tmp_path):
+    """The benchmark's path (a model already in memory: quantise, dequantise the reference in place, install FP8)
+    gives the model --quantization fp8 loads, and the reference holds the dequantised weights."""
+    from moe_engine.fp8_load import dequantize_in_place, install_fp8, quantize_in_memory, target_names
+
+    path = save_hf_checkpoint(make_hf_model("qwen3_moe", seed=3, **SERVE["qwen3_moe"]), tmp_path / "plain")
+    loaded = load_model(path, dtype=torch.float32, progress=False, fp8="quantize")
+    model = load_model(path, dtype=torch.float32, progress=False)
+    names = target_names(model)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.0.self_attn.q_proj.weight" in names
+    assert not any("mlp.gate.weight" in n or "lm_head" in n for n in names)
+    quantized = quantize_in_memory(model, names, to="cpu")
+    dequantize_in_place(model, quantized)
+    q, s = quantized["model.layers.0.self_attn.o_proj.weight"]
+    assert torch.equal(model.model.layers[0].self_attn.o_proj.weight, fp8.dequantize_fp8(q, s, (128, 128)))
+    install_fp8(model, quantized)
+    ours, want = dict(model.named_parameters()), dict(loaded.named_parameters())
+    assert ours.keys() == want.keys()
+    for name, p in want.items():
+        a, b = ours[name], p
+        assert a.dtype == b.dtype, name
+        assert torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8_DTYPE else a,
+                           b.view(torch.uint8) if b.dtype == fp8.FP8_DTYPE else b), name
