@@ -190,6 +190,7 @@ class TritonPythonModel:
         """Build the engine on ``checkpoint`` (refused if a weight is NaN or infinite)."""
         from moe_engine.checkpoint import load_model
         from moe_engine.config import load_config
+        from moe_engine.fp8 import all_finite
         from moe_engine.fp8_load import serve_fp8
 
         self.cfg = load_config(checkpoint)
@@ -205,8 +206,7 @@ class TritonPythonModel:
             if device == "cuda" and args.get("model_instance_kind") == "GPU":
                 device = f"cuda:{args.get('model_instance_device_id') or 0}"
             model = load_model(checkpoint, dtype=dtype, device=device, fp8=fp8)
-            bad = next((n for n, p in model.named_parameters() if p.is_floating_point() and not p.isfinite().all()),
-                       None)
+            bad = next((n for n, p in model.named_parameters() if p.is_floating_point() and not all_finite(p)), None)
             if bad is not None:
                 raise ValueError(f"checkpoint {checkpoint}: tensor {bad!r} holds NaN or infinite values")
             self.engine = Engine(model, self.cfg, ecfg)

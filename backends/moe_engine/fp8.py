@@ -34,6 +34,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def all_finite(t: Tensor) -> bool:
+    """No NaN / infinity in ``t``; for e4m3 (no infinities, torch has no isfinite for it) no NaN code (S.1111.111)."""
+    if t.dtype == FP8_DTYPE:
+        return not bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    return bool(t.isfinite().all())
+
+
 def block_rows_cols(shape, scale_shape, block: tuple[int, int] | None) -> tuple[int, int]:
     """Rows and columns each scale covers, for a weight [..., R, C] with a scale grid [..., SR, SC]. ``block``: the
     config's ``weight_block_size`` (None: per tensor). Raises ValueError when the grid fits neither."""

@@ -770,6 +770,9 @@ def parse_args(argv=None):
     p.add_argument("--d-stall-s", type=float, default=10.0, help="case d stops when its peak has not grown this long")
     g = p.add_argument_group("engine (passed where the installed EngineConfig has the field)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--quantization", default=None, choices=("fp8",),
+                   help="fp8: the random weights quantised to W8A8 block FP8 on the device (loadtest/bench/bench_fp8.py "
+                        "compares with bf16 in one run)")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB")
@@ -895,6 +898,12 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         log(f"building the engine model with random weights ({args.init} init) ...")
         ctx.model, ctx.cfg = rsm.build_engine_model(ctx.raw, ctx.device, ctx.dtype, args.seed, args.init, log)
+        if args.quantization == "fp8":  # W8A8 block FP8, quantised on the device (bench_fp8.py: paired with bf16)
+            from moe_engine import fp8_load
+
+            fp8_load.install_fp8(ctx.model, fp8_load.quantize_in_memory(ctx.model, fp8_load.target_names(ctx.model)))
+            rsm.free_device_memory(ctx.device)
+            log("dense projections and experts quantised to FP8 (128 x 128 blocks); rooflines below count bf16 bytes")
         ctx.results["model_build_s"] = time.perf_counter() - t
         per_token = rsm.weight_bytes_per_token(ctx.cfg, ctx.elem)
         total = sum(per_token.values())
