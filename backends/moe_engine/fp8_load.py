@@ -31,7 +31,7 @@ from .layers.fp8_linear import Fp8Linear
 log = logging.getLogger(__name__)
 
 ONLINE_BLOCK = (128, 128)
-_KEEP_DENSE = ("mlp.gate", "mixer.gate", "shared_expert_gate", "kv_b_proj", ".router")
+_KEEP_DENSE = (".mlp.gate", ".mixer.gate", ".shared_expert_gate", ".kv_b_proj", ".router")  # module names ending so
 
 
 def fp8_mode(cfg, quantization: str | None, device: torch.device | str, fused_kernels: bool,
@@ -79,7 +79,7 @@ def _dense_targets(model: nn.Module):
     for name, module in model.named_modules():
         if type(module) is not nn.Linear or not name.startswith("model.layers."):
             continue
-        if (".self_attn." not in name and ".mlp." not in name) or any(k in name for k in _KEEP_DENSE):
+        if (".self_attn." not in name and ".mlp." not in name) or name.endswith(_KEEP_DENSE):
             continue
         parent, _, attr = name.rpartition(".")
         yield name, model.get_submodule(parent), attr, module

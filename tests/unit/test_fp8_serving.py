@@ -55,6 +55,11 @@ def test_fp8_checkpoint_served_in_fp8(arch, tmp_path):
         # dequantising what the FP8 model holds gives the reference model's weights
         assert torch.equal(fp8.dequantize_fp8(experts.gate_up_proj, experts.gate_up_proj_scale_inv, (128, 128)),
                            ref.model.layers[moe].mlp.experts.gate_up_proj)
+    dense = ours.model.layers[0].mlp  # (deepseek / glm: a dense first layer; qwen3_moe: layer 0 is dense too)
+    assert all(isinstance(getattr(dense, n), Fp8Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+    if arch != "qwen3_moe":
+        shared = ours.model.layers[moe].mlp.shared_experts
+        assert isinstance(shared.gate_proj, Fp8Linear) and isinstance(shared.down_proj, Fp8Linear)
     # routers, norms, embeddings and lm_head stay in the model dtype
     assert ours.lm_head.weight.dtype == torch.float32
     assert all(p.dtype == torch.float32 for n, p in ours.named_parameters() if "norm" in n or ".mlp.gate." in n)

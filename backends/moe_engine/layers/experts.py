@@ -456,7 +456,7 @@ class GptOssExperts(nn.Module):
         T, K = ids.shape
         if T == 0:
             return torch.zeros_like(x)
-        if self.batch_invariant or self.fp8_block is not None:  # (FP8 off the fused path: the W8A8 reference)
+        if self.batch_invariant:
             return forward_grouped(self._expert, self.num_experts, x, ids, weights)
         if self.first_expert is not None:
             return forward_local(self._expert, self.first_expert, self.num_experts, x, ids, weights)
