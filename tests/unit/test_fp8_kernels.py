@@ -46,8 +46,13 @@ def assert_close_to_reference(out, ref, dtype, min_same=0.97):
     assert same >= min_same, f"only {same:.2%} of the elements bit-identical to the reference"
 
 
+# GPUs also run the default tiles of larger steps (the interpreter would take minutes)
+GPU_ONLY = [pytest.param(*c, marks=pytest.mark.skipif(DEVICE != "cuda", reason="large: GPU only"))
+            for c in [(300, 768, 2048), (2048, 1024, 2048)]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,N,K", [(1, 96, 200), (5, 256, 384), (33, 130, 256)])
+@pytest.mark.parametrize("T,N,K", [(1, 96, 200), (5, 256, 384), (33, 130, 256), *GPU_ONLY])
 def test_linear_fp8_equals_reference(T, N, K, dtype):
     """Partial last blocks in N and K (96, 130; 200), K tails within a tile, one to 33 tokens, with a bias."""
     w_q, w_s = quantized((N, K), seed=N + K)
@@ -67,7 +72,11 @@ def random_ids(T, K, E, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,K,E,H,I", [(1, 2, 4, 256, 128), (7, 4, 8, 200, 256), (40, 2, 4, 256, 128)])
+@pytest.mark.parametrize("T,K,E,H,I", [
+    (1, 2, 4, 256, 128), (7, 4, 8, 200, 256), (40, 2, 4, 256, 128),
+    *[pytest.param(*c, marks=pytest.mark.skipif(DEVICE != "cuda", reason="large: GPU only"))
+      for c in [(1, 8, 128, 2048, 768), (64, 8, 128, 2048, 768), (512, 8, 128, 2048, 768)]],  # Qwen3-30B-A3B experts
+])
 def test_expert_mlp_fp8_equals_reference(T, K, E, H, I, dtype):
     """The experts' gate_up (SwiGLU epilogue), h's quantisation and down against the per-expert reference; H 200
     leaves partial blocks and K tails; a 40-token step gives experts several row tiles. I is a multiple of the

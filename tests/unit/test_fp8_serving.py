@@ -10,6 +10,8 @@ them).
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -22,6 +24,8 @@ from moe_engine.models.decoder import reference_forward
 from .hf_checkpoints import make_hf_model, save_fp8_checkpoint, save_hf_checkpoint
 from .test_fp8_checkpoint import WIDE, random_ids
 
+
+DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
 
 # Expert widths a multiple of the 128-row block (as Qwen3's 768, DeepSeek-V3's 2048): the per-expert scale grids of
 # gate and up stack into the experts' [2I, H] grid, so the experts are served in FP8 too
@@ -195,3 +199,35 @@ def test_in_memory_quantization_equals_load_time_quantization(tmp_path):
         assert a.dtype == b.dtype, name
         assert torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8_DTYPE else a,
                            b.view(torch.uint8) if b.dtype == fp8.FP8_DTYPE else b), name
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the W8A8 Triton kernels inside the engine: GPU (FP8 tensor cores)")
+def test_engine_on_gpu_serves_fp8_with_kernels_and_graphs(tmp_path):
+    """bf16 on the GPU with the fused kernels and CUDA graphs: the FP8 modules run the Triton W8A8 kernels, the
+    routed experts returned replay to the same tokens, and the routing stays close to the dequantised model's."""
+    import numpy as np
+
+    from moe_engine.engine import Engine, EngineConfig
+
+    from .test_replay import run
+
+    path = save_fp8_checkpoint(make_hf_model("qwen3_moe", seed=0, **SERVE["qwen3_moe"]), tmp_path / "fp8")
+    model = load_model(path, dtype=torch.bfloat16, device="cuda", progress=False, fp8="checkpoint")
+    cfg = model.config
+    engine = Engine(model, cfg, EngineConfig(max_model_len=128, enable_prefix_caching=False,
+                                             kv_cache_memory_bytes=256 << 20))
+    assert model.model.layers[0].self_attn.q_proj.fused and model.model.layers[1].mlp.experts.fused
+    ids = random_ids(40, seed=8)
+    first = run(engine, ids, max_tokens=16)
+    again = run(engine, ids, replay=first.routing[:40], max_tokens=16)
+    assert again.tokens == first.tokens
+    np.testing.assert_array_equal(again.routing, first.routing)
+    ref = load_model(path, dtype=torch.bfloat16, device="cuda", progress=False)
+    ref_engine = Engine(ref, cfg, EngineConfig(max_model_len=128, enable_prefix_caching=False,
+                                               kv_cache_memory_bytes=256 << 20))
+    base = run(ref_engine, ids, max_tokens=1)
+    moe = list(cfg.moe_layers)
+    agree = routed_agreement(torch.from_numpy(first.routing[:39].astype(np.int64)),
+                             torch.from_numpy(base.routing[:39].astype(np.int64)), moe)
+    print(f"GPU W8A8 vs dequantised bf16: routed sets equal {agree:.1%}")
+    assert agree >= 0.6
