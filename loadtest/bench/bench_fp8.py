@@ -168,8 +168,10 @@ def main(argv=None) -> int:
     log(f"quantised {len(names)} weights in {time.perf_counter() - t:.1f} s (e4m3 + scales in host memory); "
         "bf16 weights replaced by their dequantised values")
 
+    save = lambda: (out / "results.json").write_text(json.dumps(results, indent=1, default=float))  # noqa: E731
     engine = build_engine(model, cfg, args)
     results["bf16"] = measure(engine, cfg, args, "bf16")
+    save()  # a run cut short keeps what it measured
     ref = greedy_refs(engine, cfg, args, "bf16")
     engine.shutdown()
     rsm.free_device_memory(device)
@@ -181,6 +183,7 @@ def main(argv=None) -> int:
     log(f"FP8 installed in {time.perf_counter() - t:.1f} s")
     engine = build_engine(model, cfg, args)
     results["fp8"] = measure(engine, cfg, args, "fp8")
+    save()
     free = greedy_refs(engine, cfg, args, "fp8")
     forced = greedy_refs(engine, cfg, args, "fp8-forced", forced=[r["prompt"] + r["tokens"] for r in ref])
     engine.shutdown()
@@ -201,7 +204,7 @@ def main(argv=None) -> int:
         f"| greedy tokens = dequantised reference, {args.ref_tokens} steps x {args.ref_prompts} | | "
         f"{ag['greedy_tokens_equal_mean']:.2%} (first difference at {ag['greedy_first_difference']}) | | >= 90% |",
     ]
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
+    save()
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     log(f"done: {out / 'report.md'}")
