@@ -231,3 +231,26 @@ def test_engine_on_gpu_serves_fp8_with_kernels_and_graphs(tmp_path):
                              torch.from_numpy(base.routing[:39].astype(np.int64)), moe)
     print(f"GPU W8A8 vs dequantised bf16: routed sets equal {agree:.1%}")
     assert agree >= 0.6
+
+
+def test_fp8_qkv_joined_into_one_gemm(tmp_path):
+    """fuse_qkv joins FP8 q/k/v weights and their scale rows (views of one tensor each), and the one W8A8 GEMM over
+    them gives what the three give (activations are quantised per token, whatever the weight)."""
+    from moe_engine.layers.attention import Attention
+
+    path = save_fp8_checkpoint(make_hf_model("qwen3_moe", seed=5, **SERVE["qwen3_moe"]), tmp_path / "fp8")
+    model = load_model(path, dtype=torch.float32, progress=False, fp8="checkpoint")
+    ids = random_ids(24, seed=9)
+    before, routed = reference_forward(model, ids)
+    attn = [m for m in model.modules() if isinstance(m, Attention)]
+    for m in attn:
+        m.fuse_qkv()
+        m.within_rounding = True  # (the GPU default: _qkv takes the joined GEMM)
+    a = attn[0]
+    assert a.k_proj.weight.untyped_storage().data_ptr() == a.q_proj.weight.untyped_storage().data_ptr()
+    w, _ = a._qkv_weight()
+    s = a._joined("weight_scale_inv")
+    assert w.dtype == fp8.FP8_DTYPE and s.shape == (-(-w.shape[0] // 128), 2)
+    after, routed_after = reference_forward(model, ids)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert torch.equal(routed_after, routed)

@@ -135,7 +135,9 @@ class Attention(nn.Module):
         fused = self.within_rounding and self._qkv_weight()
         if fused:
             w, b = fused
-            if self.batch_invariant:
+            if isinstance(self.q_proj, Fp8Linear):  # one W8A8 GEMM: x quantised once for the three
+                qkv = self.q_proj.w8a8(x, w, self._joined("weight_scale_inv"), b)
+            elif self.batch_invariant:
                 qkv = inv.linear(x, w, b, self.bi_kernels)
             else:  # [T, Nq + 2 Nkv]
                 qkv = linear_kernels.decode_linear(x, w, b, True, linear_kernels.QKV_SMALL_LINEAR_TOKENS)
@@ -147,28 +149,40 @@ class Attention(nn.Module):
         one storage (fuse_qkv; weight updates write into them in place, move_weights keeps the layout); else
         None. A view, not a copy: nothing to keep in sync."""
         views = []
-        for attr in ("weight", "bias"):
+        for attr in ("weight", "bias") + (("weight_scale_inv",) if isinstance(self.q_proj, Fp8Linear) else ()):
             ps = [getattr(p, attr) for p in (self.q_proj, self.k_proj, self.v_proj)]
             if ps[0] is None:
                 views.append(None)
                 continue
-            if not all(p.is_contiguous() for p in ps) or any(
-                    b.data_ptr() != a.data_ptr() + a.nbytes or b.untyped_storage().data_ptr() !=
-                    a.untyped_storage().data_ptr() for a, b in zip(ps, ps[1:])):
+            view = self._joined(attr)
+            if view is None:
                 return None
-            rows = sum(p.shape[0] for p in ps)
-            views.append(ps[0].as_strided((rows, *ps[0].shape[1:]), ps[0].stride()))
+            views.append(view)
         return views[0], views[1]
+
+    def _joined(self, attr: str) -> Tensor | None:
+        """q/k/v's ``attr`` parameters as one tensor [rows of the three, ...] if back to back in one storage."""
+        ps = [getattr(p, attr) for p in (self.q_proj, self.k_proj, self.v_proj)]
+        if not all(p.is_contiguous() for p in ps) or any(
+                b.data_ptr() != a.data_ptr() + a.nbytes or b.untyped_storage().data_ptr() !=
+                a.untyped_storage().data_ptr() for a, b in zip(ps, ps[1:])):
+            return None
+        rows = sum(p.shape[0] for p in ps)
+        return ps[0].as_strided((rows, *ps[0].shape[1:]), ps[0].stride())
 
     @torch.no_grad()
     def fuse_qkv(self) -> None:
         """Lay the q/k/v weights (and biases) out back to back in one tensor, each projection's parameter a view
-        of its rows, so that ``_qkv`` runs one GEMM. Idempotent. FP8 projections stay three W8A8 GEMMs."""
-        if any(isinstance(p, Fp8Linear) for p in (self.q_proj, self.k_proj, self.v_proj)):
+        of its rows, so that ``_qkv`` runs one GEMM. Idempotent. FP8 projections (all three, their scale rows
+        stacking: q's and k's rows whole blocks) are joined with their scales into one W8A8 GEMM; others stay apart."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        fp8 = [isinstance(p, Fp8Linear) for p in projs]
+        if any(fp8) and not (all(fp8) and len({p.block for p in projs}) == 1
+                             and all(p.out_features % p.block[0] == 0 for p in projs[:2])):
             return
         if self._qkv_weight() is not None:
             return
-        for attr in ("weight", "bias"):
+        for attr in ("weight", "bias") + (("weight_scale_inv",) if all(fp8) else ()):
             projs = (self.q_proj, self.k_proj, self.v_proj)
             if getattr(self.q_proj, attr) is None:
                 continue

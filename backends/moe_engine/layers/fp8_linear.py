@@ -31,14 +31,17 @@ class Fp8Linear(nn.Module):
         self.fused = False
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N] in x's dtype
+        return self.w8a8(x, self.weight, self.weight_scale_inv, self.bias)
+
+    def w8a8(self, x: Tensor, weight: Tensor, scale_inv: Tensor, bias: Tensor | None) -> Tensor:
+        """x [..., K] through e4m3 ``weight`` [N, K] (this module's, or q/k/v's joined: Attention.fuse_qkv)."""
         if self.fused and x.is_cuda:
             from ..kernels.fp8_linear import linear_fp8
 
-            return linear_fp8(x, self.weight, self.weight_scale_inv, self.bias, self.block)
+            return linear_fp8(x, weight, scale_inv, bias, self.block)
         lead = x.shape[:-1]
-        out = fp8.w8a8_linear_reference(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale_inv, self.block,
-                                        self.bias)
-        return out.reshape(*lead, self.out_features)
+        out = fp8.w8a8_linear_reference(x.reshape(-1, x.shape[-1]), weight, scale_inv, self.block, bias)
+        return out.reshape(*lead, weight.shape[0])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block={self.block}"
