@@ -331,13 +331,18 @@ def save_fp8_checkpoint(model, out: Path, *, block=(128, 128), fused: bool = Fal
     """save_pretrained, then every tensor the published checkpoints store in FP8 rewritten as float8_e4m3fn
     ``X.weight`` + float32 ``X.weight_scale_inv`` [ceil(R/bm), ceil(C/bn)] (fused experts:
     ``..._scale_inv`` [E, ., .]), with the fp8 quantization_config (Qwen3-FP8 also lists the kept modules)."""
+    return rewrite_as_fp8(save_hf_checkpoint(model, Path(out), fused=fused), block=block, not_convert=not_convert)
+
+
+def rewrite_as_fp8(out: Path, *, block=(128, 128), not_convert=True) -> Path:
+    """A checkpoint directory's tensors rewritten in place into the published FP8 layout (save_fp8_checkpoint)."""
     import json
 
     from safetensors.torch import load_file, save_file
 
     from moe_engine.fp8 import quantize_fp8_blocks
 
-    out = save_hf_checkpoint(model, Path(out), fused=fused)
+    out = Path(out)
     for f in sorted(out.glob("*.safetensors")):
         tensors = load_file(f)
         for key in [k for k, t in tensors.items() if fp8_quantized_key(k, t)]:
