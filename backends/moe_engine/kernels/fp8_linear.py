@@ -8,7 +8,7 @@ BLOCK_N] output tile adds ``dot(x_q, w_q) * x_scale[row] * w_scale[column]`` per
 float32, adds the bias in float32 and rounds once to the model dtype: equal to ``moe_engine.fp8.
 w8a8_linear_reference`` within float32 summation order. Tiles: decode (T <= 16) 16 x 64 column tiles, so that a
 batch-1 projection still spreads over the SMs; larger steps 64 x 128 grouped by GROUP_M (vLLM's default for block
-FP8).
+FP8); at decode the column tiles narrow until every SM has a program (the weights are read once).
 """
 from __future__ import annotations
 
@@ -96,6 +96,13 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torc
     while bn % block_k:
         block_k //= 2
     block_n = cap(cfg.BLOCK_N, N)
+    if config is None and M <= 16 and x.is_cuda:
+        # decode reads the weights once: narrower column tiles until every SM has a program (o_proj of
+        # Qwen3-30B-A3B, N 2048: 16 wide, 128 programs; q/k/v, N 5120: 32 wide, 160 programs)
+        from .batch_invariant import num_sms
+
+        while block_n > 16 and triton.cdiv(N, block_n) < num_sms(x.device):
+            block_n //= 2
     xq, xs = quantize_activations(x2, bn)
     w_q = w_q if w_q.stride(1) == 1 else w_q.contiguous()
     w_s = w_s.contiguous()
