@@ -167,8 +167,8 @@ class DeepseekMoE(nn.Module):
         """Lay the shared experts' gate and up weights out back to back in one tensor, each a view of its rows (as
         Attention.fuse_qkv; weight updates write into them in place). Idempotent."""
         mlp = self.shared_experts
-        if mlp is None or self._shared_gate_up() is not None:
-            return
+        if mlp is None or self._shared_gate_up() is not None or type(mlp.gate_proj) is not nn.Linear:
+            return  # (FP8 shared experts, fp8_load.py: each projection its own W8A8 GEMM)
         joined = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
         n = mlp.gate_proj.weight.shape[0]
         mlp.gate_proj.weight = nn.Parameter(joined[:n], requires_grad=False)
