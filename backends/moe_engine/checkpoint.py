@@ -202,6 +202,13 @@ class _Tensors:
         if sel.zeros:
             return
         part = self._open(self.key_file[key]).get_slice(key)
+        if self.fp8_scale_key(key) is not None and len(found) == 3:
+            # fused FP8 experts: scales cover blocks, not slices; dequantised one expert at a time (a whole layer in
+            # float32 would be tens of GB at DeepSeek-V3's shape), then sliced
+            for src, dst in _pieces(sel):
+                for j, e in enumerate(range(src[0].start, src[0].stop)):
+                    out[dst[0].start + j][dst[1:]].copy_(self._read(key, slice(e, e + 1))[0][src[1:]])
+            return
         if self.fp8_scale_key(key) is not None:  # scales cover blocks, not slices: dequantise, then slice
             part = self._read(key)
         for src, dst in _pieces(sel):

@@ -181,16 +181,17 @@ def test_real_fp8_configs_parse(tmp_path):
     assert load_config(tmp_path).quantization.weight_block_size is None
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_fp8_sharded_load_equals_plain_sharded_load(arch, expert_parallel, tmp_path):
+def test_fp8_sharded_load_equals_plain_sharded_load(arch, expert_parallel, fused, tmp_path):
     """A tensor-parallel rank reads its slices of FP8 tensors (dequantised whole, then sliced: scales cover blocks,
     not slices): each rank's parameters equal those it reads from the dequantised plain checkpoint."""
     from types import SimpleNamespace
 
     from moe_engine.distributed.sharding import shard_model
 
-    path = save_fp8_checkpoint(make_hf_model(arch, seed=4, **WIDE[arch]), tmp_path / "fp8")
+    path = save_fp8_checkpoint(make_hf_model(arch, seed=4, **WIDE[arch]), tmp_path / "fp8", fused=fused)
     ref_dir = save_dequantized_copy(path, tmp_path / "plain")
     for rank in range(2):
         group = SimpleNamespace(rank=rank, world_size=2)
