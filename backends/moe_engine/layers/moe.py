@@ -101,9 +101,11 @@ class GptOssMoE(nn.Module):
         self.router = make_router(router, hidden_size)
         self.experts = GptOssExperts(experts, hidden_size)
 
-    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING) -> Tensor:
+    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING,
+                defer_combine: bool = False) -> Tensor | ExpertOutputs:
+        """x [T, H] -> [T, H]; ``defer_combine`` (fused path): the ``ExpertOutputs``, for the next norm to sum."""
         ids, weights = self.router(x, routing.forced)  # [T, K] sorted descending, [T, K] model dtype
-        return self.experts(x, ids, weights, routing.ids, routing.weights)
+        return self.experts(x, ids, weights, routing.ids, routing.weights, defer_combine=defer_combine)
 
 
 class NemotronHMoE(nn.Module):

@@ -43,7 +43,8 @@ from ..kernels import support as kernel_support
 from ..layers import invariant as inv
 from ..layers.attend import ForwardBatch, LayerKV
 from ..layers.attention import Attention
-from ..layers.experts import NO_ROUTING, TRITON_GEMM_MAX_PAIRS, ExpertOutputs, Experts, LayerRouting, StepRouting
+from ..layers.experts import (NO_ROUTING, TRITON_GEMM_MAX_PAIRS, ExpertOutputs, Experts, GptOssExperts, LayerRouting,
+                              StepRouting)
 from ..layers.linear_attention import GatedDeltaNet
 from ..layers.mamba import Mamba2Mixer
 from ..layers.mla import MLAttention
@@ -117,7 +118,7 @@ class DecoderLayer(nn.Module):
         h, normed = self.post_attention_layernorm.add_forward(x, attn)
         if not self.is_moe:
             return h, self._reduce(self.mlp(normed))
-        if isinstance(self.mlp, MoEBlock) and self.tp is None:
+        if isinstance(self.mlp, (MoEBlock, GptOssMoE)) and self.tp is None:
             norm = self.post_attention_layernorm
             defer = (norm.fused and norm.within_rounding and not self.batch_invariant
                      and normed.shape[0] >= routing_kernels.COMBINE_NORM_MIN_TOKENS)
@@ -247,7 +248,7 @@ class MoEForCausalLM(nn.Module):
                 m.fuse_qkv()
             if isinstance(m, GatedDeltaNet) and within_rounding:
                 m.fuse_projections()
-            if isinstance(m, Experts):
+            if isinstance(m, (Experts, GptOssExperts)):
                 m.triton_gemm_max_pairs = TRITON_GEMM_MAX_PAIRS if on_gpu else 0
         return enabled
 
@@ -295,7 +296,8 @@ class MoEForCausalLM(nn.Module):
             return "a hybrid model's linear-attention / Mamba layers prefill each sequence from host-side lengths"
         for layer in self.model.layers:
             experts = getattr(layer.mlp, "experts", None)
-            if experts is not None and not (getattr(experts, "fused", False) and experts.first_expert is None):
+            if experts is not None and not (getattr(experts, "fused", False) and experts.first_expert is None
+                                            and experts.graph_unsafe_reason(self.device, self.dtype) is None):
                 return "an MoE layer is off the fused path (expert parallelism, or the op-by-op forward)"
         return None
 
