@@ -1,0 +1,171 @@
+"""GPT-OSS on the fast path (the GPU's: fused kernels with the Triton expert GEMMs of kernels/fused_moe_gpt_oss.py,
+grouping on the device) against Hugging Face transformers, on a checkpoint transformers wrote: float32 logits and
+routed ids in HF's slot order, greedy generation through the engine, routing replay, routed weights and prompt
+logprobs equal to the op-by-op engine's.
+
+On CPU the kernels run under Triton's interpreter; the GPU's switch (``triton_gemm_max_pairs``, set by
+``use_fused_kernels`` on CUDA only) is set by hand, so the same code path runs. ``MOE_TEST_DEVICE=cuda`` runs it on a
+GPU with the compiled kernels.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from moe_engine.checkpoint import load_model
+from moe_engine.config import load_config
+from moe_engine.core.sequence import Request, SamplingParams
+from moe_engine.engine import Engine, EngineConfig
+from moe_engine.kernels import fused_moe_gpt_oss
+from moe_engine.kernels import support as kernel_support
+from moe_engine.layers.experts import GptOssExperts, StepRouting
+from moe_engine.models.decoder import reference_forward
+
+from .hf_checkpoints import hf_forward_with_routing, load_hf, make_hf_model, save_hf_checkpoint
+from .test_engine import Collector, run_all
+
+DEVICE = os.environ.get("MOE_TEST_DEVICE", "cpu")
+
+pytestmark = pytest.mark.skipif(not kernel_support.available(DEVICE), reason="Triton not available for this device")
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()  # vocab 256
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """GPT-OSS's tiny config (hf_checkpoints.py: sinks, sliding window 8, swiglu_limit 0.1, expert biases), with a
+    larger limit too so that the clamp is not the whole story: written by transformers in float32."""
+    out = tmp_path_factory.mktemp("gpt_oss_fast")
+    return save_hf_checkpoint(make_hf_model("gpt_oss", seed=0, dtype=torch.float32, swiglu_limit=3.0), out)
+
+
+def fast_path(model) -> list[GptOssExperts]:
+    """Switch the fused kernels on as on a GPU: the experts' Triton GEMMs for every step size."""
+    assert model.use_fused_kernels(True)
+    experts = [m for m in model.modules() if isinstance(m, GptOssExperts)]
+    for m in experts:
+        m.triton_gemm_max_pairs = sys.maxsize
+    assert model.graph_unsafe_reason() is None and model.prefill_graph_unsafe_reason() is None
+    return experts
+
+
+def count_expert_gemms(monkeypatch) -> dict:
+    calls = {"n": 0}
+    fn = fused_moe_gpt_oss.expert_mlp
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return fn(*a, **kw)
+
+    monkeypatch.setattr(fused_moe_gpt_oss, "expert_mlp", counted)
+    return calls
+
+
+def test_float32_logits_and_routing_match_hf_on_the_fast_path(checkpoint, monkeypatch):
+    hf = load_hf(checkpoint, torch.float32, attn_implementation="eager")
+    model = load_model(checkpoint, dtype="auto", device=DEVICE, progress=False)
+    fast_path(model)
+    calls = count_expert_gemms(monkeypatch)
+    for n, seed in ((23, 1), (1, 2), (40, 3)):
+        ids = prompt_of(n, seed)
+        hf_logits, hf_routed = hf_forward_with_routing(hf, torch.tensor([ids]))
+        logits, routed = reference_forward(model, ids)
+        # the GEMMs sum in their own float32 order: float32 rounding, not HF's bits
+        torch.testing.assert_close(logits.cpu(), hf_logits[0], atol=1e-4, rtol=1e-4)
+        for layer, ref in hf_routed.items():
+            assert torch.equal(routed[:, layer].long().cpu(), ref), (n, layer)  # ids and HF's slot order
+    assert calls["n"] == 3 * model.config.num_hidden_layers
+
+
+def test_forced_routing_and_routed_weights_on_the_fast_path(checkpoint):
+    """Replay: tokens forced to other experts get the op-by-op path's weights and outputs (within float32
+    rounding) and their forced ids captured; forcing the ids a token chose anyway changes no bit."""
+    model = load_model(checkpoint, dtype="auto", device=DEVICE, progress=False)
+    cfg = model.config
+    ids = torch.tensor(prompt_of(12, 4), device=DEVICE)
+    T, L, K = len(ids), cfg.num_hidden_layers, cfg.num_experts_per_tok
+    forced_ids = torch.stack([torch.randperm(cfg.num_experts, generator=torch.Generator().manual_seed(t))[:K]
+                              for t in range(T * L)]).view(T, L, K).to(DEVICE)
+    mask = torch.arange(T, device=DEVICE) % 2 == 0
+
+    def run(forced: bool):
+        from moe_engine.core.kv_cache import KVCache
+        from moe_engine.layers.attend import ForwardBatch
+
+        cache = KVCache.for_sequences(model.kv_layout(), 1, T, model.dtype, DEVICE)
+        batch = ForwardBatch.build([cache.sequence_blocks(0)], [0], [T], DEVICE, cache.block_size)
+        cap = torch.zeros(T, L, K, dtype=torch.int32, device=DEVICE)
+        wcap = torch.zeros(T, L, K, dtype=torch.float32, device=DEVICE)
+        routing = StepRouting(ids=cap, weights=wcap, forced_mask=mask if forced else None,
+                              forced_ids=forced_ids if forced else None)
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, batch, cache, routing)), cap, wcap
+
+    model.use_fused_kernels(False)
+    ref = run(True)
+    ref_free = run(False)
+    fast_path(model)
+    got = run(True)
+    assert torch.equal(got[1], ref[1])  # captured ids: the forced ones on even tokens, the router's elsewhere
+    assert torch.equal(got[1][mask].long(), forced_ids[mask])
+    torch.testing.assert_close(got[2], ref[2], atol=1e-6, rtol=1e-5)  # weights
+    torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
+    # forcing each token's own choice: the same bits as not forcing
+    free = run(False)
+    torch.testing.assert_close(free[0], ref_free[0], atol=1e-4, rtol=1e-4)
+    forced_ids.copy_(free[1].long())
+    again = run(True)
+    assert torch.equal(again[0], free[0]) and torch.equal(again[1], free[1]) and torch.equal(again[2], free[2])
+
+
+def test_engine_on_the_fast_path_hands_out_what_the_op_by_op_engine_does(checkpoint, monkeypatch):
+    """Greedy generation with routed experts, routed weights and prompt logprobs (prefill chunks beside decode
+    steps), and a replayed request: the same tokens and routing rows, weights and logprobs within float32 rounding."""
+    path = checkpoint
+    cfg, model = load_config(path), load_model(path, dtype="auto", device=DEVICE, progress=False)
+
+    def run(fast: bool):
+        engine = Engine(model, cfg, EngineConfig(max_model_len=64, max_num_batched_tokens=16, fused_kernels=fast))
+        if fast:
+            fast_path(model)
+        else:
+            model.use_fused_kernels(False)
+        outs = []
+        for i in range(3):
+            out, c = [], Collector()
+            c2 = lambda o, _c=c, _out=out: (_out.append(o), _c(o))  # noqa: E731
+            engine.add_request(Request(
+                request_id=engine.new_request_id(), prompt_token_ids=prompt_of(6 + 7 * i, 30 + i),
+                sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), return_routed_experts=True,
+                return_routed_weights=True, prompt_logprobs=2 if i != 1 else None, on_output=c2,
+                replay_routed_experts=(np.tile(np.arange(cfg.num_experts_per_tok), (5, cfg.num_hidden_layers, 1))
+                                       if i == 2 else None),
+            ))
+            outs.append((c, out))
+            engine.step()
+        run_all(engine, [c for c, _ in outs])
+        return outs
+
+    reference = run(False)
+    calls = count_expert_gemms(monkeypatch)
+    fast = run(True)
+    assert calls["n"] > 0
+    for (a, a_out), (b, b_out) in zip(reference, fast):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        np.testing.assert_array_equal(a.routing, b.routing)
+        wa = np.concatenate([o.routed_weights for o in a_out if o.routed_weights is not None])
+        wb = np.concatenate([o.routed_weights for o in b_out if o.routed_weights is not None])
+        np.testing.assert_allclose(wa, wb, atol=1e-6, rtol=1e-5)
+        pa = [o.prompt_logprobs for o in a_out if o.prompt_logprobs is not None]
+        pb = [o.prompt_logprobs for o in b_out if o.prompt_logprobs is not None]
+        assert len(pa) == len(pb)
+        for x, y in zip(pa, pb):
+            np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-4)
+    replayed = run(True)[2][0].routing
+    assert (replayed[:5] == np.arange(cfg.num_experts_per_tok)).all()
