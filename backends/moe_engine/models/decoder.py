@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from ..config import MoEConfig
 from ..core.kv_cache import KVCache, KVSpec
+from ..core.memory_plan import logits_chunk_rows
 from ..kernels import moe_routing as routing_kernels
 from ..kernels import support as kernel_support
 from ..layers import invariant as inv
@@ -330,9 +331,19 @@ class MoEForCausalLM(nn.Module):
         return self.model.final_norm().add_forward(x, delta)[1]
 
     def compute_logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
-        """[N, H] -> [N, V] float32 (the matmul runs in the model dtype, as HF), into ``out`` when given."""
-        logits = self.lm_head(hidden)
-        return logits.float() if out is None else out.copy_(logits)
+        """[N, H] -> [N, V] float32 (the matmul runs in the model dtype, as HF), into ``out`` when given. Rows in
+        chunks of ``logits_chunk_rows(V)`` (core/memory_plan.py): with a large vocabulary one GEMM's model-dtype
+        output never exceeds a chunk (a row's logits do not depend on the other rows of its chunk on the CPU;
+        on a GPU the GEMM's algorithm may change with the row count: within rounding)."""
+        N, rows = hidden.shape[0], logits_chunk_rows(self.config.vocab_size)
+        if N <= rows:
+            logits = self.lm_head(hidden)
+            return logits.float() if out is None else out.copy_(logits)
+        if out is None:
+            out = torch.empty(N, self.config.vocab_size, dtype=torch.float32, device=hidden.device)
+        for lo in range(0, N, rows):
+            out[lo : lo + rows].copy_(self.lm_head(hidden[lo : lo + rows]))
+        return out
 
 
 @torch.inference_mode()
