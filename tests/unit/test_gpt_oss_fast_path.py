@@ -131,7 +131,8 @@ def test_engine_on_the_fast_path_hands_out_what_the_op_by_op_engine_does(checkpo
     cfg, model = load_config(path), load_model(path, dtype="auto", device=DEVICE, progress=False)
 
     def run(fast: bool):
-        engine = Engine(model, cfg, EngineConfig(max_model_len=64, max_num_batched_tokens=16, fused_kernels=fast))
+        gpu = {} if DEVICE == "cpu" else {"kv_cache_memory_bytes": 256 << 20}  # not 90% of the GPU for a test
+        engine = Engine(model, cfg, EngineConfig(max_model_len=64, max_num_batched_tokens=16, fused_kernels=fast, **gpu))
         if fast:
             fast_path(model)
         else:
