@@ -239,3 +239,58 @@ def test_bad_inputs_are_refused():
         fused_moe_gpt_oss.expert_mlp(x, gate_up, gate_up_bias[:, :-2], down, down_bias, pos, tok, offs, 7.0, ALPHA)
     with pytest.raises(ValueError, match="int32"):
         fused_moe_gpt_oss.expert_mlp(x, gate_up, gate_up_bias, down, down_bias, pos, tok, offs.long(), 7.0, ALPHA)
+
+
+# ------------------------------------------------------------------------------------- the router
+
+
+def router_reference(logits, top_k, mask=None, given=None):
+    """GptOssRouter's op-by-op math (layers/routing.py): top-k of the logits, softmax over those k in their dtype."""
+    top, ids = torch.topk(logits, top_k, dim=-1)
+    if mask is not None:
+        ids = torch.where(mask[:, None], given, ids)
+        top = logits.gather(1, ids)
+    return ids, torch.softmax(top, dim=1, dtype=top.dtype)
+
+
+def distinct_logits(T: int, E: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """[T, E] logits with no ties within a row (torch.topk leaves the order of ties unspecified): a permutation of
+    E distinct values of the dtype per row, spread over about [-4, 4]."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.linspace(-4, 4, E).to(dtype).unique()
+    assert values.numel() == E
+    return torch.stack([values[torch.randperm(E, generator=g)] for _ in range(T)]).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,E,K", [(1, 8, 2), (5, 128, 4), (33, 32, 4)])
+def test_fused_router_chooses_the_same_experts_with_weights_within_rounding(T, E, K, dtype):
+    logits = distinct_logits(T, E, dtype, seed=T + E)
+    ids, w = routing_kernels.topk_softmax(logits, K)
+    ids_ref, w_ref = router_reference(logits, K)
+    assert torch.equal(ids, ids_ref) and w.dtype == dtype
+    tol = 2.0**-8 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(w.float(), w_ref.float(), rtol=tol, atol=tol)  # one rounding of the weights' dtype
+    # routing replay: forced tokens take the given ids (any order) and the softmax of their logits
+    mask = torch.arange(T, device=DEVICE) % 2 == 0
+    given = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K] for t in range(T)]).to(DEVICE)
+    ids, w = routing_kernels.topk_softmax(logits, K, mask, given)
+    ids_ref, w_ref = router_reference(logits, K, mask, given)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w.float(), w_ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_one_token_router_launch_also_routes_exactly_as_route(forced):
+    E, K = 32, 4
+    logits = distinct_logits(1, E, torch.bfloat16, seed=3)
+    mask = torch.tensor([forced], device=DEVICE)
+    given = torch.tensor([[7, 3, 30, 0]], device=DEVICE)
+    capture = torch.full((1, K), -1, dtype=torch.int32, device=DEVICE)
+    args = (mask, given) if forced else (None, None)
+    ids, w, (pos, tok, offs) = routing_kernels.topk_softmax_route(logits, K, capture, *args)
+    ids_ref, w_ref = routing_kernels.topk_softmax(logits, K, *args)
+    assert torch.equal(ids, ids_ref) and torch.equal(w, w_ref)
+    pos_ref, tok_ref, offs_ref = routing_kernels.route(ids_ref, E)
+    assert torch.equal(pos, pos_ref) and torch.equal(tok, tok_ref) and torch.equal(offs, offs_ref)
+    assert torch.equal(capture.long(), ids)

@@ -21,6 +21,7 @@ from moe_engine.config import load_config
 from moe_engine.core.sequence import Request, SamplingParams
 from moe_engine.engine import Engine, EngineConfig
 from moe_engine.kernels import fused_moe_gpt_oss
+from moe_engine.kernels import moe_routing as routing_kernels
 from moe_engine.kernels import support as kernel_support
 from moe_engine.layers.experts import GptOssExperts, StepRouting
 from moe_engine.models.decoder import reference_forward
@@ -46,8 +47,9 @@ def checkpoint(tmp_path_factory):
 
 
 def fast_path(model) -> list[GptOssExperts]:
-    """Switch the fused kernels on as on a GPU: the experts' Triton GEMMs for every step size."""
-    assert model.use_fused_kernels(True)
+    """Switch the fused kernels on as on a GPU: the within-rounding set (the fused router, small_linear, one-pass
+    norms) and the experts' Triton GEMMs for every step size."""
+    assert model.use_fused_kernels(True, within_rounding=True)
     experts = [m for m in model.modules() if isinstance(m, GptOssExperts)]
     for m in experts:
         m.triton_gemm_max_pairs = sys.maxsize
@@ -56,14 +58,21 @@ def fast_path(model) -> list[GptOssExperts]:
 
 
 def count_expert_gemms(monkeypatch) -> dict:
+    """Counts the fused experts' GEMM calls ("n") and the fused router's launches by name."""
     calls = {"n": 0}
-    fn = fused_moe_gpt_oss.expert_mlp
 
-    def counted(*a, **kw):
-        calls["n"] += 1
-        return fn(*a, **kw)
+    def counting(module, name, key):
+        fn = getattr(module, name)
 
-    monkeypatch.setattr(fused_moe_gpt_oss, "expert_mlp", counted)
+        def counted(*a, **kw):
+            calls[key] = calls.get(key, 0) + 1
+            return fn(*a, **kw)
+
+        monkeypatch.setattr(module, name, counted)
+
+    counting(fused_moe_gpt_oss, "expert_mlp", "n")
+    for name in ("topk_softmax", "topk_softmax_route"):
+        counting(routing_kernels, name, name)
     return calls
 
 
@@ -80,7 +89,10 @@ def test_float32_logits_and_routing_match_hf_on_the_fast_path(checkpoint, monkey
         torch.testing.assert_close(logits.cpu(), hf_logits[0], atol=1e-4, rtol=1e-4)
         for layer, ref in hf_routed.items():
             assert torch.equal(routed[:, layer].long().cpu(), ref), (n, layer)  # ids and HF's slot order
-    assert calls["n"] == 3 * model.config.num_hidden_layers
+    L = model.config.num_hidden_layers
+    assert calls["n"] == 3 * L
+    # the router in one launch; the one-token step's also grouped the pairs (no route launch of its own)
+    assert calls["topk_softmax"] == 2 * L and calls["topk_softmax_route"] == L
 
 
 def test_forced_routing_and_routed_weights_on_the_fast_path(checkpoint):

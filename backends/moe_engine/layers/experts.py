@@ -437,17 +437,20 @@ class GptOssExperts(nn.Module):
 
     def forward(
         self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None,
-        weights_capture: Tensor | None = None, defer_combine: bool = False,
+        weights_capture: Tensor | None = None, grouped: tuple[Tensor, Tensor, Tensor] | None = None,
+        defer_combine: bool = False,
     ) -> Tensor | ExpertOutputs:
         """As ``Experts.forward``; capture [T, K] receives exactly ``ids``, weights_capture ``weights``."""
         _capture_weights(weights_capture, weights)
         T, K = ids.shape
         if self.takes_fused_path(x, K):
-            pos, tok, offs = routing_kernels.route(ids, self.num_experts, capture)  # [T, K], [K*T], [E]
+            # [T, K], [K*T], [E]: from the router's launch (one token; it also wrote the capture) or route's
+            pos, tok, offs = grouped if grouped is not None else routing_kernels.route(ids, self.num_experts, capture)
             y = fused_moe_gpt_oss.expert_mlp(x, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
                                              self.down_proj_bias, pos, tok, offs, self.limit, self.alpha)  # [K*T, H]
             outputs = ExpertOutputs(y, ids, pos, weights)
             return outputs if defer_combine else outputs.combine(x.dtype)
+        assert grouped is None, "grouped pairs are for the fused path"
         _capture(capture, ids)
         if T == 0:
             return torch.zeros_like(x)
