@@ -182,3 +182,32 @@ def test_engine_on_the_fast_path_hands_out_what_the_op_by_op_engine_does(checkpo
             np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-4)
     replayed = run(True)[2][0].routing
     assert (replayed[:5] == np.arange(cfg.num_experts_per_tok)).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_decode_and_prefill_steps_replay_cuda_graphs_as_eager_steps_compute(checkpoint):
+    """GPT-OSS takes the graphs (decode and prefill steps) where it used to run eagerly (experts grouped on the
+    host): greedy tokens and routed ids equal the eager engine's (float32, where padding's other tile configs only
+    move the last bits)."""
+    cfg = load_config(checkpoint)
+    model = load_model(checkpoint, dtype="auto", device=DEVICE, progress=False)
+
+    def run(eager: bool):
+        engine = Engine(model, cfg, EngineConfig(max_model_len=96, max_num_batched_tokens=64, enforce_eager=eager,
+                                                 kv_cache_memory_bytes=256 << 20))
+        assert engine.runner.graphs_on is (not eager), engine.runner.describe_graphs()
+        if not eager:
+            assert engine.runner.prefill_graphs is not None, engine.runner.describe_graphs()
+        outs = []
+        for i in range(4):
+            c = Collector()
+            engine.add_request(Request(request_id=engine.new_request_id(), prompt_token_ids=prompt_of(5 + 9 * i, i),
+                                       sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                                       on_output=c))
+            outs.append(c)
+        run_all(engine, outs)
+        return outs
+
+    for a, b in zip(run(True), run(False)):
+        assert a.tokens == b.tokens
+        np.testing.assert_array_equal(a.routing, b.routing)
