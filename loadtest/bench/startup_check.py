@@ -123,7 +123,20 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     log(f"start-up check on {gpu}: {args.shapes}")
-    rows = [check(s, device, args.serve) for s in args.shapes.split(",")]
+    rows = []
+    for shape in args.shapes.split(","):
+        rows.append(check(shape, device, args.serve))
+        report = markdown(gpu, rows)
+        if args.out:  # after every shape: a run cut short keeps the shapes it finished
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "startup.json").write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=1, default=str))
+            (out / "startup.md").write_text(report)
+    print(report)
+    return 0 if all(r["status"] == "started" for r in rows) else 1
+
+
+def markdown(gpu: str, rows: list[dict]) -> str:
     lines = [f"# No-flags start-up, {gpu}", "", "| shape | weights | started | start-up | KV cache | KV tokens | served |",
              "|---|---:|---|---:|---:|---:|---|"]
     for r in rows:
@@ -131,14 +144,8 @@ def main(argv=None) -> int:
         lines.append(f"| {r['shape']} | {r['weights_gib']:.1f} GiB | {r['status']} | {r.get('startup_s', 0):.0f} s | "
                      f"{r.get('kv_cache_gib', 0):.1f} GiB | {r.get('kv_tokens', 0):,} | "
                      f"{served.get('finished', '-')}/{served.get('requests', '-')} |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "startup.json").write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=1, default=str))
-        (out / "startup.md").write_text(report)
-    return 0 if all(r["status"] == "started" for r in rows) else 1
+    lines += ["", *[f"- {r['shape']}: {line}" for r in rows for line in r.get("engine_log", [])]]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
