@@ -71,7 +71,7 @@ def count_expert_gemms(monkeypatch) -> dict:
         monkeypatch.setattr(module, name, counted)
 
     counting(fused_moe_gpt_oss, "expert_mlp", "n")
-    for name in ("topk_softmax", "topk_softmax_route"):
+    for name in ("topk_softmax", "topk_softmax_route", "combine_rms_norm"):
         counting(routing_kernels, name, name)
     return calls
 
@@ -81,6 +81,8 @@ def test_float32_logits_and_routing_match_hf_on_the_fast_path(checkpoint, monkey
     model = load_model(checkpoint, dtype="auto", device=DEVICE, progress=False)
     fast_path(model)
     calls = count_expert_gemms(monkeypatch)
+    # steps of 4+ tokens sum a MoE layer's expert outputs in the next norm's launch (a GPU does it from 512)
+    monkeypatch.setattr(routing_kernels, "COMBINE_NORM_MIN_TOKENS", 4)
     for n, seed in ((23, 1), (1, 2), (40, 3)):
         ids = prompt_of(n, seed)
         hf_logits, hf_routed = hf_forward_with_routing(hf, torch.tensor([ids]))
@@ -93,6 +95,7 @@ def test_float32_logits_and_routing_match_hf_on_the_fast_path(checkpoint, monkey
     assert calls["n"] == 3 * L
     # the router in one launch; the one-token step's also grouped the pairs (no route launch of its own)
     assert calls["topk_softmax"] == 2 * L and calls["topk_softmax_route"] == L
+    assert calls["combine_rms_norm"] == 2 * L  # every layer's output of the two long prompts, in the next norm
 
 
 def test_forced_routing_and_routed_weights_on_the_fast_path(checkpoint):
