@@ -146,7 +146,8 @@ def test_engine_on_the_fast_path_hands_out_what_the_op_by_op_engine_does(checkpo
     cfg, model = load_config(path), load_model(path, dtype="auto", device=DEVICE, progress=False)
 
     def run(fast: bool):
-        gpu = {} if DEVICE == "cpu" else {"kv_cache_memory_bytes": 256 << 20}  # not 90% of the GPU for a test
+        # on a GPU: not 90% of its memory, and graphs for a few sequences only (each captured at start)
+        gpu = {} if DEVICE == "cpu" else {"kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 8}
         engine = Engine(model, cfg, EngineConfig(max_model_len=64, max_num_batched_tokens=16, fused_kernels=fast, **gpu))
         if fast:
             fast_path(model)
@@ -197,7 +198,7 @@ def test_decode_and_prefill_steps_replay_cuda_graphs_as_eager_steps_compute(chec
 
     def run(eager: bool):
         engine = Engine(model, cfg, EngineConfig(max_model_len=96, max_num_batched_tokens=64, enforce_eager=eager,
-                                                 kv_cache_memory_bytes=256 << 20))
+                                                 kv_cache_memory_bytes=256 << 20, max_num_seqs=8))
         assert engine.runner.graphs_on is (not eager), engine.runner.describe_graphs()
         if not eager:
             assert engine.runner.prefill_graphs is not None, engine.runner.describe_graphs()
