@@ -18,6 +18,8 @@ FAMILIES = (
      {"num_blocks": {"state": "total"}, "free_blocks": {"state": "free"}, "cached_blocks": {"state": "cached"}}),
     ("moe_engine_kv_block_size", "gauge", "Tokens per KV-cache block (the prefix cache reuses whole blocks)",
      {"block_size": {}}),
+    ("moe_engine_kv_cache_bytes_per_token", "gauge", "KV-cache bytes one token takes in all layers (MLA models: "
+     "the compressed latent and the rope key, never expanded K/V)", {"kv_bytes_per_token": {}}),
     ("moe_engine_kv_cache_usage", "gauge", "Share of KV-cache blocks in use by running sequences",
      {"kv_cache_usage": {}}),
     ("moe_engine_preemptions", "counter", "Sequences preempted (KV blocks freed, recomputed later)",

@@ -128,6 +128,7 @@ class Engine:
             parallel.send_setup(s, (cfg.num_hidden_layers, cfg.num_experts_per_tok))
         self.runner = build_runner(model, s, parallel.group if parallel is not None else None)
         self.blocks = BlockManager.for_engine(self.runner.kv.num_blocks - 1, s, cfg)
+        self.kv_bytes_per_token = self.runner.kv.bytes_per_token  # (kept while the cache is released)
         self.scheduler = Scheduler(self.blocks, s, frozenset(cfg.eos_token_ids))
         self.expert_load = self.runner.expert_load  # None when off (or routed experts off)
         if self.expert_load is not None:
@@ -163,8 +164,12 @@ class Engine:
         if s.fused_kernels:
             kernels = ("on, bit-exact ones only" if s.exact_kernels else "on") + (
                 ", programmatic dependent launch" if kernel_support.pdl(self.device) else "")
+        mla = self.model.config.attention.mla
+        per_layer = "/".join(map(str, r.kv.values_per_token_layer)) + " values per layer" + (
+            f": MLA latent {mla.kv_lora_rank} + rope key {mla.qk_rope_head_dim}" if mla is not None else "")
         return (f"KV cache {r.kv.nbytes / 2**30:.2f} GiB = {b.num_blocks} blocks x {s.block_size} tokens "
-                f"({b.num_blocks * s.block_size} tokens), {s.max_num_seqs} seqs, {s.step_tokens} tokens/step, "
+                f"({b.num_blocks * s.block_size} tokens; {r.kv.bytes_per_token} bytes per token, {per_layer}), "
+                f"{s.max_num_seqs} seqs, {s.step_tokens} tokens/step, "
                 f"max_model_len {s.max_model_len}, prefix caching {prefix}, routed experts "
                 f"{'on' if s.enable_routed_experts else 'off'}, expert load "
                 f"{f'on ({s.expert_load_window:g} s window)' if self.runner.expert_load is not None else 'off'}, "
@@ -312,6 +317,7 @@ class Engine:
                 "waiting": len(self.scheduler.waiting) + self.lifecycle.num_held + len(self._inbox),
                 "num_blocks": b.num_blocks,
                 "block_size": b.block_size,  # tokens per block (the prefix cache reuses whole blocks)
+                "kv_bytes_per_token": self.kv_bytes_per_token,  # all layers; MLA: latent + rope key
                 "free_blocks": b.num_free,
                 "cached_blocks": b.num_cached,
                 "kv_cache_usage": b.usage(),

@@ -173,7 +173,7 @@ class EngineConfig:
                              f"{self.expert_distribution_recorder_mode!r}")
         fused = ((cuda if self.fused_kernels is None else self.fused_kernels)
                  and kernel_support.available(device) and kernel_support.supports(dtype))
-        attention_kernels = fused and cuda and cfg.attention.mla is None and paged_attention.available(device)
+        attention_kernels = fused and cuda and paged_attention.available(device)  # MLA: kernels/mla_attention.py too
         deterministic = bool(self.deterministic_inference) or batch_invariant_env()
         if deterministic:
             check_deterministic(self, cuda, bool(fused), cfg)
@@ -244,7 +244,7 @@ class ResolvedConfig:
     async_scheduling: bool  # overlapped steps (engine.py)
     fused_kernels: bool  # the fused Triton kernels, where Triton runs for this device and dtype
     exact_kernels: bool
-    attention_kernels: bool  # the paged attention kernels (CUDA, fused kernels on, not MLA)
+    attention_kernels: bool  # the paged attention kernels (CUDA, fused kernels on; MLA: absorbed decode too)
     tensor_parallel_size: int
     enable_expert_parallel: bool
     deterministic_inference: bool = False  # batch-invariant forward (docs/design/determinism.md)

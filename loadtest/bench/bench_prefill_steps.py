@@ -17,6 +17,7 @@ once per MoE layer), so there the issue time is an upper bound (``--host``, its 
     PYTHONPATH=backends:. python3 loadtest/bench/bench_prefill_steps.py --device cpu    # the tiny shape: a smoke test
     PYTHONPATH=backends:. python3 loadtest/bench/bench_prefill_steps.py --host          # issue time vs GPU span
     PYTHONPATH=backends:. python3 loadtest/bench/bench_prefill_steps.py --graphs        # eager vs prefill graphs
+    PYTHONPATH=backends:. python3 loadtest/bench/bench_prefill_steps.py --graphs --shape moonlight   # MLA's graphs
 
 ``--graphs``: two engines on the one model (8 GiB of KV cache each, overlapped decode off so that a step is one
 forward): every step eager (``max_cudagraph_capture_size=0``) against the default, which replays prefill-step CUDA
@@ -24,7 +25,9 @@ graphs up to 2,048 tokens (prefill_graphs.py). Step wall from ``Engine.step()`` 
 alternated, medians of 5: prompts of 1 x 128, 1 x 300, 2 x 200, 4 x 128, 1 x 1,000 and 2 x 900 tokens; 300 new
 tokens after 7,488 cached (a multi-turn agent's turn); and mixed steps (a 300- or 1,000-token prompt admitted while
 24 sequences decode, continuous batching). Each engine's first tokens of every case are compared (greedy): equal,
-or the row says how many differ.
+or the row says how many differ. ``--shape moonlight``: the MLA shape, whose graphs attend every row absorbed and
+take only steps within ``layers/mla.py``'s GRAPH_MAX_KEY_READS (the 300 tokens after 7,488 cached read more: eager in
+both engines); the rows measure that bound's estimate.
 """
 from __future__ import annotations
 
@@ -47,10 +50,10 @@ from moe_engine.core.sampling import SamplingParams
 
 
 class Bench:
-    def __init__(self, device: str, model=None, cfg=None, **engine_args):
+    def __init__(self, device: str, model=None, cfg=None, shape: str = "qwen3-30b-a3b", **engine_args):
         self.cuda = device == "cuda"
         dev = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
-        shape, dtype = ("qwen3-30b-a3b", torch.bfloat16) if self.cuda else ("tiny", torch.float32)
+        shape, dtype = (shape, torch.bfloat16) if self.cuda else ("tiny", torch.float32)
         if model is None:
             model, cfg = rsm.build_engine_model(rsm.SHAPES[shape], dev, dtype, 0, "balanced")
         self.model, self.cfg = model, cfg
@@ -158,11 +161,16 @@ class Bench:
               f"ms", flush=True)
 
 
-def graphs_vs_eager(reps: int = 5) -> None:
+def graphs_vs_eager(shape: str, reps: int = 5) -> None:
     """--graphs: the same steps on an all-eager engine and on one with prefill-step graphs, alternated."""
-    eager = Bench("cuda", max_cudagraph_capture_size=0, kv_cache_memory_bytes=8 << 30, overlap_decode=False)
+    eager = Bench("cuda", shape=shape, max_cudagraph_capture_size=0, kv_cache_memory_bytes=8 << 30,
+                  overlap_decode=False)
     graphed = Bench("cuda", eager.model, eager.cfg, kv_cache_memory_bytes=8 << 30, overlap_decode=False)
     assert graphed.engine.runner.prefill_graphs is not None and eager.engine.runner.prefill_graphs is None
+    bound = graphed.engine.runner.prefill_graph_max_key_reads  # MLA: steps reading more keys run eagerly
+    if bound is not None:
+        print(f"{shape}: prefill graphs take steps whose tokens read at most {bound:,} keys (MLA: every row absorbed)",
+              flush=True)
     rng = random.Random(1)
     vocab = eager.cfg.vocab_size
 
@@ -218,9 +226,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--host", action="store_true", help="only the host's issue time of the forward vs its GPU span")
     ap.add_argument("--graphs", action="store_true", help="eager steps vs prefill-step CUDA graphs (two engines)")
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=("qwen3-30b-a3b", "moonlight"),
+                    help="--graphs: the model shape (moonlight: MLA, its graphs absorb every row)")
     args = ap.parse_args()
     if args.graphs:
-        graphs_vs_eager()
+        graphs_vs_eager(args.shape)
         return
     b = Bench(args.device)
     if args.host:

@@ -168,9 +168,34 @@ TINY_GPT_OSS = {
     "pad_token_id": 0,
 }
 
+# moonshotai/Moonlight-16B-A3B's config.json (deepseek_v3): hidden 2048, 27 layers (the first dense, width 11,264),
+# 64 routed experts top-6 of width 1408 + 2 shared, sigmoid router with correction bias, one group,
+# routed_scaling_factor 2.446; MLA with kv_lora_rank 512, q_lora_rank null (q_proj), qk 128 + 64 rope, v 128, 16
+# heads; vocabulary 163,840. The KV cache holds 512 + 64 values per token and layer.
+MOONLIGHT_16B_A3B = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3", "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 11264,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "n_shared_experts": 2, "n_routed_experts": 64, "ep_size": 1, "routed_scaling_factor": 2.446,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6, "moe_layer_freq": 1,
+    "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "rope_scaling": None,
+    "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 163584,
+    "eos_token_id": 163585, "pad_token_id": 163839,
+}
+
+TINY_MOONLIGHT = {  # the same architecture on a CPU in seconds (MLA, sigmoid router with groups, shared experts)
+    **MOONLIGHT_16B_A3B, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 16,
+    "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 32, "v_head_dim": 32, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}
+
 SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
           "nemotron-3-nano-30b-a3b": NEMOTRON_3_NANO_30B_A3B, "tiny-qwen3.5": TINY_QWEN3_5,
-          "tiny-nemotron-h": TINY_NEMOTRON_H, "gpt-oss-120b-8l": GPT_OSS_120B_8L, "tiny-gpt-oss": TINY_GPT_OSS}
+          "tiny-nemotron-h": TINY_NEMOTRON_H, "moonlight": MOONLIGHT_16B_A3B, "tiny-moonlight": TINY_MOONLIGHT,
+          "gpt-oss-120b-8l": GPT_OSS_120B_8L, "tiny-gpt-oss": TINY_GPT_OSS}
 REAL_SHAPE = "qwen3-30b-a3b"
 
 Log = Callable[[str], None]
@@ -319,6 +344,13 @@ def _mixer_elems(cfg) -> dict[str, int]:
         "q/k norms": n_att * qk_norm,
         f"layer norms ({'2 per layer' if cfg.block_style == 'pair' else '1 per block'}) + final norm": norms * H,
     }
+    if att.mla is not None:  # q (or q_a, its norm, q_b), kv_a_proj_with_mqa, its norm, kv_b_proj, o_proj
+        m = att.mla
+        q = H * Hq * D if m.q_lora_rank is None else H * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * Hq * D
+        kv = H * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * Hq * (
+            m.qk_nope_head_dim + m.v_head_dim)
+        del out["attention q/k/v/o projections"], out["q/k norms"]
+        out = {"MLA q / kv_a / kv_b / o projections (+ their norms)": n_att * (q + kv + Hq * m.v_head_dim * H), **out}
     n_lin = sum(cfg.layer_type(i) == "linear_attention" for i in range(cfg.num_hidden_layers))
     if n_lin:
         la = cfg.linear_attention
@@ -346,9 +378,10 @@ def weight_bytes_per_token(cfg, elem: int) -> dict[str, int]:
     per_expert = mats * cfg.experts.intermediate_size * width
     shared = cfg.experts.shared_intermediate_size * H * mats + (H if cfg.experts.shared_gate else 0)
     latent = 2 * H * cfg.experts.latent_size
+    router_elem = 4 / elem if cfg.router.fp32 else 1  # DeepSeek's routers keep a float32 weight
     elems = {
         **_mixer_elems(cfg),
-        "routers": n_moe * cfg.num_experts * H,
+        "routers": n_moe * cfg.num_experts * H * router_elem,
         f"experts ({cfg.num_experts_per_tok} of {cfg.num_experts} per layer, "
         f"{'up + down' if mats == 2 else 'gate_up + down'})": n_moe * cfg.num_experts_per_tok * per_expert,
         "shared experts": n_moe * (shared + latent),
@@ -356,19 +389,31 @@ def weight_bytes_per_token(cfg, elem: int) -> dict[str, int]:
         "lm_head": cfg.vocab_size * H,
         "embedding row": H,
     }
-    return {k: v * elem for k, v in elems.items() if v}
+    return {k: int(v * elem) for k, v in elems.items() if v}
 
 
 def kv_bytes_per_token(cfg, elem: int) -> int:
-    """K and V of one token in every attention layer (grouped-query attention)."""
-    return len(cfg.attention_layers) * 2 * cfg.attention.num_kv_heads * cfg.attention.head_dim * elem
+    """K and V of one token in every attention layer (grouped-query attention); MLA: its latent and rope key (576
+    values per layer for V2/V3 shapes), what the absorbed decode reads."""
+    att = cfg.attention
+    if att.mla is not None:
+        return len(cfg.attention_layers) * (att.mla.kv_lora_rank + att.mla.qk_rope_head_dim) * elem
+    return len(cfg.attention_layers) * 2 * att.num_kv_heads * att.head_dim * elem
+
+
+def expanded_kv_bytes_per_token(cfg, elem: int) -> int:
+    """What an MLA model's KV would take per token if the cache held expanded per-head keys and values (qk + v dims
+    per head), as an engine without latent caching stores it: the capacity comparison of the startup log."""
+    att = cfg.attention
+    m = att.mla
+    return len(cfg.attention_layers) * att.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * elem
 
 
 def kv_bytes_read(cfg, elem: int, context: float) -> float:
-    """K and V bytes one decode token reads at ``context`` tokens: a sliding-window layer (GPT-OSS) only its last
-    ``window`` tokens'."""
-    att, windows = cfg.attention, cfg.attention.sliding_windows
-    per_layer = 2 * att.num_kv_heads * att.head_dim * elem
+    """K and V bytes (MLA: latent and rope key) one decode token reads at ``context`` tokens: a sliding-window layer
+    (GPT-OSS) only its last ``window`` tokens'."""
+    windows = cfg.attention.sliding_windows
+    per_layer = kv_bytes_per_token(cfg, elem) // max(len(cfg.attention_layers), 1)
     return sum(per_layer * (min(context, windows[i]) if windows and windows[i] else context)
                for i in cfg.attention_layers)
 
@@ -415,6 +460,8 @@ def prefill_matmul_flops(cfg, prompt_len: int, num_seqs: int) -> dict[str, float
     layers, a hybrid's recurrences (Gated DeltaNet: ~6 Dk Dv per value head and token; Mamba-2: ~4 P N per head and
     token), and lm_head for the last token."""
     H, D, Hq = cfg.hidden_size, cfg.attention.head_dim, cfg.attention.num_heads
+    if cfg.attention.mla is not None:  # expanded prefill: QK^T over qk dims, PV over v dims (D: their mean)
+        D = (cfg.attention.head_dim + cfg.attention.mla.v_head_dim) / 2
     per_token = sum(v for k, v in weight_bytes_per_token(cfg, 1).items()
                     if k not in ("lm_head", "embedding row", "q/k norms") and not k.startswith("layer norms"))
     linear = 2.0 * per_token * prompt_len * num_seqs

@@ -231,3 +231,28 @@ def test_gpt_oss_engine_and_transformers_models_get_identical_weights():
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(reference_forward(model, ids)[0], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_moonlight_shape_and_its_rooflines():
+    """--shape moonlight: Moonlight-16B-A3B as issue 48 gives it, its MLA weights in the batch-1 bytes, the latent KV
+    (576 values per layer) in the step rooflines, DeepSeek's float32 router."""
+    from moe_engine.config import config_from_dict
+
+    cfg = config_from_dict(rsm.SHAPES["moonlight"])
+    att, mla = cfg.attention, cfg.attention.mla
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (2048, 27, 163840)
+    assert cfg.moe_layers == tuple(range(1, 27)) and (cfg.num_experts, cfg.num_experts_per_tok) == (64, 6)
+    assert cfg.experts.intermediate_size == 1408 and cfg.experts.shared_intermediate_size == 2 * 1408
+    assert (mla.kv_lora_rank, mla.q_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim) == (
+        512, None, 128, 64, 128) and att.num_heads == 16
+    assert cfg.router.kind == "deepseek_v3" and cfg.router.routed_scaling_factor == 2.446 and cfg.router.fp32
+    per_token = rsm.weight_bytes_per_token(cfg, elem=2)
+    mla_bytes = 27 * (2048 * 16 * 192 + 2048 * 576 + 512 + 512 * 16 * 256 + 16 * 128 * 2048) * 2
+    assert per_token["MLA q / kv_a / kv_b / o projections (+ their norms)"] == mla_bytes
+    assert per_token["routers"] == 26 * 64 * 2048 * 4  # float32 gate weights
+    assert per_token["shared experts"] == 26 * 3 * 2816 * 2048 * 2
+    assert abs(sum(per_token.values()) / 1e9 - 5.17) < 0.01
+    assert rsm.kv_bytes_per_token(cfg, 2) == 27 * 576 * 2
+    assert rsm.expanded_kv_bytes_per_token(cfg, 2) == 27 * 16 * (192 + 128) * 2
+    step = rsm.decode_step_bytes(cfg, 2, batch=64, mean_context=1152)
+    assert step["kv_cache"] == 64 * 1152 * 27 * 576 * 2

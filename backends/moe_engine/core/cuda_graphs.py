@@ -145,7 +145,10 @@ class DecodeGraphs:
         self.logits = torch.empty(max_batch, model.config.vocab_size, dtype=torch.float32, device=device)
         self._graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.replays: collections.Counter = collections.Counter()  # per graph key: steps that replayed it
-        self._kv_heads = sorted({layer.k.shape[2] for layer in kv.kv_layers})  # distinct kv-head counts of the layers
+        # distinct kv-head counts of the layers (MLA: head blocks of the absorbed decode; the split rule's programs)
+        programs = getattr(model, "decode_attention_programs", None)
+        self._kv_heads = (programs() if programs is not None else None) or sorted(
+            {layer.k.shape[2] for layer in kv.kv_layers})
         self._graph_len = {(B, Lk): self._longest_alike(B, Lk) for B in self.batch_sizes for Lk in self.kv_lens}
         self.pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=device)  # capture and warm-up run off the default stream

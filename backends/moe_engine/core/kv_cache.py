@@ -75,6 +75,10 @@ class KVCache:
             for s in specs
         ]
         self.kv_layers = [layer for layer in self.layers if isinstance(layer, LayerKV)]
+        # what one token's KV costs in every layer (MLA: the latent + the rope key, never expanded K/V)
+        self.bytes_per_token = bytes_per_block(specs, 1, dtype)
+        self.values_per_token_layer = sorted({s.num_kv_heads * (s.k_dim + s.v_dim) for s in specs
+                                              if isinstance(s, KVSpec)})
         self.state_nbytes = sum(layer.nbytes for layer in self.layers if isinstance(layer, LayerState))
         self.nbytes = sum(layer.k.nbytes + layer.v.nbytes for layer in self.kv_layers) + self.state_nbytes
 

@@ -31,7 +31,9 @@ within bfloat16 rounding (the same expert ids and tokens on the tiny model's tes
 Only steps that need nothing per token on the host qualify (``ModelRunner`` decides): no replayed routing rows,
 no prompt logprobs (they read logits at every prompt position), the paged attention kernels (the reference path
 reads host copies) and the fused experts in every MoE layer (``kernels.route`` groups a step's pairs on the device,
-at any size).
+at any size). MLA models attend every row of a replayed step through the absorbed decode kernel, each token a
+query of its own (their eager steps expand prompt rows with host-sized buffers), within a bound on the keys the
+step reads (``MoEForCausalLM.prefill_graph_max_key_reads``).
 """
 from __future__ import annotations
 
@@ -124,6 +126,32 @@ def stage_step(host: np.ndarray, layout: StagingLayout, token_ids, context: list
     return layout.tables_at + (n + 1) * layout.max_blocks
 
 
+def replay_batch(inputs: torch.Tensor, layout: StagingLayout, Tp: int, max_model_len: int, block_size: int,
+                 zeros: torch.Tensor | None = None) -> ForwardBatch:
+    """The ForwardBatch of a replayed step of Tp tokens over the staged ``inputs`` (``layout.size`` int64 on the
+    device): nothing in it is read on the host, so that one graph serves every step of the bucket."""
+    tokens, seq_lens, last, cu, tables = layout.views(inputs)
+    zeros = inputs.new_zeros(Tp) if zeros is None else zeros[:Tp]  # [Tp] (a graph passes a static buffer)
+    B = layout.num_seqs
+    return ForwardBatch(
+        positions=tokens[1, :Tp],
+        slot_mapping=tokens[2, :Tp],
+        block_tables=tables,
+        seq_lens=seq_lens,
+        cu_seqlens_q=cu,
+        token_seq=zeros,  # read by the reference attention only
+        token_qidx=zeros,
+        last_token_index=last,
+        query_lens=[0] * B,  # host lengths: read by the reference path and the dense prefill only
+        max_query_len=Tp,  # > 1: the 2-D kernel with the prefill tiles, as an eager step
+        max_seq_len=max_model_len,
+        block_size=block_size,
+        dense_from=B,  # no dense prefill (one SDPA call per prompt from host lengths)
+        use_kernels=True,
+        host_lengths=False,  # MLA: every row through the absorbed kernel (layers/mla.py)
+    )
+
+
 class PrefillGraphs:
     """Captured forwards of steps that carry prompt tokens, keyed by (token bucket, capture, capture weights)."""
 
@@ -154,7 +182,7 @@ class PrefillGraphs:
         device = kv[0].k.device
         self._inputs = torch.zeros(self.layout.size, dtype=torch.long, device=device)
         tokens, self._seq_lens, self._last, self._cu, self._tables = self.layout.views(self._inputs)
-        self._ids, self._positions, self._slots = tokens[0], tokens[1], tokens[2]
+        self._ids = tokens[0]
         self._zeros = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self._graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.replays = 0  # steps run through a graph
@@ -207,23 +235,7 @@ class PrefillGraphs:
         self._inputs[:used].copy_(self._host[self._parity][:used], non_blocking=True)
 
     def _forward(self, Tp: int, capture: bool, capture_weights: bool) -> None:
-        B = self.layout.num_seqs
-        batch = ForwardBatch(
-            positions=self._positions[:Tp],
-            slot_mapping=self._slots[:Tp],
-            block_tables=self._tables,
-            seq_lens=self._seq_lens,
-            cu_seqlens_q=self._cu,
-            token_seq=self._zeros[:Tp],  # read by the reference attention only
-            token_qidx=self._zeros[:Tp],
-            last_token_index=self._last,
-            query_lens=[0] * B,  # host lengths: read by the reference path and the dense prefill only
-            max_query_len=Tp,  # > 1: the 2-D kernel with the prefill tiles, as an eager step
-            max_seq_len=self.max_model_len,
-            block_size=self.block_size,
-            dense_from=B,  # no dense prefill (one SDPA call per prompt from host lengths)
-            use_kernels=True,
-        )
+        batch = replay_batch(self._inputs, self.layout, Tp, self.max_model_len, self.block_size, self._zeros)
         routing = StepRouting(ids=self.capture_buf if capture else None,
                               weights=self.weights_buf if capture_weights else None)
         hidden = self.model(self._ids[:Tp], batch, self.kv, routing=routing)  # [Tp, H]

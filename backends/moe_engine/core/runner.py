@@ -203,8 +203,9 @@ class ModelRunner(ReleasableMemory):
         self.sampler = Sampler(cfg.vocab_size, self.device, max_rows=s.max_num_seqs,
                                batch_invariant=s.deterministic_inference)
         self.batch_invariant = s.deterministic_inference
-        # Attention through paged_attention.py's kernels (they read only each sequence's own blocks) on CUDA with
-        # the fused kernels on; the reference (gather + SDPA) elsewhere, and for MLA's latent cache.
+        # Attention through paged_attention.py's kernels (they read only each sequence's own blocks; MLA: the
+        # absorbed decode over the latent blocks, mla_attention.py) on CUDA with the fused kernels on; the reference
+        # (gather + SDPA; MLA expands its latents) elsewhere.
         self.use_kernels = s.attention_kernels
         # Steps of up to max_cudagraph_capture_size tokens replay graphs: decode steps of that many sequences (at
         # most max_num_seqs), and prefill and mixed steps of that many tokens where the attention kernels read the
@@ -214,6 +215,9 @@ class ModelRunner(ReleasableMemory):
         self.max_prefill_graph_tokens = (
             min(s.max_cudagraph_capture_size, S)
             if s.attention_kernels and model.prefill_graph_unsafe_reason() is None else 0)
+        # keys a prefill graph's step may read in all; None: no bound (MLA: its graphs attend every row absorbed)
+        self.prefill_graph_max_key_reads = (model.prefill_graph_max_key_reads() if self.max_prefill_graph_tokens
+                                            else None)
         self.graphs_off = graphs_off_reason(model, s)
         self.graphs_on = self.graphs_off is None
         self.graphs: DecodeGraphs | None = None
@@ -245,6 +249,12 @@ class ModelRunner(ReleasableMemory):
                 self.model, self.kv, self.max_prefill_graph_tokens, self.graph_max_batch, self.max_model_len,
                 self.capture_buf, self.weights_buf, logits=self.graphs.logits, pool=self.graphs.pool)
 
+
+    def _prefill_graph_affordable(self, context: list[int], query_lens: list[int]) -> bool:
+        """Whether a step's keys read in all (sum over its tokens of position + 1) stay within the model's bound for
+        prefill graphs (MLA: its graphs attend every row absorbed)."""
+        bound = self.prefill_graph_max_key_reads
+        return bound is None or sum(n * c + n * (n + 1) // 2 for c, n in zip(context, query_lens)) <= bound
 
     @torch.inference_mode()
     def launch(
@@ -292,7 +302,8 @@ class ModelRunner(ReleasableMemory):
                       and self.graphs.supports(T, max(context) + 1))
         step.prefill_graph = (not step.graph and self.prefill_graphs is not None and forced is None and not scoring
                               and self.prefill_graphs.supports(T, len(items), max(c + n for c, (_, n) in
-                                                                                 zip(context, items))))
+                                                                                 zip(context, items)))
+                              and self._prefill_graph_affordable(context, step.query_lens))
         if self.publish is not None:  # tensor parallelism: the other ranks run the same forward (ranks.py)
             self.publish(step, input_ids)
         logits, hidden = self.forward(step, input_ids)

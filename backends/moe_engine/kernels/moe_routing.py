@@ -214,10 +214,11 @@ if triton is not None:
 
     @triton.jit
     def _combined(y_ptr, ids_ptr, pos_ptr, w_ptr, t, N, cols, m, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DT: tl.constexpr):
+                  DT: tl.constexpr, add_ptr, HAS_ADD: tl.constexpr):
         """Token t's MoE output at ``cols`` (float32 holding model-dtype values): the sum over its experts in
         ascending id order of round(y[row] * weight), rounding after every add (HF's per-expert index_add_
-        loop). y: [pairs, N] expert outputs in grouped order."""
+        loop). y: [pairs, N] expert outputs in grouped order. HAS_ADD: plus add[t] (the shared experts' output
+        [T, N], model dtype), rounded: HF's ``experts(x) + shared_experts(x)``."""
         j = tl.arange(0, BLOCK_K)
         jm = j < K
         ids = tl.load(ids_ptr + t * K + j, mask=jm, other=0)
@@ -236,26 +237,29 @@ if triton is not None:
                 acc = _round(acc + p, DT)
         if K == 1:  # the op-by-op path adds its one term to zeros: -0.0 comes out as +0.0
             acc = acc + 0.0
+        if HAS_ADD:
+            acc = _round(acc + tl.load(add_ptr + t * N + cols, mask=m, other=0.0).to(tl.float32), DT)
         return acc
 
     @triton.jit
     def _combine_kernel(
-        y_ptr, ids_ptr, pos_ptr, w_ptr, out_ptr, N,
-        K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
+        y_ptr, ids_ptr, pos_ptr, w_ptr, out_ptr, add_ptr, N,
+        K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, HAS_ADD: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """out[t] = token t's MoE output (``_combined``), ``BLOCK`` columns per program."""
         _await_inputs(PDL)
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < N
-        acc = _combined(y_ptr, ids_ptr, pos_ptr, w_ptr, t, N, cols, m, K, BLOCK_K, DT)
+        acc = _combined(y_ptr, ids_ptr, pos_ptr, w_ptr, t, N, cols, m, K, BLOCK_K, DT, add_ptr, HAS_ADD)
         tl.store(out_ptr + t * N + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _combine_rms_norm_kernel(
-        y_ptr, ids_ptr, pos_ptr, cw_ptr, x_ptr, s_ptr, w_ptr, out_ptr, N, sx, ss, eps,
+        y_ptr, ids_ptr, pos_ptr, cw_ptr, x_ptr, s_ptr, w_ptr, out_ptr, add_ptr, N, sx, ss, eps,
         K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
-        FP32_WEIGHT: tl.constexpr, PDL: tl.constexpr,
+        FP32_WEIGHT: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr,
     ):
         """Row t: the MoE output d (``_combined``, as ``_combine_kernel`` stores it), s = round(x + d), then
         ``_rms_norm_kernel``'s one-pass norm of s: the two launches' arithmetic in one, d never stored."""
@@ -263,7 +267,7 @@ if triton is not None:
         t = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
-        d = _combined(y_ptr, ids_ptr, pos_ptr, cw_ptr, t, N, cols, m, K, BLOCK_K, DT)
+        d = _combined(y_ptr, ids_ptr, pos_ptr, cw_ptr, t, N, cols, m, K, BLOCK_K, DT, add_ptr, HAS_ADD)
         x = _round(tl.load(x_ptr + t * sx + cols, mask=m, other=0.0).to(tl.float32) + d, DT)
         tl.store(s_ptr + t * ss + cols, x.to(s_ptr.dtype.element_ty), mask=m)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
@@ -395,11 +399,12 @@ def _route_chunks(ids, num_experts: int, pos, tok, offs, capture: bool, cap_ptr,
 
 
 def combine(y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
-            block: int | None = None) -> torch.Tensor:
+            block: int | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """y [T*K, H] expert outputs in grouped order, ids/pos/weights [T, K] -> [T, H] in ``dtype``: each
-    weighted output rounded to ``dtype``, then summed in ascending expert order, rounding after each add.
-    Each program sums ``block`` columns of one token (default: by the step's size, COMBINE_BLOCKS; the split of
-    the columns changes no result)."""
+    weighted output rounded to ``dtype``, then summed in ascending expert order, rounding after each add; ``add``
+    [T, H] (``dtype``; DeepSeek's shared experts' output) added last, rounded, in the same launch. Each program sums
+    ``block`` columns of one token (default: by the step's size, COMBINE_BLOCKS; the split of the columns changes no
+    result)."""
     T, K = ids.shape
     N = y.shape[1]
     out = torch.empty(T, N, dtype=dtype, device=y.device)
@@ -408,19 +413,21 @@ def combine(y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torc
         block = min(_pow2(N), _pow2(block))
         _launch(
             _combine_kernel, (T, triton.cdiv(N, block)),
-            y.contiguous(), ids.contiguous(), pos.contiguous(), weights.contiguous(), out, N,
-            K=K, BLOCK_K=_pow2(K), BLOCK=block, DT=_DT[dtype], PDL=pdl(y.device),
+            y.contiguous(), ids.contiguous(), pos.contiguous(), weights.contiguous(), out,
+            out if add is None else add.contiguous(), N,
+            K=K, BLOCK_K=_pow2(K), BLOCK=block, DT=_DT[dtype], HAS_ADD=add is not None, PDL=pdl(y.device),
         )
     return out
 
 
 def combine_rms_norm(
     y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
-    x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool, add: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, RMSNorm(s)) with s = x + combine(y, ids, pos, weights, x.dtype), in one launch: ``combine`` then
-    ``rms_norm(x, ..., delta=)`` (the same arithmetic and the same sum of squares: the bits of the two launches),
-    without writing the MoE output to memory. x [T, H] residual stream; y, ids, pos, weights as ``combine``."""
+    """(s, RMSNorm(s)) with s = x + combine(y, ids, pos, weights, x.dtype, add=add), in one launch: ``combine``
+    then ``rms_norm(x, ..., delta=)`` (the same arithmetic and the same sum of squares: the bits of the two
+    launches), without writing the MoE output to memory. x [T, H] residual stream; y, ids, pos, weights, add as
+    ``combine``."""
     T, K = ids.shape
     xr = _rows(x)
     N = xr.shape[1]
@@ -429,8 +436,9 @@ def combine_rms_norm(
     if T:
         _launch(
             _combine_rms_norm_kernel, (T,),
-            y.contiguous(), ids.contiguous(), pos.contiguous(), weights.contiguous(), xr, s, weight, out, N,
-            xr.stride(0), s.stride(0), eps,
-            K=K, BLOCK_K=_pow2(K), BLOCK=_pow2(N), DT=_DT[x.dtype], FP32_WEIGHT=fp32_weight, PDL=pdl(x.device),
+            y.contiguous(), ids.contiguous(), pos.contiguous(), weights.contiguous(), xr, s, weight, out,
+            out if add is None else add.contiguous(), N, xr.stride(0), s.stride(0), eps,
+            K=K, BLOCK_K=_pow2(K), BLOCK=_pow2(N), DT=_DT[x.dtype], FP32_WEIGHT=fp32_weight, HAS_ADD=add is not None,
+            PDL=pdl(x.device),
         )
     return s.view(x.shape), out.view(x.shape)

@@ -25,6 +25,9 @@ kernel                      replaces                                            
                             and the copy of the ids into the routing capture buffer
 ``combine``                 routing weight x expert output, HF-order sum over the k experts    ~14 -> 1
 ``store_kv``                the step's k and v written into the paged cache at their slots      ~4 -> 1
+``combine`` with ``add``    DeepSeek: + the shared experts' output after the routed sum        2 -> 1
+``mla_rope_store``          MLA (kernel path): rotary of q's and k's rope parts and the cache  ~20 -> 1
+                            write of latent + rope key (V2's complex product: within an ulp)
 ==========================  =================================================================  ==========
 
 With only the kernels above, a batch-1 decode step at real model widths is ~23 launches per layer, most of them
@@ -42,7 +45,15 @@ kernel                      replaces                                            
 ``softmax_topk_route``      one token: ``softmax_topk`` and ``route`` (with the capture copy)    2 -> 1
 ``small_linear``            cuBLAS for the router logits (up to 4 tokens), o_proj and q/k/v    2 -> 1 (o)
                             (1 token)
+``grouped_topk``            DeepSeek V2 / V3 routers after the float32 logits (softmax or      ~15 -> 1
+                            sigmoid + bias, group scores, group and expert top-k, renormalise,
+                            scale; one token: with ``route``); slots in descending order
+shared experts (fused_moe)  DeepSeek's shared-expert MLP as one expert over all tokens (<= 64)   5 -> 2
+MLA q + kv_a                one GEMM over views of one weight (small_linear at one token)        2 -> 1
 ==========================  =================================================================  ==========
+
+MLA's attention kernels (kernels/mla_attention.py: the absorbed decode; the expanded prefill through
+paged_attention.py) run with the attention kernels, like the paged GQA kernels: within rounding.
 
 Triton ships with CUDA builds of torch. Without it (CPU wheels) ``available()`` is False and the model
 keeps the op-by-op path. Tests run the kernels on CPU tensors under Triton's interpreter

@@ -80,6 +80,9 @@ class ForwardBatch:
     # position 0, from the first with DENSE_PREFILL_MIN_TOKENS on (see the module docstring and ``build``).
     dense_from: int | None = None
     use_kernels: bool = False  # attention through paged_attention.py's kernels (set by the runner)
+    # False in a prefill graph's padded step (core/prefill_graphs.py): query_lens / context_lens do not describe it
+    # (zeros), every length is on the device; MLA then takes every row through its absorbed kernel (token_rows).
+    host_lengths: bool = True
     # Hybrid models' recurrent layers (layers/recurrent.py): each sequence's state slot [B] long, and on the host
     # (eager steps; None in a captured decode step) the slots, each sequence's tokens before the step and where
     # its tokens start in T
@@ -171,6 +174,29 @@ class ForwardBatch:
             dense_from=dense_from,
             **fields,
         )
+
+    def leading_decodes(self) -> int:
+        """How many of the step's first sequences forward one token each (the scheduler plans decodes first; a
+        decode step: all of them). Host ints only; made once per step."""
+        key = "leading_decodes"
+        if key not in self._int32:
+            nd = 0
+            while nd < len(self.query_lens) and self.query_lens[nd] == 1:
+                nd += 1
+            self._int32[key] = nd
+        return self._int32[key]
+
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token as a one-query sequence of its own: its sequence's block-table row [T, nb] int32 and its keys
+        (position + 1) [T] int32, from device tensors alone (no host sync: CUDA-graph capturable; a graph's padding
+        tokens get the padding sequence's row and one key). Made once per step."""
+        key = "token_rows"
+        if key not in self._int32:
+            tokens = torch.arange(self.num_tokens, device=self.positions.device)
+            seq = torch.searchsorted(self.cu_seqlens_q[1:], tokens, right=True)  # [T]: cu[s] <= t < cu[s + 1]
+            self._int32[key] = (self.block_tables.index_select(0, seq).to(torch.int32),
+                                (self.positions + 1).to(torch.int32))
+        return self._int32[key]
 
     def int32(self, name: str) -> torch.Tensor:
         """An int32 copy of a field, for the kernels (made once per step)."""

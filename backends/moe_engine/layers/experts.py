@@ -82,9 +82,10 @@ class ExpertOutputs:
     ids: Tensor
     pos: Tensor
     weights: Tensor
+    shared: Tensor | None = None  # [T, H]: DeepSeek's shared experts' output, added after the routed sum
 
     def combine(self, dtype: torch.dtype) -> Tensor:
-        return routing_kernels.combine(self.y, self.ids, self.pos, self.weights, dtype)
+        return routing_kernels.combine(self.y, self.ids, self.pos, self.weights, dtype, add=self.shared)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,20 @@ def l2norm(x: Tensor, dim: int = -1, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
+def _heads_first_normalised(query, key, value, g, beta):
+    """The prologue HF's two reference rules share: k heads repeated to v's, [B, T, H, D] -> [B, H, T, D] float32,
+    q/k L2-normalised (their query scalings differ in how they round: each rule applies its own)."""
+    Hk, Hv = key.shape[2], value.shape[2]
+    if Hk != Hv:
+        query = query.repeat_interleave(Hv // Hk, dim=2)
+        key = key.repeat_interleave(Hv // Hk, dim=2)
+    query, key, value, beta, decay = [
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        for x in (query, key, value, beta, g)
+    ]
+    return l2norm(query, dim=-1, eps=1e-6), l2norm(key, dim=-1, eps=1e-6), value, beta, decay
+
+
 def chunk_gated_delta_rule(
     query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
     initial_state: Tensor | None = None,
@@ -40,17 +54,9 @@ def chunk_gated_delta_rule(
     value [B, T, Hv, Dv], g/beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None -> (out [B, T, Hv, Dv] in the
     query's dtype, final state [B, Hv, Dk, Dv] float32)."""
     initial_dtype = query.dtype
-    B, T, Hk, Dk = key.shape
+    B, T, _, Dk = key.shape
     Hv, Dv = value.shape[-2:]
-    if Hk != Hv:
-        query = query.repeat_interleave(Hv // Hk, dim=2)
-        key = key.repeat_interleave(Hv // Hk, dim=2)
-    query, key, value, beta, decay = [
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        for x in (query, key, value, beta, g)
-    ]
-    query = l2norm(query, dim=-1, eps=1e-6)
-    key = l2norm(key, dim=-1, eps=1e-6)
+    query, key, value, beta, decay = _heads_first_normalised(query, key, value, g, beta)
     query = query * query.shape[-1] ** -0.5
 
     pad = (chunk_size - T % chunk_size) % chunk_size
@@ -93,17 +99,8 @@ def recurrent_gated_delta_rule(
     """HF ``torch_recurrent_gated_delta_rule`` (q/k L2-normalised), operation by operation; same shapes as
     ``chunk_gated_delta_rule`` (initial_state required)."""
     initial_dtype = query.dtype
-    B, T, Hk, Dk = key.shape
-    Hv, Dv = value.shape[-2:]
-    if Hk != Hv:
-        query = query.repeat_interleave(Hv // Hk, dim=2)
-        key = key.repeat_interleave(Hv // Hk, dim=2)
-    query, key, value, beta, decay = [
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        for x in (query, key, value, beta, g)
-    ]
-    query = l2norm(query, dim=-1, eps=1e-6)
-    key = l2norm(key, dim=-1, eps=1e-6)
+    T = key.shape[1]
+    query, key, value, beta, decay = _heads_first_normalised(query, key, value, g, beta)
     query = query / (query.shape[-1] ** 0.5)
     state = initial_state.to(value)
     out = torch.zeros_like(value)

@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
         if isinstance(delta, ExpertOutputs):
             if self.fused and self.within_rounding:
                 return routing_kernels.combine_rms_norm(delta.y, delta.ids, delta.pos, delta.weights, x, self.weight,
-                                                self.eps, self.fp32_weight)
+                                                self.eps, self.fp32_weight, add=delta.shared)
             delta = delta.combine(x.dtype)
         if self.fused and self.within_rounding:
             return norm_kernels.rms_norm(x, self.weight, self.eps, self.fp32_weight, delta)

@@ -17,6 +17,9 @@ experts, which write exactly the ids they use into the step's capture buffer
 DeepSeek-V2/V3 compute logits in float32 from a float32 gate weight and use
 ``topk(sorted=False)``: their slot order is whatever that top-k returns (the
 reference defines none); the ids captured are still exactly those used below.
+With the within-rounding kernels (GPUs) their math after the logits runs in one
+launch (kernels/grouped_topk.py: the same ids, in descending order; weights within
+float32 rounding), for a one-token step with the grouping of its pairs.
 GPT-OSS takes the top-k of its biased logits in the model dtype, then a softmax
 over those k values in the model dtype.
 
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import RouterSpec
+from ..kernels import grouped_topk as topk_kernels
 from ..kernels import moe_routing as routing_kernels
 from ..kernels import small_linear as linear_kernels
 from . import invariant as inv
@@ -169,8 +173,24 @@ class DeepseekV2Router(Router):
         self.routed_scaling_factor = spec.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
 
+    def _kernel(self, logits: torch.Tensor, forced: Forced | None, capture=None, route=False):
+        """kernels/grouped_topk.py: the lines of ``forward`` after the logits in one launch (same ids, weights
+        within float32 rounding; slots in descending order)."""
+        return topk_kernels.grouped_topk(
+            logits, self.top_k, sigmoid=False, n_group=self.n_group, topk_group=self.topk_group,
+            grouped=self.topk_method == "group_limited_greedy", scale=self.routed_scaling_factor,
+            forced_mask=None if forced is None else forced.mask, forced_ids=None if forced is None else forced.ids,
+            capture=capture, route=route)
+
+    def forward_grouped(self, x, forced=None, capture=None):
+        if not (self.within_rounding and x.shape[0] == 1):
+            return super().forward_grouped(x, forced, capture)
+        return self._kernel(self._fp32_logits(x), forced, capture, route=True)
+
     def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self._fp32_logits(x)  # [T, E] float32
+        if self.within_rounding:
+            return self._kernel(logits, forced)[:2]
         if self.batch_invariant:
             scores = all_scores = inv.softmax(logits, torch.float32)
         else:
@@ -199,9 +219,25 @@ class DeepseekV3Router(Router):
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts, dtype=torch.float32), requires_grad=False)
 
+    def _kernel(self, logits: torch.Tensor, forced: Forced | None, capture=None, route=False):
+        """kernels/grouped_topk.py: the lines of ``forward`` after the logits in one launch (same ids, weights
+        within float32 rounding; slots in descending order of the biased scores)."""
+        return topk_kernels.grouped_topk(
+            logits, self.top_k, sigmoid=True, n_group=self.n_group, topk_group=self.topk_group, grouped=True,
+            renorm=self.norm_topk_prob, scale=self.routed_scaling_factor, bias=self.e_score_correction_bias,
+            forced_mask=None if forced is None else forced.mask, forced_ids=None if forced is None else forced.ids,
+            capture=capture, route=route)
+
+    def forward_grouped(self, x, forced=None, capture=None):
+        if not (self.within_rounding and x.shape[0] == 1):
+            return super().forward_grouped(x, forced, capture)
+        return self._kernel(self._fp32_logits(x), forced, capture, route=True)
+
     def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         E, G = self.num_experts, self.n_group
         logits = self._fp32_logits(x)  # [T, E] float32
+        if self.within_rounding:
+            return self._kernel(logits, forced)[:2]
         scores = inv.sigmoid(logits) if self.batch_invariant else logits.sigmoid()
         choice = scores + self.e_score_correction_bias  # [T, E] float32
         group_scores = self._sum(choice.view(-1, G, E // G).topk(2, dim=-1)[0]).squeeze(-1)  # [T, G]

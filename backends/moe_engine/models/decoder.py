@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from ..config import MoEConfig
 from ..core.kv_cache import KVCache, KVSpec
 from ..core.memory_plan import logits_chunk_rows
+from ..kernels import mla_attention as mla_kernels
 from ..kernels import moe_routing as routing_kernels
 from ..kernels import support as kernel_support
 from ..layers import invariant as inv
@@ -48,7 +49,7 @@ from ..layers.experts import (NO_ROUTING, TRITON_GEMM_MAX_PAIRS, ExpertOutputs, 
                               StepRouting)
 from ..layers.linear_attention import GatedDeltaNet
 from ..layers.mamba import Mamba2Mixer
-from ..layers.mla import MLAttention
+from ..layers.mla import GRAPH_MAX_KEY_READS, MLAttention
 from ..layers.moe import MLP, DeepseekMoE, GptOssMoE, MoEBlock, NemotronHMoE
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -119,7 +120,7 @@ class DecoderLayer(nn.Module):
         h, normed = self.post_attention_layernorm.add_forward(x, attn)
         if not self.is_moe:
             return h, self._reduce(self.mlp(normed))
-        if isinstance(self.mlp, (MoEBlock, GptOssMoE)) and self.tp is None:
+        if isinstance(self.mlp, (MoEBlock, DeepseekMoE, GptOssMoE)) and self.tp is None:
             norm = self.post_attention_layernorm
             defer = (norm.fused and norm.within_rounding and not self.batch_invariant
                      and normed.shape[0] >= routing_kernels.COMBINE_NORM_MIN_TOKENS)
@@ -243,14 +244,20 @@ class MoEForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention)) or getattr(m, "supports_fused", False):
                 m.fused = enabled
-            if isinstance(m, (RMSNorm, Attention, Router, GatedDeltaNet, Mamba2Mixer)):
+            if isinstance(m, (RMSNorm, Attention, Router, GatedDeltaNet, Mamba2Mixer, MLAttention)):
                 m.within_rounding = within_rounding
             if isinstance(m, Attention) and within_rounding:
                 m.fuse_qkv()
+            if isinstance(m, MLAttention) and within_rounding:
+                m.fuse_projections()
             if isinstance(m, GatedDeltaNet) and within_rounding:
                 m.fuse_projections()
             if isinstance(m, (Experts, GptOssExperts)):
                 m.triton_gemm_max_pairs = TRITON_GEMM_MAX_PAIRS if on_gpu else 0
+            if isinstance(m, DeepseekMoE):  # shared experts through the fused expert kernels (within rounding)
+                m.fused_shared = within_rounding
+                if within_rounding:
+                    m.fuse_shared()
         return enabled
 
     def use_batch_invariant(self, enabled: bool) -> bool:
@@ -301,6 +308,24 @@ class MoEForCausalLM(nn.Module):
                                             and experts.graph_unsafe_reason(self.device, self.dtype) is None):
                 return "an MoE layer is off the fused path (expert parallelism, or the op-by-op forward)"
         return None
+
+    def prefill_graph_max_key_reads(self) -> int | None:
+        """The most keys a step may read in all (sum over its tokens of position + 1) to replay a prefill graph, or
+        None (no bound): MLA's graphs attend every row through the absorbed kernel, whose work grows with tokens x
+        keys (layers/mla.py); longer steps run eagerly, their prompt rows expanded."""
+        return GRAPH_MAX_KEY_READS if self.config.attention.mla is not None else None
+
+    def decode_attention_programs(self) -> list[int]:
+        """Per attention layer kind, the programs a decode token's attention runs per split (paged_attention.py's
+        split rule counts them): GQA its kv heads, MLA its query heads in blocks of the absorbed kernel's rows."""
+        out = set()
+        for layer in self.model.layers:
+            a = getattr(layer, "self_attn", None)
+            if isinstance(a, MLAttention):
+                out.add(mla_kernels.head_blocks(a.num_heads, a.decode_config))
+            elif a is not None:
+                out.add(a.num_kv_heads)
+        return sorted(out)
 
     def param_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
         """dtype a parameter is loaded in when the model runs in ``dtype`` (HF's keep-in-fp32 rules):
