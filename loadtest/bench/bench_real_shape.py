@@ -686,7 +686,8 @@ def gpt_oss_report_rows(ctx) -> list[tuple[str, ...]]:
     """report_rows for the GPT-OSS shape: issue 49's targets ((a) and (b) as shares of their rooflines)."""
     R, rows = ctx.results["cases"], []
     real = ctx.args.scale == 1.0
-    slower = max(1.0, H200_COPY_BYTES_PER_S / ctx.bandwidth["bytes_per_s"]) if ctx.bandwidth else 1.0
+    bw = (getattr(ctx, "bandwidth", None) or {}).get("bytes_per_s")  # None when the run stopped before measuring
+    slower = max(1.0, H200_COPY_BYTES_PER_S / bw) if bw else 1.0
 
     def add(case, metric, value, roof="", target="", *checks):
         met = ", ".join(f"{label}{'yes' if ok else 'no'}" for label, ok in checks if ok is not None)
