@@ -241,6 +241,65 @@ def test_bad_inputs_are_refused():
         fused_moe_gpt_oss.expert_mlp(x, gate_up, gate_up_bias, down, down_bias, pos, tok, offs.long(), 7.0, ALPHA)
 
 
+HOPPER_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_engine.kernels import fused_moe as fm
+from moe_engine.kernels import fused_moe_gpt_oss as fg
+
+E, H, I = 128, 2880, 2880  # GPT-OSS-120B's experts
+out = {}
+for bucket in sys.argv[1:]:
+    for gate_up in (True, False):
+        N, K = (I, H) if gate_up else (H, I)
+        cfg = fm._fit(fm.DEFAULT_CONFIGS[bucket][0 if gate_up else 1], N, K)
+        consts = dict(GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                      GROUP_M=cfg.GROUP_M, BLOCK_E=E, EVEN_K=K % cfg.BLOCK_K == 0, DT=1, UPCAST=False, PRECISE=True,
+                      PREC="tf32", PDL=True, WIDTH=(2 if gate_up else 1) * cfg.BLOCK_N)
+        ints = ("E", "N", "K", "num_pid_m", "s_a", "s_we", "s_wk", "s_be", "s_out")
+        sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "tok_ptr": "*i64",
+               "offs_ptr": "*i32", **{n: "i32" for n in ints}, "limit": "fp32", "alpha": "fp32",
+               **{n: "constexpr" for n in consts}}
+        kernel = fg._biased_moe_gemm_kernel
+        aligned = ("a_ptr", "w_ptr", "bias_ptr", "out_ptr", "tok_ptr", "offs_ptr") + ints[:3] + ints[4:]
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        ck = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False})
+        ptx = ck.asm["ptx"]
+        out[f"{bucket} {'gate_up' if gate_up else 'down'}"] = {
+            "shared": ck.metadata.shared, "div_rn": "div.rn.f32" in ptx, "wgmma": "wgmma" in ptx,
+            "pdl": "griddepcontrol.wait" in ptx}
+print(json.dumps(out))
+"""
+
+
+def test_default_tiles_compile_for_hopper_at_the_gpt_oss_shape(tmp_path):
+    """The interpreter cannot see the compiled path (the epilogue's reshape and split of the interleaved tile on
+    the MMA layout, libdevice exp, IEEE division, shared memory, the PDL wait): compile both GEMMs for sm_90 with
+    ptxas from the Triton wheel (no GPU needed) at GPT-OSS-120B's expert shape for a decode, a mid and a prefill
+    bucket of the default tile table."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(repo / "backends"), str(repo)]), TRITON_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, "2-8", "129-512", ">16384"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(result) == 6
+    for name, r in result.items():
+        assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} bytes of shared memory"
+        assert r["div_rn"] == name.endswith("gate_up"), name  # the sigmoid's division is IEEE (torch's)
+        assert r["pdl"], name  # programmatic dependent launch: the wait for the previous kernel is compiled in
+    assert result[">16384 gate_up"]["wgmma"] and result[">16384 down"]["wgmma"]  # prefill tiles on Hopper's MMA
+
+
 # ------------------------------------------------------------------------------------- the router
 
 
