@@ -37,9 +37,6 @@ from .uploads import upload
 
 log = logging.getLogger(__name__)
 
-# prompt scoring: logits rows materialised at once ([rows, vocab] float32; memory_plan.py): 512 for vocabularies up to
-# 131,072 tokens, fewer for larger ones (333 at GPT-OSS's 201,088)
-
 
 @dataclass
 class Transfer:
@@ -170,7 +167,9 @@ class ModelRunner(ReleasableMemory):
                           num_state_slots=self.num_state_slots)
         self.null_block = self.kv.null_block
         self.step_tokens = S = s.step_tokens
-        self.score_chunk_rows = logits_chunk_rows(cfg.vocab_size)  # prompt scoring's logits rows at once
+        # prompt scoring's logits rows at once ([rows, vocab] float32; memory_plan.py): 512 for vocabularies up to
+        # 131,072 tokens, fewer for larger ones (333 at GPT-OSS's 201,088)
+        self.score_chunk_rows = logits_chunk_rows(cfg.vocab_size)
         L, K = self.routing_shape = cfg.num_hidden_layers, cfg.num_experts_per_tok
         # The step's outputs in one int32 buffer: [S] sampled tokens, then the capture buffer [S, L, K] that each
         # MoE layer writes, then the combine weights [S, L, K] (float32 bits) written when a request asks for them.
