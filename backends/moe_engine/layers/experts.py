@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ExpertsSpec
-from ..kernels import fused_moe
+from ..kernels import fused_moe, fused_moe_gpt_oss
 from ..kernels import moe_routing as routing_kernels
 from . import invariant as inv
 from .routing import Forced
@@ -427,10 +427,15 @@ class GptOssExperts(nn.Module):
     """GPT-OSS experts (HF ``GptOssExperts``): gate_up_proj [E, H, 2I] (transposed, gate/up interleaved: even
     columns gate, odd columns up), gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H];
     ``gate = gate.clamp(max=limit)``, ``up = up.clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``.
-    Runs the reference (grouped) path, or gathers weights for small CUDA decode batches; no fused kernels."""
 
-    supports_fused = False
-    batch_invariant = False  # deterministic inference (see the module docstring)
+    Fused path (CUDA, or the interpreter in tests): ``routing_kernels.route`` (grouping on the device, the capture
+    copy) -> kernels/fused_moe_gpt_oss.py's two GEMMs (biases, interleaved gate/up, clamped SwiGLU; within rounding
+    of the op-by-op path, same ids) -> ``routing_kernels.combine`` (bit-identical HF-order sum), no host sync, so
+    decode and prefill steps replay CUDA graphs. Otherwise the reference (grouped) path, or gathered weights for
+    small CUDA decode batches."""
+
+    supports_fused = True  # MoEForCausalLM.use_fused_kernels switches ``fused`` on where Triton runs
+    batch_invariant = False  # deterministic inference (see the module docstring): the reference path
     bi_kernels = False
 
     def __init__(self, spec: ExpertsSpec, hidden_size: int):
@@ -438,23 +443,46 @@ class GptOssExperts(nn.Module):
         E, H, I = spec.num_experts, hidden_size, spec.intermediate_size
         self.num_experts = E
         self.limit, self.alpha = spec.swiglu_limit, spec.swiglu_alpha
+        self.fused = False
+        # As Experts': steps of up to this many pairs run the Triton GEMMs; 0 (CPU, the bit-exactness tests): the
+        # reference path even when ``fused`` (there is no torch grouped GEMM with GPT-OSS's biases to fall back on).
+        self.triton_gemm_max_pairs = 0
         self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I), requires_grad=False)
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, I, H), requires_grad=False)
         self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
         self.first_expert: int | None = None  # expert parallelism: this rank's first expert (sharding.py)
 
+    def _fused_on(self) -> bool:
+        return self.fused and self.triton_gemm_max_pairs > 0 and self.first_expert is None and not self.batch_invariant
+
     def graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        return "GPT-OSS experts group tokens by expert on the host"
+        if self._fused_on() and self.triton_gemm_max_pairs == sys.maxsize:
+            return None
+        return "GPT-OSS experts off the fused path group tokens by expert on the host"
+
+    def takes_fused_path(self, x: Tensor, top_k: int) -> bool:
+        """Whether ``forward`` runs the fused path for the tokens x [T, H]."""
+        T = x.shape[0]
+        return bool(T and self._fused_on() and T * top_k <= self.triton_gemm_max_pairs)
 
     def forward(
         self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None,
-        weights_capture: Tensor | None = None,
-    ) -> Tensor:
+        weights_capture: Tensor | None = None, grouped: tuple[Tensor, Tensor, Tensor] | None = None,
+        defer_combine: bool = False,
+    ) -> Tensor | ExpertOutputs:
         """As ``Experts.forward``; capture [T, K] receives exactly ``ids``, weights_capture ``weights``."""
-        _capture(capture, ids)
         _capture_weights(weights_capture, weights)
         T, K = ids.shape
+        if self.takes_fused_path(x, K):
+            # [T, K], [K*T], [E]: from the router's launch (one token; it also wrote the capture) or route's
+            pos, tok, offs = grouped if grouped is not None else routing_kernels.route(ids, self.num_experts, capture)
+            y = fused_moe_gpt_oss.expert_mlp(x, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
+                                             self.down_proj_bias, pos, tok, offs, self.limit, self.alpha)  # [K*T, H]
+            outputs = ExpertOutputs(y, ids, pos, weights)
+            return outputs if defer_combine else outputs.combine(x.dtype)
+        assert grouped is None, "grouped pairs are for the fused path"
+        _capture(capture, ids)
         if T == 0:
             return torch.zeros_like(x)
         if self.batch_invariant:

@@ -183,9 +183,17 @@ class GptOssMoE(nn.Module):
         self.router = make_router(router, hidden_size)
         self.experts = GptOssExperts(experts, hidden_size)
 
-    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING) -> Tensor:
-        ids, weights = self.router(x, routing.forced)  # [T, K] sorted descending, [T, K] model dtype
-        return self.experts(x, ids, weights, routing.ids, routing.weights)
+    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING,
+                defer_combine: bool = False) -> Tensor | ExpertOutputs:
+        """x [T, H] -> [T, H]; ``defer_combine`` (fused path): the ``ExpertOutputs``, for the next norm to sum."""
+        # [T, K] sorted descending, [T, K] model dtype; fused, one-token steps: the grouping from the router's launch
+        grouped = None
+        if self.experts.takes_fused_path(x, self.router.top_k):
+            ids, weights, grouped = self.router.forward_grouped(x, routing.forced, routing.ids)
+        else:
+            ids, weights = self.router(x, routing.forced)
+        return self.experts(x, ids, weights, routing.ids, routing.weights, grouped=grouped,
+                            defer_combine=defer_combine)
 
 
 class NemotronHMoE(nn.Module):
