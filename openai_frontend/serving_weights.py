@@ -94,7 +94,8 @@ async def engine_state(ctx: ServingContext) -> dict[str, Any]:
         logger.warning("engine state unavailable: %s", e)
         return {}
     return {"weight_version": info.get("weight_version"), "kv_block_size": info.get("kv_block_size"),
-            "deterministic_inference": info.get("deterministic_inference")}
+            "deterministic_inference": info.get("deterministic_inference"),
+            "weights_served_as": info.get("weights_served_as")}
 
 
 def _answer(result: dict[str, Any], **extra: Any) -> JSONResponse:

@@ -58,6 +58,9 @@ class ModelInfo:
     # Why the engine runs this model without the prefix cache although it was asked for (hybrid models), or None
     prefix_caching_disabled_reason: str | None = None
     layer_types: tuple[str, ...] = ()  # per layer its token mixer (hybrid models; empty: attention everywhere)
+    # The checkpoint's weight format ("none", "fp8" block- or tensor-scaled, "mxfp4"); the engine dequantises it
+    # at load into the model dtype
+    quantization: str = "none"
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> ModelInfo:
@@ -79,6 +82,7 @@ class ModelInfo:
             enable_prefix_caching=bool(meta.get("enable_prefix_caching", False)),
             prefix_caching_disabled_reason=meta.get("prefix_caching_disabled_reason"),
             layer_types=tuple(str(t) for t in meta.get("layer_types", ())),
+            quantization=str(meta.get("quantization") or "none"),
         )
 
     @classmethod

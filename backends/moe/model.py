@@ -209,8 +209,11 @@ class TritonPythonModel:
         moe_engine.standin.StandInEngine, which computes nothing and loads no weights."""
         from moe_engine.checkpoint import load_model
         from moe_engine.config import load_config
+        from moe_engine.fp8 import all_finite
+        from moe_engine.fp8_load import serve_fp8
 
         self.cfg = load_config(checkpoint)
+        fp8 = serve_fp8(self.cfg, ecfg, device)  # (refuses --quantization fp8 with tensor parallelism)
         if standin:
             from moe_engine.standin import StandInEngine
 
@@ -225,9 +228,8 @@ class TritonPythonModel:
         else:
             if device == "cuda" and args.get("model_instance_kind") == "GPU":
                 device = f"cuda:{args.get('model_instance_device_id') or 0}"
-            model = load_model(checkpoint, dtype=dtype, device=device)
-            bad = next((n for n, p in model.named_parameters() if p.is_floating_point() and not p.isfinite().all()),
-                       None)
+            model = load_model(checkpoint, dtype=dtype, device=device, fp8=fp8)
+            bad = next((n for n, p in model.named_parameters() if p.is_floating_point() and not all_finite(p)), None)
             if bad is not None:
                 raise ValueError(f"checkpoint {checkpoint}: tensor {bad!r} holds NaN or infinite values")
             self.engine = Engine(model, self.cfg, ecfg)

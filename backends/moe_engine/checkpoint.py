@@ -8,6 +8,9 @@
 - GPT-OSS experts as transformers writes them ([E, H, 2I] / [E, I, H] plus biases) or MXFP4 as on the Hub
   (``*_blocks`` uint8 [E, R, C/32, 16] + ``*_scales`` uint8 [E, R, C/32]), dequantised at load exactly as
   transformers' ``integrations/mxfp4.py`` does (LUT, ldexp, transpose);
+- FP8 block-scaled as DeepSeek-V3 / Qwen3-FP8 / GLM-FP8 publish (e4m3 ``weight`` + float32 ``weight_scale_inv``
+  per ``weight_block_size`` block, per expert or fused; fp8.py), dequantised at load: float32 product, one cast
+  to the model dtype, as transformers' ``Fp8Dequantize``;
 - bf16 / fp16 / fp32 on disk, converted tensor by tensor to the requested dtype, except where HF keeps float32
   (DeepSeek's router weight and e_score_correction_bias; ``MoEForCausalLM.param_dtype``);
 - tied embeddings (``lm_head`` shares ``embed_tokens``; a stored ``lm_head.weight`` is ignored, as HF);
@@ -37,6 +40,9 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import DTYPE_ALIASES, MoEConfig, load_config
+from . import fp8_load
+from .fp8 import FP8_DTYPE as fp8_dtype
+from .fp8 import dequantize_fp8
 from .distributed.sharding import Selection
 from .models.decoder import MoEForCausalLM
 
@@ -76,8 +82,10 @@ class _Tensors:
     prefix, the checkpoint's) pairs (``MoEConfig.key_prefixes``): a key stored under the checkpoint's prefix is also
     found under ours (Nemotron-H's ``backbone.``, a Qwen3.5 checkpoint's ``model.language_model.``)."""
 
-    def __init__(self, root: Path, stack: ExitStack, prefixes: tuple[tuple[str, str], ...] = ()):
+    def __init__(self, root: Path, stack: ExitStack, prefixes: tuple[tuple[str, str], ...] = (),
+                 fp8_block: tuple[int, int] | None = None):
         self.root, self._stack, self._handles = root, stack, {}
+        self.fp8_block = fp8_block  # weight_block_size of an FP8 checkpoint (None: per-tensor scales)
         index = root / "model.safetensors.index.json"
         if index.is_file():
             self.key_file = dict(json.loads(index.read_text())["weight_map"])
@@ -116,8 +124,51 @@ class _Tensors:
         key = self._real(key)
         return list(self._open(self.key_file[key]).get_slice(key).get_shape())
 
+    def fp8_scale_key(self, key: str) -> str | None:
+        """The ``weight_scale_inv`` of an FP8 tensor (``X.weight`` -> ``X.weight_scale_inv``, fused experts'
+        ``...gate_up_proj`` -> ``...gate_up_proj_scale_inv``); None for a tensor stored unquantized. An e4m3
+        tensor without its scales is an error, not silently read as values."""
+        key = self._real(key)
+        if not self._open(self.key_file[key]).get_slice(key).get_dtype().startswith("F8"):
+            return None
+        scale = key[: -len("weight")] + "weight_scale_inv" if key.endswith("weight") else key + "_scale_inv"
+        if scale not in self.key_file:
+            raise CheckpointError(f"FP8 tensor {key!r} in {self.key_file[key]} has no {scale!r}: only block- or "
+                                  "tensor-scaled FP8 (quantization_config quant_method 'fp8') is supported")
+        return scale
+
+    def get_fp8(self, key: str, shape, scale_shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 tensor as stored (e4m3) and its float32 scales, on ``device``, after checking both shapes."""
+        key = self._real(key)
+        scale_key = self.fp8_scale_key(key)
+        for k, want in ((key, shape), (scale_key, scale_shape)):
+            if list(self.shape(k)) != list(want):
+                raise CheckpointError(f"tensor {k!r} in {self.key_file[k]} has shape {_fmt(self.shape(k))}, "
+                                      f"expected {_fmt(want)}")
+            self.used.add(k)
+        read = lambda k, dtype: _place(self._open(self.key_file[k]).get_tensor(k), dtype, device)  # noqa: E731
+        return read(key, fp8_dtype), read(scale_key, torch.float32)
+
+    def _read(self, key: str, rows: slice | None = None) -> torch.Tensor:
+        """A stored tensor (``rows`` of its first dim), FP8 dequantised to float32 with its scales."""
+        handle = self._open(self.key_file[key])
+        value = handle.get_slice(key)[rows] if rows is not None else handle.get_tensor(key)
+        scale_key = self.fp8_scale_key(key)
+        if scale_key is None:
+            return value
+        self.used.add(scale_key)
+        scale_handle = self._open(self.key_file[scale_key])
+        if rows is not None and len(scale_handle.get_slice(scale_key).get_shape()) == value.dim():
+            scales = scale_handle.get_slice(scale_key)[rows]  # one expert's grid
+        else:
+            scales = scale_handle.get_tensor(scale_key)
+        try:
+            return dequantize_fp8(value, scales, self.fp8_block)
+        except ValueError as e:
+            raise CheckpointError(f"{key!r} in {self.key_file[key]}: {e}") from None
+
     def get(self, key: str, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
-        """Read one tensor (from the memory map) after checking its shape."""
+        """Read one tensor (from the memory map) after checking its shape (FP8: dequantised to float32)."""
         key = self._real(key)
         found = self.shape(key)
         if list(found) != list(shape):
@@ -125,7 +176,7 @@ class _Tensors:
                 f"tensor {key!r} in {self.key_file[key]} has shape {_fmt(found)}, expected {_fmt(shape)}"
             )
         self.used.add(key)
-        return self._open(self.key_file[key]).get_tensor(key)
+        return self._read(key)
 
     def get_row(self, key: str, shape: list[int] | tuple[int, ...], i: int) -> torch.Tensor:
         """Rows [i : i + 1] of one tensor (read through the memory map) after checking the whole shape."""
@@ -136,7 +187,7 @@ class _Tensors:
                 f"tensor {key!r} in {self.key_file[key]} has shape {_fmt(found)}, expected {_fmt(shape)}"
             )
         self.used.add(key)
-        return self._open(self.key_file[key]).get_slice(key)[i : i + 1]
+        return self._read(key, slice(i, i + 1))
 
     def read_selected(self, key: str, sel: Selection, out: torch.Tensor) -> None:
         """This rank's part of one tensor (``sel``) into ``out`` (zeros where nothing is read), slice by slice
@@ -151,6 +202,15 @@ class _Tensors:
         if sel.zeros:
             return
         part = self._open(self.key_file[key]).get_slice(key)
+        if self.fp8_scale_key(key) is not None and len(found) == 3:
+            # fused FP8 experts: scales cover blocks, not slices; dequantised one expert at a time (a whole layer in
+            # float32 would be tens of GB at DeepSeek-V3's shape), then sliced
+            for src, dst in _pieces(sel):
+                for j, e in enumerate(range(src[0].start, src[0].stop)):
+                    out[dst[0].start + j][dst[1:]].copy_(self._read(key, slice(e, e + 1))[0][src[1:]])
+            return
+        if self.fp8_scale_key(key) is not None:  # scales cover blocks, not slices: dequantise, then slice
+            part = self._read(key)
         for src, dst in _pieces(sel):
             out[dst].copy_(part[src])
 
@@ -348,37 +408,59 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     shard=None,
+    fp8: str | None = None,
 ) -> MoEForCausalLM:
     """Build ``MoEForCausalLM`` from a HF checkpoint directory (config.json + safetensors). ``shard``: a callable
     that shards the meta model for one rank and returns its selections (sharding.shard_model); then only this
-    rank's parts are read."""
+    rank's parts are read. ``fp8``: serve the dense projections and experts in W8A8 block FP8 (fp8_load.py):
+    "checkpoint" keeps an FP8 checkpoint's weights as stored, "quantize" quantises them at load; None: FP8 weights
+    are dequantised into ``dtype``."""
     root = Path(path)
     cfg = load_config(root)
     tdtype = resolve_dtype(dtype, cfg)
     device = torch.device(device)
     start = time.monotonic()
+    if fp8 is not None and shard is not None:
+        raise ValueError("FP8 weights are not supported with tensor parallelism")
     with torch.device("meta"):
         model = MoEForCausalLM(cfg)
     selections = shard(model) if shard is not None else {}
-    params = list(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens.weight
-    total = sum(p.numel() * torch.empty((), dtype=model.param_dtype(n, tdtype)).element_size() for n, p in params)
-
-    bar = None
-    if progress:
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, desc=f"Loading {root.name}", unit="B", unit_scale=True, delay=2.0,
-                       file=sys.stderr, leave=False)
-        except ImportError:  # pragma: no cover - tqdm is a pinned dependency
-            bar = None
 
     with ExitStack() as stack:
-        tensors = _Tensors(root, stack, cfg.key_prefixes)
+        tensors = _Tensors(root, stack, cfg.key_prefixes, cfg.quantization.weight_block_size)
+        fp8_names = fp8_load.prepare(model, cfg, tensors, fp8) if fp8 is not None else set()
+        params = list(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens.weight
+        total = sum(p.numel() * (p.element_size() if n in fp8_names or n.endswith("_scale_inv") else torch.empty(
+            (), dtype=model.param_dtype(n, tdtype)).element_size()) for n, p in params)
+        bar = None
+        if progress:
+            try:
+                from tqdm import tqdm
+
+                bar = tqdm(total=total, desc=f"Loading {root.name}", unit="B", unit_scale=True, delay=2.0,
+                           file=sys.stderr, leave=False)
+            except ImportError:  # pragma: no cover - tqdm is a pinned dependency
+                bar = None
         for name, meta in params:
             shape = tuple(meta.shape)
             pdtype = model.param_dtype(name, tdtype)
             sel = selections.get(name)
+            if name.endswith("_scale_inv"):
+                continue  # read with its FP8 weight
+            if name in fp8_names:
+                module_name, _, attr = name.rpartition(".")
+                module = model.get_submodule(module_name)
+                scale_attr = "weight_scale_inv" if attr == "weight" else f"{attr}_scale_inv"
+                if fp8 == "checkpoint":
+                    q, s = fp8_load.read_checkpoint_fp8(tensors, cfg, name, meta, getattr(module, scale_attr), device)
+                else:
+                    load = _load_experts if is_experts_param(name) else _load_direct
+                    q, s = fp8_load.quantize_loaded(load(tensors, cfg, name, shape, pdtype, device))
+                setattr(module, attr, nn.Parameter(q, requires_grad=False))
+                setattr(module, scale_attr, nn.Parameter(s, requires_grad=False))
+                if bar is not None:
+                    bar.update(q.nbytes + s.nbytes)
+                continue
             if is_experts_param(name):
                 value = _load_experts(tensors, cfg, name, shape, pdtype, device, sel)
             else:

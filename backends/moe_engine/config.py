@@ -197,6 +197,16 @@ class ExpertsSpec:
 
 
 @dataclass(frozen=True)
+class QuantSpec:
+    """How the checkpoint's weights are stored (config.json's ``quantization_config``). The loader dequantises
+    every format into the model dtype (the reference path); "fp8": e4m3 ``weight`` + float32 ``weight_scale_inv``
+    per ``weight_block_size`` block (rows, columns; None: one scale per tensor), as DeepSeek-V3 / Qwen3-FP8 /
+    GLM-FP8 publish; "mxfp4": GPT-OSS experts (``ExpertsSpec.quant``)."""
+    method: str = "none"  # "none" | "fp8" | "mxfp4"
+    weight_block_size: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     architecture: str  # HF model_type, e.g. "mixtral"
     vocab_size: int
@@ -227,6 +237,7 @@ class MoEConfig:
     linear_attention: LinearAttentionSpec | None = None
     mamba: MambaSpec | None = None
     norm_offset: bool = False  # Qwen3-Next / Qwen3.5 RMSNorm: x_normed * (1 + weight), in float32
+    quantization: QuantSpec = QuantSpec()  # the checkpoint's weight format (dequantised at load)
     # Checkpoint keys: (our prefix, the checkpoint's) alternatives, e.g. Nemotron-H's "backbone." for "model.", a
     # Qwen3.5 checkpoint with a vision tower's "model.language_model."; and regexes of keys HF ignores too (MTP
     # layers, the vision tower)
@@ -298,6 +309,7 @@ class MoEConfig:
             "num_experts": self.num_experts,
             "num_experts_per_tok": self.num_experts_per_tok,
             "routed_experts_dtype": self.routed_experts_dtype,
+            "quantization": self.quantization.method,
             **({"layer_types": list(self.layer_types)} if self.layer_types else {}),
         }
 
@@ -327,6 +339,7 @@ def _build(fields: dict) -> MoEConfig:
         "experts": ExpertsSpec(**fields["experts"]),
         "linear_attention": LinearAttentionSpec(**linear) if linear is not None else None,
         "mamba": MambaSpec(**mamba) if mamba is not None else None,
+        "quantization": QuantSpec(**fields.get("quantization", {})),
     })
 
 

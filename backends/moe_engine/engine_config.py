@@ -88,6 +88,11 @@ class EngineConfig:
         False, "CUDA: only the fused kernels that are bit-identical to the op-by-op forward (without it, also the "
                "one-pass norms, fused router and q/k/v GEMM: equal within rounding, same expert ids; faster)",
         action="store_true")
+    quantization: str | None = _setting(
+        None, "fp8: quantise a bf16/fp16/fp32 checkpoint's dense projections and routed experts to block-scaled FP8 "
+              "(128 x 128 blocks) at load and serve them W8A8 (vLLM's flag; routers, norms, embeddings and lm_head "
+              "stay in the model dtype). An FP8 checkpoint needs no flag: it is served in FP8 on GPUs with FP8 "
+              "tensor cores and dequantised elsewhere", choices=["fp8"])
     deterministic_inference: bool = _setting(
         False, "batch-invariant forward: a request's tokens, logprobs, prompt logprobs, routed experts and routed "
                "weights are the same bits whatever shares its steps (chunking, prefix-cache hits and CUDA graphs "

@@ -8,7 +8,7 @@ weight bytes (the largest rank) and its paged-KV bytes per token; then what is l
     .venv/bin/python loadtest/bench/parallel_memory.py --config path/config.json --tp 2 4 8
 
 Built-in configs: Qwen3-235B-A22B and DeepSeek-V3 (config.json values of the Hub releases; DeepSeek-V3 in bf16,
-as its community bf16 conversion: the Hub's FP8 weights are not read by this loader), Qwen3-30B-A3B.
+as its community bf16 conversion: under tensor parallelism the Hub's FP8 weights load dequantised), Qwen3-30B-A3B.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ bytes and FLOPs its steps must move (the rooflines the benchmark reports against
 
 - ``SHAPES``: Hugging Face ``config.json`` dicts. ``qwen3-30b-a3b`` is the real model's config (48 layers,
   hidden 2048, 32 query / 4 KV heads of 128, 128 experts top-8, expert width 768, vocabulary 151,936);
-  ``tiny`` (4 layers, hidden 256, 16 experts top-4, vocabulary 1024) runs on a CPU in seconds.
+  ``gpt-oss-120b-8l`` GPT-OSS-120B's cut to 8 of 36 layers (sinks, sliding windows, biased clamped experts);
+  ``tiny`` (4 layers, hidden 256, 16 experts top-4, vocabulary 1024) runs on a CPU in seconds, as ``tiny-*``.
 - ``build_engine_model`` / ``build_hf_model``: moe_engine's ``MoEForCausalLM`` / transformers' model built on
   the ``meta`` device, moved with ``to_empty`` (one allocation per parameter, no checkpoint, no second copy),
   every parameter filled in place by ``fill_random_``. Parameter names are the same in both (moe_engine uses
@@ -141,6 +142,32 @@ TINY_NEMOTRON_H = {
     "moe_intermediate_size": 128, "moe_shared_expert_intermediate_size": 128, "intermediate_size": 256,
 }
 
+# GPT-OSS-120B's config.json (openai/gpt-oss-120b) in bf16 (no quantization_config), cut to 8 of its 36 layers:
+# hidden 2880, 64 query / 8 KV heads of 64 with sinks, sliding window 128 on alternate layers (the even ones), 128
+# biased experts top-4 of width 2880 with the clamped SwiGLU, yarn rope, vocabulary 201,088. ~53 GB of weights (8 x
+# 6.4 GB of experts, 2 x 0.58 GB of embedding and lm_head): it fits an 80 GB H100 with room for the KV cache.
+GPT_OSS_120B_8L = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 8,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880,
+    "num_local_experts": 128, "num_experts_per_tok": 4, "experts_per_token": 4, "sliding_window": 128,
+    "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(8)],
+    "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu", "swiglu_limit": 7.0,
+    "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "max_position_embeddings": 131072, "initial_context_length": 4096,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+    "router_aux_loss_coef": 0.9, "output_router_logits": False, "tie_word_embeddings": False,
+    "eos_token_id": 200002, "pad_token_id": 199999, "bos_token_id": 199998, "torch_dtype": "bfloat16",
+    "use_cache": True, "initializer_range": 0.02,
+}
+
+TINY_GPT_OSS = {
+    **GPT_OSS_120B_8L, "vocab_size": 1024, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 128, "num_local_experts": 16, "sliding_window": 32,
+    "layer_types": ["sliding_attention", "full_attention"] * 2, "bos_token_id": 1, "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
 # moonshotai/Moonlight-16B-A3B's config.json (deepseek_v3): hidden 2048, 27 layers (the first dense, width 11,264),
 # 64 routed experts top-6 of width 1408 + 2 shared, sigmoid router with correction bias, one group,
 # routed_scaling_factor 2.446; MLA with kv_lora_rank 512, q_lora_rank null (q_proj), qk 128 + 64 rope, v 128, 16
@@ -167,7 +194,8 @@ TINY_MOONLIGHT = {  # the same architecture on a CPU in seconds (MLA, sigmoid ro
 
 SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
           "nemotron-3-nano-30b-a3b": NEMOTRON_3_NANO_30B_A3B, "tiny-qwen3.5": TINY_QWEN3_5,
-          "tiny-nemotron-h": TINY_NEMOTRON_H, "moonlight": MOONLIGHT_16B_A3B, "tiny-moonlight": TINY_MOONLIGHT}
+          "tiny-nemotron-h": TINY_NEMOTRON_H, "moonlight": MOONLIGHT_16B_A3B, "tiny-moonlight": TINY_MOONLIGHT,
+          "gpt-oss-120b-8l": GPT_OSS_120B_8L, "tiny-gpt-oss": TINY_GPT_OSS}
 REAL_SHAPE = "qwen3-30b-a3b"
 
 Log = Callable[[str], None]
@@ -381,6 +409,15 @@ def expanded_kv_bytes_per_token(cfg, elem: int) -> int:
     return len(cfg.attention_layers) * att.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * elem
 
 
+def kv_bytes_read(cfg, elem: int, context: float) -> float:
+    """K and V bytes (MLA: latent and rope key) one decode token reads at ``context`` tokens: a sliding-window layer
+    (GPT-OSS) only its last ``window`` tokens'."""
+    windows = cfg.attention.sliding_windows
+    per_layer = kv_bytes_per_token(cfg, elem) // max(len(cfg.attention_layers), 1)
+    return sum(per_layer * (min(context, windows[i]) if windows and windows[i] else context)
+               for i in cfg.attention_layers)
+
+
 def state_bytes_per_sequence(cfg, elem: int) -> int:
     """A hybrid model's recurrent states of one sequence (conv inputs in the model dtype, the recurrence's state
     float32), every recurrent layer: what a decode step reads and writes back per sequence."""
@@ -409,7 +446,7 @@ def decode_step_bytes(cfg, elem: int, batch: int, mean_context: float) -> dict[s
     one_expert_all_layers = per_token[experts_key] / cfg.num_experts_per_tok
     weights = sum(per_token.values()) - per_token[experts_key]
     weights += one_expert_all_layers * expected_distinct_experts(cfg, batch) + (batch - 1) * cfg.hidden_size * elem
-    kv = batch * mean_context * kv_bytes_per_token(cfg, elem)
+    kv = batch * kv_bytes_read(cfg, elem, mean_context)
     states = 2 * batch * state_bytes_per_sequence(cfg, elem)  # hybrids: read and written back
     out = {"weights": weights, "kv_cache": kv, "total": weights + kv + states}
     if states:

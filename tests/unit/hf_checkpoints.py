@@ -299,6 +299,110 @@ def load_hf_mxfp4(path: Path, dtype: torch.dtype = torch.float32):
     ).eval()
 
 
+# ----------------------------------------------------------------------------- FP8 block-scaled (DeepSeek-V3 style)
+
+FP8_QUANT_CONFIG = {  # as in deepseek-ai/DeepSeek-V3's and Qwen/Qwen3-30B-A3B-FP8's config.json
+    "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+}
+# Tensors the published FP8 checkpoints keep in the model dtype: embeddings, lm_head, norms, routers (and their
+# biases), Qwen's shared-expert gate; everything else 2-D named *.weight (and fused 3-D experts) is FP8.
+_FP8_KEEP = ("embed_tokens", "lm_head", "norm", ".mlp.gate.", ".mixer.gate.", ".router.", "shared_expert_gate",
+             "e_score_correction_bias", ".visual.")
+
+
+def fp8_quantized_key(key: str, t: torch.Tensor) -> bool:
+    if any(k in key for k in _FP8_KEEP):
+        return False
+    return (key.endswith(".weight") and t.dim() == 2) or key.endswith(("experts.gate_up_proj", "experts.down_proj"))
+
+
+def naive_dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
+    """Block by block, with plain slicing (independent of the engine's fp8.py): float32 [..., R, C]."""
+    bm, bn = block
+    out = q.float().clone()
+    R, C = q.shape[-2:]
+    for i in range(0, R, bm):
+        for j in range(0, C, bn):
+            out[..., i : i + bm, j : j + bn] *= scale_inv[..., i // bm, j // bn, None, None]
+    return out
+
+
+def save_fp8_checkpoint(model, out: Path, *, block=(128, 128), fused: bool = False, not_convert=True) -> Path:
+    """save_pretrained, then every tensor the published checkpoints store in FP8 rewritten as float8_e4m3fn
+    ``X.weight`` + float32 ``X.weight_scale_inv`` [ceil(R/bm), ceil(C/bn)] (fused experts:
+    ``..._scale_inv`` [E, ., .]), with the fp8 quantization_config (Qwen3-FP8 also lists the kept modules)."""
+    return rewrite_as_fp8(save_hf_checkpoint(model, Path(out), fused=fused), block=block, not_convert=not_convert)
+
+
+def rewrite_as_fp8(out: Path, *, block=(128, 128), not_convert=True) -> Path:
+    """A checkpoint directory's tensors rewritten in place into the published FP8 layout (save_fp8_checkpoint)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from moe_engine.fp8 import quantize_fp8_blocks
+
+    out = Path(out)
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(f)
+        for key in [k for k, t in tensors.items() if fp8_quantized_key(k, t)]:
+            q, s = quantize_fp8_blocks(tensors[key], tuple(block) if block else tuple(tensors[key].shape[-2:]))
+            tensors[key] = q
+            tensors[key[: -len("weight")] + "weight_scale_inv" if key.endswith(".weight") else key + "_scale_inv"] = s
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.is_file():  # the scales live beside their weights
+        data = json.loads(index.read_text())
+        for f in out.glob("*.safetensors"):
+            for key in load_file(f):
+                data["weight_map"][key] = f.name
+        index.write_text(json.dumps(data, indent=2))
+    cfg = json.loads((out / "config.json").read_text())
+    qc = dict(FP8_QUANT_CONFIG, weight_block_size=list(block) if block is not None else None)
+    if not_convert:
+        qc["modules_to_not_convert"] = ["lm_head"] + [f"model.layers.{i}.mlp.gate" for i in range(cfg.get(
+            "num_hidden_layers", 0))]
+    cfg["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def save_dequantized_copy(fp8_dir: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """The FP8 checkpoint dequantised block by block (naive_dequantize_fp8) into a plain checkpoint without
+    quantization_config, for transformers' own loader: the dequantised model run by transformers."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(fp8_dir) / "config.json").read_text())
+    block = cfg["quantization_config"]["weight_block_size"]
+    cfg.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in ("generation_config.json", "model.safetensors.index.json"):
+        if (Path(fp8_dir) / name).is_file():
+            shutil.copyfile(Path(fp8_dir) / name, out / name)
+    for f in sorted(Path(fp8_dir).glob("*.safetensors")):
+        tensors = load_file(f)
+        plain = {}
+        for key, t in tensors.items():
+            if key.endswith("_scale_inv"):
+                continue
+            if t.dtype == torch.float8_e4m3fn:
+                s = tensors[key[: -len("weight")] + "weight_scale_inv" if key.endswith(".weight") else key + "_scale_inv"]
+                b = block if block is not None else t.shape[-2:]
+                t = naive_dequantize_fp8(t, s, b).to(dtype)
+            plain[key] = t
+        save_file(plain, str(out / f.name), metadata={"format": "pt"})
+    if (out / "model.safetensors.index.json").is_file():
+        data = json.loads((out / "model.safetensors.index.json").read_text())
+        data["weight_map"] = {k: v for k, v in data["weight_map"].items() if not k.endswith("_scale_inv")}
+        (out / "model.safetensors.index.json").write_text(json.dumps(data, indent=2))
+    return out
+
+
 # ----------------------------------------------------------------------------- servable checkpoints
 
 

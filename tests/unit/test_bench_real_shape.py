@@ -192,6 +192,47 @@ def test_hybrid_engine_and_transformers_models_get_identical_weights(shape):
     torch.testing.assert_close(reference_forward(model, ids)[0], ref, atol=1e-4, rtol=1e-4)
 
 
+def test_gpt_oss_real_shape_and_its_roofline():
+    """Issue 49's shape: GPT-OSS-120B cut to 8 of 36 layers (~53 GB in bf16); a decode token reads 4 of 128 experts per
+    layer and lm_head's 201,088 rows, and the sliding-window layers read at most 128 tokens of KV."""
+    from moe_engine.config import config_from_dict
+    from moe_engine.models.decoder import MoEForCausalLM
+
+    g = config_from_dict(rsm.GPT_OSS_120B_8L)
+    assert (g.hidden_size, g.num_hidden_layers, g.num_experts, g.num_experts_per_tok, g.experts.intermediate_size,
+            g.vocab_size, g.attention.num_heads, g.attention.num_kv_heads, g.attention.head_dim) == (
+            2880, 8, 128, 4, 2880, 201088, 64, 8, 64)
+    assert g.attention.sliding_windows == (128, None) * 4 and g.attention.sinks
+    per = rsm.weight_bytes_per_token(g, 2)
+    assert per["experts (4 of 128 per layer, gate_up + down)"] == 8 * 4 * 3 * 2880 * 2880 * 2
+    assert per["lm_head"] == 201088 * 2880 * 2
+    with torch.device("meta"):  # one layer's parameters, counted without memory
+        one_layer = MoEForCausalLM(config_from_dict({**rsm.GPT_OSS_120B_8L, "num_hidden_layers": 1,
+                                                     "layer_types": ["full_attention"]}))
+    total = sum(p.numel() for p in one_layer.parameters())
+    layer_free = 2 * 201088 * 2880 + 2880  # embedding, lm_head, final norm
+    weights_gb = ((total - layer_free) * 8 + layer_free) * 2 / 1e9
+    assert 52 < weights_gb < 55, weights_gb
+    per_layer = 2 * 8 * 64 * 2  # K and V of one token in one layer, bf16
+    assert rsm.kv_bytes_read(g, 2, 8192) == 4 * 8192 * per_layer + 4 * 128 * per_layer
+    assert rsm.decode_step_bytes(g, 2, batch=16, mean_context=8192)["kv_cache"] == 16 * rsm.kv_bytes_read(g, 2, 8192)
+
+
+def test_gpt_oss_engine_and_transformers_models_get_identical_weights():
+    from moe_engine.models.decoder import reference_forward
+
+    raw = rsm.TINY_GPT_OSS
+    model, _ = rsm.build_engine_model(raw, torch.device("cpu"), torch.float32, seed=3)
+    hf = rsm.build_hf_model(raw, torch.device("cpu"), torch.float32, seed=3, attn_implementation="eager")
+    mine, theirs = dict(model.named_parameters()), dict(hf.named_parameters())
+    assert set(mine) == set(theirs)
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    ids = list(range(3, 60))  # longer than the sliding window (32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(reference_forward(model, ids)[0], ref, atol=1e-4, rtol=1e-4)
+
+
 def test_moonlight_shape_and_its_rooflines():
     """--shape moonlight: Moonlight-16B-A3B as issue 48 gives it, its MLA weights in the batch-1 bytes, the latent KV
     (576 values per layer) in the step rooflines, DeepSeek's float32 router."""

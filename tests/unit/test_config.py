@@ -66,6 +66,7 @@ def test_metadata_and_moe_layers_from_transformers_configs(tmp_path):
             "num_experts": E,
             "num_experts_per_tok": K,
             "routed_experts_dtype": "uint8",
+            "quantization": "none",
             **({"layer_types": list(cfg.layer_types)} if cfg.is_hybrid else {}),
         }
         json.dumps(meta)
@@ -310,9 +311,10 @@ def test_real_hub_configs():
     assert rotary.attention_factor(v2.rope) == 1.0  # mscale == mscale_all_dim
     assert v2.metadata()["moe_layers"] == list(range(1, 27)) and v2.metadata()["num_hidden_layers"] == 27
 
-    with pytest.raises(UnsupportedModelError, match=r"deepseek_v3: quantized checkpoints \(fp8\)"):
-        config_from_dict(DEEPSEEK_V3)
+    fp8 = config_from_dict(DEEPSEEK_V3)  # the Hub's block-FP8 checkpoint (dequantised at load)
+    assert fp8.quantization.method == "fp8" and fp8.quantization.weight_block_size == (128, 128)
     v3 = config_from_dict({k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"})  # a bf16 conversion
+    assert v3.quantization.method == "none"
     assert v3.moe_layers == tuple(range(3, 61)) and len(v3.moe_layers) == 58 and v3.routed_experts_dtype == "uint8"
     r = v3.router
     assert (v3.num_experts, r.n_group, r.topk_group, r.routed_scaling_factor) == (256, 8, 4, 2.5)
@@ -364,8 +366,9 @@ def test_errors(tmp_path):
         config_from_dict({**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}})
     with pytest.raises(UnsupportedModelError, match="hidden_act 'gelu'"):
         config_from_dict({**base, "hidden_act": "gelu"})
-    with pytest.raises(UnsupportedModelError, match="quantized"):
-        config_from_dict({**base, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(UnsupportedModelError, match=r"quantized checkpoints \(awq\) are not supported; supported: "
+                                                    r"quant_method 'fp8'"):
+        config_from_dict({**base, "quantization_config": {"quant_method": "awq"}})
     with pytest.raises(UnsupportedModelError, match="no model_type"):
         config_from_dict({})
     for e in [UnsupportedModelError("x")]:

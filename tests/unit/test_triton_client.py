@@ -122,3 +122,12 @@ def test_classify_error_strips_the_kind_prefix_from_the_message():
 ])
 def test_a_failed_call_is_classified_by_its_grpc_status(code, kind):
     assert classify_status(code, "connection reset").kind == kind
+
+
+def test_model_info_quantization():
+    """The weight format the checkpoint declares reaches /v1/models through moe_metadata (older metadata: none)."""
+    from openai_frontend.triton_client import ModelInfo
+
+    meta = {"num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "max_model_len": 64, "vocab_size": 9}
+    assert ModelInfo.from_metadata(meta).quantization == "none"
+    assert ModelInfo.from_metadata({**meta, "quantization": "fp8"}).quantization == "fp8"

@@ -23,6 +23,7 @@ import torch
 from ..layers.attend import ForwardBatch, LayerKV
 from ..layers.experts import StepRouting
 from ..layers.recurrent import LayerState, StateSpec
+from .memory_plan import MemoryDivision, estimate_step_activations, weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +137,10 @@ def kv_cache_budget(model: torch.nn.Module, specs: list[KVSpec], settings) -> in
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free  # weights, this process's other buffers, CUDA context, other processes
     budget = int(total * gpu_memory_utilization) - in_use - 2 * peak
-    log.info(
-        "KV budget: %.1f GiB of %.1f GiB (utilization %.2f; in use %.1f GiB; peak step activations %.2f GiB, "
-        "reserved twice: step and graphs)",
-        budget / 2**30, total / 2**30, gpu_memory_utilization, in_use / 2**30, peak / 2**30,
-    )
+    weights = weight_bytes(model)
+    estimate = estimate_step_activations(model.config, step_tokens, min(max_num_seqs, step_tokens), dtype)["total"]
+    division = MemoryDivision(total, gpu_memory_utilization, weights, max(0, in_use - weights), peak, estimate, budget)
+    log.info("KV budget: %s", division.describe())
     if budget <= 0:
         raise RuntimeError(
             f"no GPU memory left for the KV cache: {in_use / 2**30:.1f} GiB of {total / 2**30:.1f} GiB in use and "

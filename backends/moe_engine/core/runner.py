@@ -29,14 +29,13 @@ from .cuda_graphs import DecodeGraphs
 from .expert_load import ExpertLoad
 from ..engine_config import ResolvedConfig
 from .kv_cache import KVCache, blocks_for_budget, kv_cache_budget, state_bytes
+from .memory_plan import logits_chunk_rows
 from .prefill_graphs import PrefillGraphs
 from .sampling import Sampler
 from .scheduler import StepPlan, StepResult
 from .uploads import upload
 
 log = logging.getLogger(__name__)
-
-PROMPT_LOGPROB_ROWS = 512  # prompt scoring: logits rows materialised at once ([512, vocab] float32)
 
 
 @dataclass
@@ -168,6 +167,9 @@ class ModelRunner(ReleasableMemory):
                           num_state_slots=self.num_state_slots)
         self.null_block = self.kv.null_block
         self.step_tokens = S = s.step_tokens
+        # prompt scoring's logits rows at once ([rows, vocab] float32; memory_plan.py): 512 for vocabularies up to
+        # 131,072 tokens, fewer for larger ones (333 at GPT-OSS's 201,088)
+        self.score_chunk_rows = logits_chunk_rows(cfg.vocab_size)
         L, K = self.routing_shape = cfg.num_hidden_layers, cfg.num_experts_per_tok
         # The step's outputs in one int32 buffer: [S] sampled tokens, then the capture buffer [S, L, K] that each
         # MoE layer writes, then the combine weights [S, L, K] (float32 bits) written when a request asks for them.
@@ -373,11 +375,11 @@ class ModelRunner(ReleasableMemory):
         return logits, hidden
 
     def score_logits(self, hidden: torch.Tensor, rows: list[int]):
-        """Prompt scoring's logits, PROMPT_LOGPROB_ROWS rows at a time: yields [m, V] float32 for ``rows`` of
+        """Prompt scoring's logits, ``score_chunk_rows`` rows at a time: yields [m, V] float32 for ``rows`` of
         ``hidden`` in order (every rank of a tensor-parallel group runs the same chunks)."""
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        for lo in range(0, len(rows), PROMPT_LOGPROB_ROWS):
-            yield self.model.compute_logits(hidden[rows_t[lo : lo + PROMPT_LOGPROB_ROWS]])
+        for lo in range(0, len(rows), self.score_chunk_rows):
+            yield self.model.compute_logits(hidden[rows_t[lo : lo + self.score_chunk_rows]])
 
     def _forced_routing(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray] | None:
         """(mask [T] bool, ids [T, L, K] int64) on the host for a step with replayed routing rows, else None."""
@@ -423,8 +425,8 @@ class ModelRunner(ReleasableMemory):
         top_n = max(plan.items[i][0].req.prompt_logprobs for i, _ in owners)
         targets_t = torch.tensor(targets, dtype=torch.long, device=self.device)
         chosen, ranks, top_ids, top_vals = [], [], [], []
-        for lo, logits in zip(range(0, len(rows), PROMPT_LOGPROB_ROWS), self.score_logits(hidden, rows)):
-            tgt = targets_t[lo : lo + PROMPT_LOGPROB_ROWS]
+        for lo, logits in zip(range(0, len(rows), self.score_chunk_rows), self.score_logits(hidden, rows)):
+            tgt = targets_t[lo : lo + self.score_chunk_rows]
             lse = inv.logsumexp(logits) if self.batch_invariant else torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, tgt[:, None]).squeeze(1)
             chosen.append(picked - lse)

@@ -48,6 +48,7 @@ if triton is not None:
         pos_ptr, tok_ptr, offs_ptr, cap_ptr,  # GROUP: what ``_route_kernel`` writes, for a one-token step
         K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, DT: tl.constexpr,
         FORCED: tl.constexpr, GROUP: tl.constexpr, CAPTURE: tl.constexpr, PDL: tl.constexpr,
+        SOFTMAX_OF_TOPK: tl.constexpr = False,  # GPT-OSS: top-k of the logits, then a softmax over those k
     ):
         """Token t: p = softmax(float32 logits); the K largest, in descending order (chosen on the logits, which
         order exactly as p does; ties to the lower expert id), or, for a FORCED token (routing replay), the given
@@ -56,14 +57,18 @@ if triton is not None:
         whether or not others in its step are. GROUP (a step of one token, grid (1,)): the same launch also
         writes ``_route_kernel``'s outputs for the token's K pairs (their expert-grouped rows, their token, the
         experts' end rows; CAPTURE: the ids into the routing capture row), from the ids in registers: the
-        expert GEMMs then wait on this kernel instead of on a route launch after it."""
+        expert GEMMs then wait on this kernel instead of on a route launch after it. SOFTMAX_OF_TOPK (GPT-OSS):
+        the same ids, weights softmax(float32 logits at those ids) over the K slots (RENORM unused)."""
         _await_inputs(PDL)
         t = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
         m = e < E
         x = tl.load(logits_ptr + t * sl + e, mask=m, other=float("-inf")).to(tl.float32)
-        ex = tl.exp(x - tl.max(x, axis=0))
-        p = ex / tl.sum(ex, axis=0)
+        if SOFTMAX_OF_TOPK:
+            p = x  # the weights gather the chosen logits; their softmax follows the loop
+        else:
+            ex = tl.exp(x - tl.max(x, axis=0))
+            p = ex / tl.sum(ex, axis=0)
         kk = tl.arange(0, BLOCK_K)
         ids = tl.zeros([BLOCK_K], dtype=tl.int64)
         w = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -83,7 +88,11 @@ if triton is not None:
             cand = tl.where(e == idx, float("-inf"), cand)
             if GROUP:  # counted here, elementwise: no reduction across the lanes
                 ends += (e >= idx).to(tl.int32)
-        if RENORM:
+        if SOFTMAX_OF_TOPK:  # torch.softmax over the K gathered logits (float32 inside, as torch's kernel)
+            w = tl.where(km, w, float("-inf"))
+            ew = tl.where(km, tl.exp(w - tl.max(w, axis=0)), 0.0)
+            w = ew / tl.sum(ew, axis=0)
+        elif RENORM:
             w = w / tl.sum(w, axis=0)
         tl.store(ids_ptr + t * K + kk, ids, mask=km)
         tl.store(w_ptr + t * K + kk, _round(w, DT).to(w_ptr.dtype.element_ty), mask=km)
@@ -289,7 +298,31 @@ def softmax_topk_route(
     return _softmax_topk(logits, top_k, renorm, weights_dtype, forced_mask, forced_ids, group=True, capture=capture)
 
 
-def _softmax_topk(logits, top_k, renorm, weights_dtype, forced_mask, forced_ids, group=False, capture=None):
+def topk_softmax(
+    logits: torch.Tensor, top_k: int, forced_mask: torch.Tensor | None = None, forced_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's router after its logits: logits [T, E] (model dtype) -> (ids [T, K] int64, the K largest in
+    descending order, ties to the lower id; weights [T, K] in the logits' dtype, the softmax of those K logits
+    computed in float32 and rounded), in one launch. The ids are the op-by-op router's (``torch.topk``, where it
+    leaves the order of ties unspecified); the weights equal ``torch.softmax(top, dtype=logits.dtype)`` within
+    rounding (the exponential's). Forced tokens: the given ids, the softmax of their logits."""
+    ids, weights, _ = _softmax_topk(logits, top_k, False, logits.dtype, forced_mask, forced_ids, softmax_of_topk=True)
+    return ids, weights
+
+
+def topk_softmax_route(
+    logits: torch.Tensor, top_k: int, capture: torch.Tensor | None = None,
+    forced_mask: torch.Tensor | None = None, forced_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``topk_softmax`` and ``route`` (with the capture copy) for a step of one token, in one launch: the same bits
+    as the two calls. logits [1, E] -> (ids, weights, (pos, tok, offs))."""
+    assert logits.shape[0] == 1, "topk_softmax_route: a step of one token"
+    return _softmax_topk(logits, top_k, False, logits.dtype, forced_mask, forced_ids, group=True, capture=capture,
+                         softmax_of_topk=True)
+
+
+def _softmax_topk(logits, top_k, renorm, weights_dtype, forced_mask, forced_ids, group=False, capture=None,
+                  softmax_of_topk=False):
     lr = _rows(logits)
     T, E = lr.shape
     ids = torch.empty(T, top_k, dtype=torch.long, device=logits.device)
@@ -306,7 +339,7 @@ def _softmax_topk(logits, top_k, renorm, weights_dtype, forced_mask, forced_ids,
             forced_mask.contiguous() if forced else lr, forced_ids.contiguous() if forced else ids,
             *(grouped or (ids, ids, ids)), ids if capture is None else capture,
             K=top_k, BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), RENORM=renorm, DT=_DT[weights_dtype], FORCED=forced,
-            GROUP=group, CAPTURE=capture is not None, PDL=pdl(logits.device),
+            GROUP=group, CAPTURE=capture is not None, PDL=pdl(logits.device), SOFTMAX_OF_TOPK=softmax_of_topk,
             # One warp: a token's ~3K + 3 reductions over its E logits run one after another, and across 4 warps
             # each one goes through shared memory and barriers (sm_90 PTX, E=128, K=8: 74 bar.sync with 4 warps, none
             # with 1; `loadtest/probes/kernel_ptx_stats.py`). The ids are the same either way (chosen with max/min); the

@@ -50,7 +50,12 @@ kernel                      replaces                                            
                             scale; one token: with ``route``); slots in descending order
 shared experts (fused_moe)  DeepSeek's shared-expert MLP as one expert over all tokens (<= 64)   5 -> 2
 MLA q + kv_a                one GEMM over views of one weight (small_linear at one token)        2 -> 1
+``topk_softmax``            GPT-OSS's router after its biased logits: top-k, softmax over the  ~4 -> 1
+                            k, cast (one token: with ``route``); ``softmax_topk``'s launch
 ==========================  =================================================================  ==========
+
+GPT-OSS's experts run fused_moe_gpt_oss.py's GEMMs (biases, interleaved gate/up, clamped SwiGLU) with the fused
+MoE kernels, whenever fused kernels are on: within the model dtype's GEMM rounding, the same ids.
 
 MLA's attention kernels (kernels/mla_attention.py: the absorbed decode; the expanded prefill through
 paged_attention.py) run with the attention kernels, like the paged GQA kernels: within rounding.

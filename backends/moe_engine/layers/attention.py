@@ -11,6 +11,7 @@ from ..kernels import rotary as rotary_kernels
 from ..kernels import small_linear as linear_kernels
 from . import invariant as inv
 from .attend import ForwardBatch, LayerKV, attend, attend_stored
+from .fp8_linear import Fp8Linear
 from .norm import RMSNorm
 from .rotary import apply_rotary
 
@@ -76,8 +77,7 @@ class Attention(nn.Module):
                                 self.batch_invariant).reshape(T, self.num_heads * self.head_dim)
             if self.batch_invariant:
                 return self.o_proj(out)
-            return linear_kernels.decode_linear(out, self.o_proj.weight, self.o_proj.bias, self.within_rounding,
-                                                linear_kernels.O_PROJ_SMALL_LINEAR_TOKENS)  # [T, H]
+            return self._o_proj(out)  # [T, H]
         if self.qk_norm == "full":
             q, k = self._full_norm(q, k)
         if self.clip_qkv is not None:
@@ -119,8 +119,14 @@ class Attention(nn.Module):
         out = out.reshape(T, Hq * D)
         if gate is not None:
             out = out * torch.sigmoid(gate)
+        return self._o_proj(out)  # [T, H]
+
+    def _o_proj(self, out: Tensor) -> Tensor:
+        """[T, Hq*D] -> [T, H]: ``small_linear`` for few tokens, cuBLAS beyond; an FP8 o_proj runs its own GEMM."""
+        if isinstance(self.o_proj, Fp8Linear):
+            return self.o_proj(out)
         return linear_kernels.decode_linear(out, self.o_proj.weight, self.o_proj.bias, self.within_rounding,
-                                            linear_kernels.O_PROJ_SMALL_LINEAR_TOKENS)  # [T, H]
+                                            linear_kernels.O_PROJ_SMALL_LINEAR_TOKENS)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The q, k and v projections: one GEMM over [Wq; Wk; Wv] when ``fuse_qkv`` laid the three weights out
@@ -129,7 +135,9 @@ class Attention(nn.Module):
         fused = self.within_rounding and self._qkv_weight()
         if fused:
             w, b = fused
-            if self.batch_invariant:
+            if isinstance(self.q_proj, Fp8Linear):  # one W8A8 GEMM: x quantised once for the three
+                qkv = self.q_proj.w8a8(x, w, self._joined("weight_scale_inv"), b)
+            elif self.batch_invariant:
                 qkv = inv.linear(x, w, b, self.bi_kernels)
             else:  # [T, Nq + 2 Nkv]
                 qkv = linear_kernels.decode_linear(x, w, b, True, linear_kernels.QKV_SMALL_LINEAR_TOKENS)
@@ -141,26 +149,40 @@ class Attention(nn.Module):
         one storage (fuse_qkv; weight updates write into them in place, move_weights keeps the layout); else
         None. A view, not a copy: nothing to keep in sync."""
         views = []
-        for attr in ("weight", "bias"):
+        for attr in ("weight", "bias") + (("weight_scale_inv",) if isinstance(self.q_proj, Fp8Linear) else ()):
             ps = [getattr(p, attr) for p in (self.q_proj, self.k_proj, self.v_proj)]
             if ps[0] is None:
                 views.append(None)
                 continue
-            if not all(p.is_contiguous() for p in ps) or any(
-                    b.data_ptr() != a.data_ptr() + a.nbytes or b.untyped_storage().data_ptr() !=
-                    a.untyped_storage().data_ptr() for a, b in zip(ps, ps[1:])):
+            view = self._joined(attr)
+            if view is None:
                 return None
-            rows = sum(p.shape[0] for p in ps)
-            views.append(ps[0].as_strided((rows, *ps[0].shape[1:]), ps[0].stride()))
+            views.append(view)
         return views[0], views[1]
+
+    def _joined(self, attr: str) -> Tensor | None:
+        """q/k/v's ``attr`` parameters as one tensor [rows of the three, ...] if back to back in one storage."""
+        ps = [getattr(p, attr) for p in (self.q_proj, self.k_proj, self.v_proj)]
+        if not all(p.is_contiguous() for p in ps) or any(
+                b.data_ptr() != a.data_ptr() + a.nbytes or b.untyped_storage().data_ptr() !=
+                a.untyped_storage().data_ptr() for a, b in zip(ps, ps[1:])):
+            return None
+        rows = sum(p.shape[0] for p in ps)
+        return ps[0].as_strided((rows, *ps[0].shape[1:]), ps[0].stride())
 
     @torch.no_grad()
     def fuse_qkv(self) -> None:
         """Lay the q/k/v weights (and biases) out back to back in one tensor, each projection's parameter a view
-        of its rows, so that ``_qkv`` runs one GEMM. Idempotent."""
+        of its rows, so that ``_qkv`` runs one GEMM. Idempotent. FP8 projections (all three, their scale rows
+        stacking: q's and k's rows whole blocks) are joined with their scales into one W8A8 GEMM; others stay apart."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        fp8 = [isinstance(p, Fp8Linear) for p in projs]
+        if any(fp8) and not (all(fp8) and len({p.block for p in projs}) == 1
+                             and all(p.out_features % p.block[0] == 0 for p in projs[:2])):
+            return
         if self._qkv_weight() is not None:
             return
-        for attr in ("weight", "bias"):
+        for attr in ("weight", "bias") + (("weight_scale_inv",) if all(fp8) else ()):
             projs = (self.q_proj, self.k_proj, self.v_proj)
             if getattr(self.q_proj, attr) is None:
                 continue

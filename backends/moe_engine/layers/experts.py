@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ExpertsSpec
-from ..kernels import fused_moe
+from ..kernels import fused_moe, fused_moe_gpt_oss
 from ..kernels import moe_routing as routing_kernels
 from . import invariant as inv
 from .routing import Forced
@@ -243,9 +243,28 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
         self.first_expert: int | None = None  # expert parallelism: this rank's first expert (sharding.py)
+        # W8A8 block FP8 (keep_fp8): gate_up_proj / down_proj in e4m3 with *_scale_inv per block; None: model dtype
+        self.fp8_block: tuple[int, int] | None = None
+
+    def keep_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the expert weights in e4m3 with float32 scales per ``block`` (rows, columns) of each expert's
+        projections: ``gate_up_proj_scale_inv`` [E, 2I / bm, H / bn], ``down_proj_scale_inv`` [E, H / bm, I / bn]
+        (the checkpoint's names). Called on the meta model before loading; the fused path then runs
+        kernels/fp8_moe.py, the others the op-by-op W8A8 reference (fp8.w8a8_linear_reference per expert)."""
+        from .. import fp8
+
+        bm, bn = self.fp8_block = tuple(block)
+        for name in ("gate_up_proj", "down_proj"):
+            E, R, C = getattr(self, name).shape
+            device = getattr(self, name).device
+            setattr(self, name, nn.Parameter(torch.empty(E, R, C, dtype=fp8.FP8_DTYPE, device=device),
+                                             requires_grad=False))
+            setattr(self, f"{name}_scale_inv", nn.Parameter(
+                torch.empty(E, -(-R // bm), -(-C // bn), dtype=torch.float32, device=device), requires_grad=False))
 
     def graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        if self.fused and self.triton_gemm_max_pairs == sys.maxsize and self.first_expert is None:
+        if self.fused and self.first_expert is None and (self.triton_gemm_max_pairs == sys.maxsize
+                                                         or self.fp8_block is not None):
             return None  # never torch's grouped GEMM
         if not grouped_mm_capturable(device, dtype):
             return f"torch's grouped GEMM syncs with the host for {dtype} on this GPU (use bfloat16)"
@@ -257,7 +276,8 @@ class Experts(nn.Module):
         # Fused, the grouped path is faster than gathering weights even for one token (H200, C=1 decode step:
         # 0.41 vs 0.46 ms), and its route kernel does the capture copy.
         return bool(self.fused and T and self.first_expert is None and (
-            T * top_k <= self.triton_gemm_max_pairs or grouped_mm_works(x.device, x.dtype)))
+            self.fp8_block is not None or T * top_k <= self.triton_gemm_max_pairs
+            or grouped_mm_works(x.device, x.dtype)))
 
     def forward(
         self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None,
@@ -279,7 +299,7 @@ class Experts(nn.Module):
         _capture(capture, ids)
         if T == 0:
             return torch.zeros_like(x)
-        if self.batch_invariant:
+        if self.batch_invariant or self.fp8_block is not None:  # (FP8 off the fused path: the W8A8 reference)
             return forward_grouped(self._expert, self.num_experts, x, ids, weights)
         if self.first_expert is not None:  # expert parallelism: torch's grouped GEMM (the fused path is not EP-aware)
             mm = self._grouped_mm_local if grouped_mm_works(x.device, x.dtype) else None
@@ -322,7 +342,12 @@ class Experts(nn.Module):
         ``combine`` (weights, HF-order sum; ``ExpertOutputs.combine``, or the next norm's launch) after them."""
         routed = grouped if grouped is not None else routing_kernels.route(ids, self.num_experts, capture)
         pos, tok, offs = routed  # [T, K] grouped row of each pair, [K*T] token of each row, [E] row ends
-        if ids.numel() <= self.triton_gemm_max_pairs:  # only the hit experts' weights are read
+        if self.fp8_block is not None:  # W8A8 block FP8 for every step size
+            from ..kernels.fp8_moe import expert_mlp_fp8
+
+            y = expert_mlp_fp8(x, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
+                               self.down_proj_scale_inv, pos, tok, offs, self.fp8_block)  # [K*T, H]
+        elif ids.numel() <= self.triton_gemm_max_pairs:  # only the hit experts' weights are read
             y = fused_moe.expert_mlp(x, self.gate_up_proj, self.down_proj, pos, tok, offs,
                                      deterministic=self.batch_invariant)  # [K*T, H]
         else:
@@ -332,6 +357,11 @@ class Experts(nn.Module):
 
     def _expert(self, e: int, rows: Tensor) -> Tensor:
         """Expert e on its rows [n, H] -> [n, H] (HF's per-expert loop body, before the routing weight)."""
+        if self.fp8_block is not None:
+            from ..fp8 import w8a8_linear_reference as w8a8
+
+            gate, up = w8a8(rows, self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], self.fp8_block).chunk(2, -1)
+            return w8a8(F.silu(gate) * up, self.down_proj[e], self.down_proj_scale_inv[e], self.fp8_block)
         if self.batch_invariant:
             gate, up = inv.linear(rows, self.gate_up_proj[e], None, self.bi_kernels).chunk(2, dim=-1)
             return inv.linear(inv.silu(gate) * up, self.down_proj[e], None, self.bi_kernels)
@@ -397,10 +427,15 @@ class GptOssExperts(nn.Module):
     """GPT-OSS experts (HF ``GptOssExperts``): gate_up_proj [E, H, 2I] (transposed, gate/up interleaved: even
     columns gate, odd columns up), gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H];
     ``gate = gate.clamp(max=limit)``, ``up = up.clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``.
-    Runs the reference (grouped) path, or gathers weights for small CUDA decode batches; no fused kernels."""
 
-    supports_fused = False
-    batch_invariant = False  # deterministic inference (see the module docstring)
+    Fused path (CUDA, or the interpreter in tests): ``routing_kernels.route`` (grouping on the device, the capture
+    copy) -> kernels/fused_moe_gpt_oss.py's two GEMMs (biases, interleaved gate/up, clamped SwiGLU; within rounding
+    of the op-by-op path, same ids) -> ``routing_kernels.combine`` (bit-identical HF-order sum), no host sync, so
+    decode and prefill steps replay CUDA graphs. Otherwise the reference (grouped) path, or gathered weights for
+    small CUDA decode batches."""
+
+    supports_fused = True  # MoEForCausalLM.use_fused_kernels switches ``fused`` on where Triton runs
+    batch_invariant = False  # deterministic inference (see the module docstring): the reference path
     bi_kernels = False
 
     def __init__(self, spec: ExpertsSpec, hidden_size: int):
@@ -408,23 +443,46 @@ class GptOssExperts(nn.Module):
         E, H, I = spec.num_experts, hidden_size, spec.intermediate_size
         self.num_experts = E
         self.limit, self.alpha = spec.swiglu_limit, spec.swiglu_alpha
+        self.fused = False
+        # As Experts': steps of up to this many pairs run the Triton GEMMs; 0 (CPU, the bit-exactness tests): the
+        # reference path even when ``fused`` (there is no torch grouped GEMM with GPT-OSS's biases to fall back on).
+        self.triton_gemm_max_pairs = 0
         self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I), requires_grad=False)
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, I, H), requires_grad=False)
         self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
         self.first_expert: int | None = None  # expert parallelism: this rank's first expert (sharding.py)
 
+    def _fused_on(self) -> bool:
+        return self.fused and self.triton_gemm_max_pairs > 0 and self.first_expert is None and not self.batch_invariant
+
     def graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        return "GPT-OSS experts group tokens by expert on the host"
+        if self._fused_on() and self.triton_gemm_max_pairs == sys.maxsize:
+            return None
+        return "GPT-OSS experts off the fused path group tokens by expert on the host"
+
+    def takes_fused_path(self, x: Tensor, top_k: int) -> bool:
+        """Whether ``forward`` runs the fused path for the tokens x [T, H]."""
+        T = x.shape[0]
+        return bool(T and self._fused_on() and T * top_k <= self.triton_gemm_max_pairs)
 
     def forward(
         self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None,
-        weights_capture: Tensor | None = None,
-    ) -> Tensor:
+        weights_capture: Tensor | None = None, grouped: tuple[Tensor, Tensor, Tensor] | None = None,
+        defer_combine: bool = False,
+    ) -> Tensor | ExpertOutputs:
         """As ``Experts.forward``; capture [T, K] receives exactly ``ids``, weights_capture ``weights``."""
-        _capture(capture, ids)
         _capture_weights(weights_capture, weights)
         T, K = ids.shape
+        if self.takes_fused_path(x, K):
+            # [T, K], [K*T], [E]: from the router's launch (one token; it also wrote the capture) or route's
+            pos, tok, offs = grouped if grouped is not None else routing_kernels.route(ids, self.num_experts, capture)
+            y = fused_moe_gpt_oss.expert_mlp(x, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
+                                             self.down_proj_bias, pos, tok, offs, self.limit, self.alpha)  # [K*T, H]
+            outputs = ExpertOutputs(y, ids, pos, weights)
+            return outputs if defer_combine else outputs.combine(x.dtype)
+        assert grouped is None, "grouped pairs are for the fused path"
+        _capture(capture, ids)
         if T == 0:
             return torch.zeros_like(x)
         if self.batch_invariant:

@@ -38,6 +38,7 @@ from ..kernels import small_linear as linear_kernels
 from . import attend
 from . import invariant as inv
 from .attend import ForwardBatch, LayerKV, attend_cached, cached_kv, store_kv
+from .fp8_linear import Fp8Linear
 from .norm import RMSNorm
 from .rotary import apply_rotary, deepseek_softmax_scale
 
@@ -106,6 +107,8 @@ class MLAttention(nn.Module):
         projs = (first, self.kv_a_proj_with_mqa)
         if self._joined_weight() is not None or (first.bias is None) != (self.kv_a_proj_with_mqa.bias is None):
             return
+        if any(isinstance(p, Fp8Linear) for p in projs):  # FP8 (fp8_load.py): each its own W8A8 GEMM
+            return
         for attr in ("weight", "bias"):
             if getattr(first, attr) is None:
                 continue
@@ -139,6 +142,8 @@ class MLAttention(nn.Module):
             mla_kernels.mla_rope_store(q, k_rot, cos, sin, self.rope_style, self.nope, kv_latent, cache.k, cache.v,
                                        batch.slot_mapping)
             out = self._attend_kernels(q, kv_latent, k_rot, cache, batch)  # [T, Hq, V]
+            if isinstance(self.o_proj, Fp8Linear):
+                return self.o_proj(out.reshape(T, Hq * self.v_dim))
             return linear_kernels.decode_linear(out.reshape(T, Hq * self.v_dim), self.o_proj.weight, self.o_proj.bias,
                                                 self.within_rounding, linear_kernels.O_PROJ_SMALL_LINEAR_TOKENS)
         q_nope, q_rot = torch.split(q.view(T, Hq, self.qk_head_dim), [self.nope, self.rope], dim=-1)

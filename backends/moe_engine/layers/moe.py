@@ -167,8 +167,8 @@ class DeepseekMoE(nn.Module):
         """Lay the shared experts' gate and up weights out back to back in one tensor, each a view of its rows (as
         Attention.fuse_qkv; weight updates write into them in place). Idempotent."""
         mlp = self.shared_experts
-        if mlp is None or self._shared_gate_up() is not None:
-            return
+        if mlp is None or self._shared_gate_up() is not None or type(mlp.gate_proj) is not nn.Linear:
+            return  # (FP8 shared experts, fp8_load.py: each projection its own W8A8 GEMM)
         joined = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
         n = mlp.gate_proj.weight.shape[0]
         mlp.gate_proj.weight = nn.Parameter(joined[:n], requires_grad=False)
@@ -183,9 +183,17 @@ class GptOssMoE(nn.Module):
         self.router = make_router(router, hidden_size)
         self.experts = GptOssExperts(experts, hidden_size)
 
-    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING) -> Tensor:
-        ids, weights = self.router(x, routing.forced)  # [T, K] sorted descending, [T, K] model dtype
-        return self.experts(x, ids, weights, routing.ids, routing.weights)
+    def forward(self, x: Tensor, routing: LayerRouting = NO_ROUTING,
+                defer_combine: bool = False) -> Tensor | ExpertOutputs:
+        """x [T, H] -> [T, H]; ``defer_combine`` (fused path): the ``ExpertOutputs``, for the next norm to sum."""
+        # [T, K] sorted descending, [T, K] model dtype; fused, one-token steps: the grouping from the router's launch
+        grouped = None
+        if self.experts.takes_fused_path(x, self.router.top_k):
+            ids, weights, grouped = self.router.forward_grouped(x, routing.forced, routing.ids)
+        else:
+            ids, weights = self.router(x, routing.forced)
+        return self.experts(x, ids, weights, routing.ids, routing.weights, grouped=grouped,
+                            defer_combine=defer_combine)
 
 
 class NemotronHMoE(nn.Module):

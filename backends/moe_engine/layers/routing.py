@@ -253,18 +253,36 @@ class DeepseekV3Router(Router):
 
 class GptOssRouter(Router):
     """HF ``GptOssTopKRouter``: logits = linear(x, W, b) in the model dtype, top-k (sorted), then softmax over
-    the k values in the model dtype."""
+    the k values in the model dtype. ``within_rounding`` (the GPU default): decode steps' logits through
+    ``small_linear`` and the rest in one ``routing_kernels.topk_softmax`` launch (same ids, weights within rounding);
+    a one-token step also groups its pairs for the fused experts in that launch (``forward_grouped``)."""
 
     def __init__(self, spec: RouterSpec, hidden_size: int):
         super().__init__(spec, hidden_size)
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(spec.num_experts), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
-            logits = inv.linear(x, self.weight, self.bias, self.bi_kernels)
-        else:
-            logits = F.linear(x, self.weight, self.bias)  # [T, E]
+            return inv.linear(x, self.weight, self.bias, self.bi_kernels)
+        # [T, E] in the model dtype; F.linear unless within_rounding and a decode-sized step
+        return linear_kernels.decode_linear(x, self.weight, self.bias, self.within_rounding,
+                                            linear_kernels.ROUTER_SMALL_LINEAR_TOKENS)
+
+    def forward_grouped(
+        self, x: torch.Tensor, forced: Forced | None = None, capture: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        if not (self.within_rounding and x.shape[0] == 1):
+            return super().forward_grouped(x, forced, capture)
+        return routing_kernels.topk_softmax_route(self._logits(x), self.top_k, capture,
+                                                  None if forced is None else forced.mask,
+                                                  None if forced is None else forced.ids)
+
+    def forward(self, x: torch.Tensor, forced: Forced | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self._logits(x)  # [T, E]
+        if self.within_rounding:  # the lines below in one launch
+            return routing_kernels.topk_softmax(logits, self.top_k, None if forced is None else forced.mask,
+                                                None if forced is None else forced.ids)
         top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, K], sorted descending
         if forced is not None:
             ids = forced.apply(ids)

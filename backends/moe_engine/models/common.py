@@ -111,6 +111,48 @@ def rope(
     return out
 
 
+# quantization_config values the loader reads (anything else is refused with this list)
+FP8_SUPPORTED = ("quant_method 'fp8' (e4m3 weights with weight_scale_inv per weight_block_size block, or per "
+                 "tensor when weight_block_size is null; activation_scheme 'dynamic'; scale_fmt 'float')")
+
+
+def quantization(raw: dict, arch: str, allow: tuple[str, ...]) -> dict:
+    """``QuantSpec`` fields from config.json's ``quantization_config`` (none: unquantized). FP8 as DeepSeek-V3,
+    Qwen3-*-FP8 and GLM-*-FP8 publish it (transformers' ``FineGrainedFP8Config``); MXFP4 where ``allow`` says so
+    (GPT-OSS). A method, activation scheme or scale format the loader cannot read is refused, naming what is
+    supported, rather than loaded wrong."""
+    qc = raw.get("quantization_config")
+    if not qc:
+        return dict(method="none")
+    supported = "; ".join(([FP8_SUPPORTED] if "fp8" in allow else [])
+                          + (["quant_method 'mxfp4' (*_blocks / *_scales experts)"] if "mxfp4" in allow else []))
+    if not isinstance(qc, dict):
+        raise UnsupportedModelError(f"{arch}: quantization_config must be an object; supported: {supported}")
+    method = str(qc.get("quant_method", "?"))
+    if method not in allow:
+        raise UnsupportedModelError(
+            f"{arch}: quantized checkpoints ({method}) are not supported; supported: {supported or 'none'}")
+    if method == "mxfp4":
+        return dict(method="mxfp4")
+    problems = []
+    if str(qc.get("activation_scheme", "dynamic")).lower() != "dynamic":
+        problems.append(f"activation_scheme {qc.get('activation_scheme')!r} (static activation scales)")
+    if str(qc.get("fmt", "e4m3")).lower() != "e4m3":
+        problems.append(f"fmt {qc.get('fmt')!r}")
+    if str(qc.get("scale_fmt", "float") or "float") != "float":
+        problems.append(f"scale_fmt {qc.get('scale_fmt')!r}")
+    if str(qc.get("expert_dtype", "fp8")) != "fp8":
+        problems.append(f"expert_dtype {qc.get('expert_dtype')!r}")
+    block = qc.get("weight_block_size")
+    if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2
+                              or not all(isinstance(b, int) and b > 0 for b in block)):
+        problems.append(f"weight_block_size {block!r} (need two positive integers or null)")
+    if problems:
+        raise UnsupportedModelError(f"{arch}: quantization_config with {', '.join(problems)} is not supported; "
+                                    f"supported: {supported}")
+    return dict(method="fp8", weight_block_size=tuple(block) if block is not None else None)
+
+
 def common(
     raw: dict,
     arch: str,
@@ -120,7 +162,7 @@ def common(
     rope_types: tuple[str, ...] = ("default", "linear"),
     default_rope: dict | None = None,
     rope_style: str = "half",
-    allow_quant: tuple[str, ...] = (),
+    allow_quant: tuple[str, ...] = ("fp8",),
     eps: float = 1e-6,
     partial_rotary: float | None = None,
     acts: tuple[str, ...] = ("silu",),
@@ -134,10 +176,7 @@ def common(
     act = raw.get("hidden_act", acts[0])
     if act not in acts:
         raise UnsupportedModelError(f"{arch}: hidden_act {act!r} is not supported (supported: {', '.join(acts)})")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        if method not in allow_quant:
-            raise UnsupportedModelError(f"{arch}: quantized checkpoints ({method}) are not supported")
+    quant = quantization(raw, arch, allow_quant)
     layers = int(req(raw, "num_hidden_layers", arch))
     rope_fields = rope(raw, default_theta, arch, int(rope_dim or head_dim), rope_types, default_rope, rope_style,
                        partial_rotary)
@@ -153,6 +192,7 @@ def common(
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         rms_norm_eps=float(raw.get("rms_norm_eps", eps)),
         hidden_act=act,
+        quantization=quant,
         rope=rope_fields,
         attention=dict(
             num_heads=heads, num_kv_heads=int(kv_heads), head_dim=int(head_dim), sliding_windows=(None,) * layers,

@@ -38,13 +38,15 @@ from torch import Tensor, nn
 
 from ..config import MoEConfig
 from ..core.kv_cache import KVCache, KVSpec
+from ..core.memory_plan import logits_chunk_rows
 from ..kernels import mla_attention as mla_kernels
 from ..kernels import moe_routing as routing_kernels
 from ..kernels import support as kernel_support
 from ..layers import invariant as inv
 from ..layers.attend import ForwardBatch, LayerKV
 from ..layers.attention import Attention
-from ..layers.experts import NO_ROUTING, TRITON_GEMM_MAX_PAIRS, ExpertOutputs, Experts, LayerRouting, StepRouting
+from ..layers.experts import (NO_ROUTING, TRITON_GEMM_MAX_PAIRS, ExpertOutputs, Experts, GptOssExperts, LayerRouting,
+                              StepRouting)
 from ..layers.linear_attention import GatedDeltaNet
 from ..layers.mamba import Mamba2Mixer
 from ..layers.mla import GRAPH_MAX_KEY_READS, MLAttention
@@ -118,7 +120,7 @@ class DecoderLayer(nn.Module):
         h, normed = self.post_attention_layernorm.add_forward(x, attn)
         if not self.is_moe:
             return h, self._reduce(self.mlp(normed))
-        if isinstance(self.mlp, (MoEBlock, DeepseekMoE)) and self.tp is None:
+        if isinstance(self.mlp, (MoEBlock, DeepseekMoE, GptOssMoE)) and self.tp is None:
             norm = self.post_attention_layernorm
             defer = (norm.fused and norm.within_rounding and not self.batch_invariant
                      and normed.shape[0] >= routing_kernels.COMBINE_NORM_MIN_TOKENS)
@@ -250,7 +252,7 @@ class MoEForCausalLM(nn.Module):
                 m.fuse_projections()
             if isinstance(m, GatedDeltaNet) and within_rounding:
                 m.fuse_projections()
-            if isinstance(m, Experts):
+            if isinstance(m, (Experts, GptOssExperts)):
                 m.triton_gemm_max_pairs = TRITON_GEMM_MAX_PAIRS if on_gpu else 0
             if isinstance(m, DeepseekMoE):  # shared experts through the fused expert kernels (within rounding)
                 m.fused_shared = within_rounding
@@ -302,7 +304,8 @@ class MoEForCausalLM(nn.Module):
             return "a hybrid model's linear-attention / Mamba layers prefill each sequence from host-side lengths"
         for layer in self.model.layers:
             experts = getattr(layer.mlp, "experts", None)
-            if experts is not None and not (getattr(experts, "fused", False) and experts.first_expert is None):
+            if experts is not None and not (getattr(experts, "fused", False) and experts.first_expert is None
+                                            and experts.graph_unsafe_reason(self.device, self.dtype) is None):
                 return "an MoE layer is off the fused path (expert parallelism, or the op-by-op forward)"
         return None
 
@@ -353,9 +356,19 @@ class MoEForCausalLM(nn.Module):
         return self.model.final_norm().add_forward(x, delta)[1]
 
     def compute_logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
-        """[N, H] -> [N, V] float32 (the matmul runs in the model dtype, as HF), into ``out`` when given."""
-        logits = self.lm_head(hidden)
-        return logits.float() if out is None else out.copy_(logits)
+        """[N, H] -> [N, V] float32 (the matmul runs in the model dtype, as HF), into ``out`` when given. Rows in
+        chunks of ``logits_chunk_rows(V)`` (core/memory_plan.py): with a large vocabulary one GEMM's model-dtype
+        output never exceeds a chunk (a row's logits do not depend on the other rows of its chunk on the CPU;
+        on a GPU the GEMM's algorithm may change with the row count: within rounding)."""
+        N, rows = hidden.shape[0], logits_chunk_rows(self.config.vocab_size)
+        if N <= rows:
+            logits = self.lm_head(hidden)
+            return logits.float() if out is None else out.copy_(logits)
+        if out is None:
+            out = torch.empty(N, self.config.vocab_size, dtype=torch.float32, device=hidden.device)
+        for lo in range(0, N, rows):
+            out[lo : lo + rows].copy_(self.lm_head(hidden[lo : lo + rows]))
+        return out
 
 
 @torch.inference_mode()

@@ -17,7 +17,7 @@ def parse(raw: dict) -> dict:
     raw = {**raw, "head_dim": raw.get("head_dim") or 64, "num_key_value_heads": raw.get("num_key_value_heads", 8),
            "num_experts_per_tok": raw.get("num_experts_per_tok", 4)}
     c = common(raw, "gpt_oss", default_theta=150000.0, rope_types=("default", "linear", "yarn"),
-               default_rope=DEFAULT_ROPE, allow_quant=("mxfp4",), eps=1e-5)
+               default_rope=DEFAULT_ROPE, allow_quant=("mxfp4", "fp8"), eps=1e-5)
     n, E, K = c["num_hidden_layers"], num_experts(raw, 128), top_k(raw, "gpt_oss")
     window = raw.get("sliding_window", 128)
     layer_types = raw.get("layer_types") or [

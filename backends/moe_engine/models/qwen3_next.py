@@ -77,7 +77,7 @@ def parse_qwen3_5_moe(raw: dict) -> dict:
     if raw.get("text_config") is None:
         return parse_qwen3_5_moe_text(raw, "qwen3_5_moe")
     text = dict(raw["text_config"])
-    for key in ("tie_word_embeddings", "dtype", "torch_dtype"):  # the top level's, as the multimodal model reads
+    for key in ("tie_word_embeddings", "dtype", "torch_dtype", "quantization_config"):  # the top level's, as the multimodal model reads
         if key in raw and (key == "tie_word_embeddings" or key not in text):
             text[key] = raw[key]
     out = parse_qwen3_5_moe_text(text, "qwen3_5_moe")

@@ -169,10 +169,13 @@ class RolloutLifecycle:
         future: Future = Future()
         blocks = self.engine.blocks
         deterministic = bool(self.engine.settings.deterministic_inference)
+        # what the weights are served as: "fp8" (W8A8 block FP8) or the model dtype (an FP8 checkpoint dequantised)
+        fp8_served = any(p.dtype == torch.float8_e4m3fn for p in self.engine.model.parameters())
+        weights = "fp8" if fp8_served else str(self.engine.model.dtype).removeprefix("torch.")
         future.set_result({"message": f"KV cache: {blocks.num_blocks} blocks x {blocks.block_size} tokens"
                                       + ("; deterministic inference" if deterministic else ""),
                            "kv_block_size": blocks.block_size, "num_kv_blocks": blocks.num_blocks,
-                           "deterministic_inference": deterministic})
+                           "deterministic_inference": deterministic, "weights_served_as": weights})
         return future
 
     def is_sleeping(self) -> Future:

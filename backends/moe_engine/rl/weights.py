@@ -67,6 +67,14 @@ class WeightUpdateError(InvalidRequestError):
     code: str | None = None  # checkpoint_not_found, weight_update_group_not_found: the API answers 404
 
 
+def refuse_fp8(model: torch.nn.Module) -> None:
+    """Weights served in FP8 (e4m3 + block scales) are not updated in place: a bf16 tensor written into them would
+    be cast without its scales. Refused, naming the way out."""
+    if any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
+        raise WeightUpdateError("weight updates are not supported while the engine serves FP8 weights (an FP8 "
+                                "checkpoint on an FP8 GPU, or --quantization fp8); serve the bf16 checkpoint")
+
+
 # --------------------------------------------------------------------------------------------- from disk
 
 
@@ -129,6 +137,7 @@ def check_checkpoint(model: torch.nn.Module, path: str) -> Path:
     """Check that checkpoint ``path`` holds every parameter of the live model, with its shape and a float dtype, and
     finite values (``check_finite`` reads each tensor once). Returns the checkpoint directory; raises
     WeightUpdateError."""
+    refuse_fp8(model)
     root = Path(path)
     try:
         is_dir, why = root.is_dir(), "is not a directory"
@@ -280,6 +289,7 @@ class Incoming:
 def check_tensors(model: torch.nn.Module, names: list[str], dtypes: list[str],
                   shapes: list[list[int]]) -> list[Incoming]:
     """Check a trainer's announced tensors against the live model; raises WeightUpdateError at the first mismatch."""
+    refuse_fp8(model)
     if not (len(names) == len(dtypes) == len(shapes)):
         raise WeightUpdateError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, "
                                 f"{len(shapes)})", param="names")
