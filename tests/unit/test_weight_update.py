@@ -24,7 +24,8 @@ from moe_engine.errors import EngineStoppedError
 from moe_engine.rl.weights import WeightUpdateError, check_checkpoint, check_tensors, load_checkpoint
 
 from ..rl_trainer import announce, checkpoint_tensors
-from .hf_checkpoints import ARCHS, make_hf_model, save_gpt_oss_mxfp4, save_hf_checkpoint, write_servable_checkpoint
+from .hf_checkpoints import (ARCHS, make_hf_model, save_fp8_checkpoint, save_gpt_oss_mxfp4, save_hf_checkpoint,
+                             write_servable_checkpoint)
 from .test_engine import Collector, prompt_of, run_all
 
 ARCH = "qwen3_moe"  # q/k norms, a dense and a MoE layer type, top-4 of 16 experts
@@ -358,6 +359,19 @@ def test_checkpoint_names_map_onto_the_parameters_load_model_fills(arch, tmp_pat
         p.data.zero_()
     load_checkpoint(model, check_checkpoint(model, str(other)))
     assert_same_weights(model, params_of(load_model(other, dtype="float32", progress=False)))
+
+
+def test_an_fp8_checkpoint_as_an_update_is_refused_naming_the_way_out(tmp_path):
+    """Block-FP8 checkpoints load at start (dequantised or served in FP8), but an in-place update reads float
+    tensors only: an FP8 checkpoint of the served model is refused with a message saying so, the weights untouched."""
+    served = save_hf_checkpoint(make_hf_model(ARCH, seed=5), tmp_path / "bf16")
+    fp8 = save_fp8_checkpoint(make_hf_model(ARCH, seed=6), tmp_path / "fp8", block=(32, 32))
+    model = load_model(served, dtype="float32", progress=False)
+    before = params_of(model)
+    with pytest.raises(WeightUpdateError, match="updates from FP8 checkpoints are not supported.*bf16") as e:
+        check_checkpoint(model, str(fp8))
+    assert e.value.param == "model_path"
+    assert_same_weights(model, before)
 
 
 def test_unknown_names_and_non_float_dtypes_are_refused(ckpts):

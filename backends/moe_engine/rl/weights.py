@@ -49,7 +49,7 @@ from ..checkpoint import (
     _Tensors,
     is_experts_param,
 )
-from ..config import MoEConfig, load_config
+from ..config import MoEConfig, QuantSpec, load_config
 from ..errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -118,8 +118,11 @@ def _read(t: _Tensors, model: torch.nn.Module, name: str, like: torch.Tensor, de
 
 
 def _same_model_fields(cfg: MoEConfig) -> dict:
-    """The config as a flat dict, minus what may differ between checkpoints of one model (dtype, MXFP4 or not)."""
-    cfg = dataclasses.replace(cfg, torch_dtype="", experts=dataclasses.replace(cfg.experts, quant="none"))
+    """The config as a flat dict, minus what may differ between checkpoints of one model: the dtype, and MXFP4
+    experts (read dequantised in place). FP8 storage stays in: the in-place readers take float tensors only."""
+    quantization = QuantSpec() if cfg.quantization.method == "mxfp4" else cfg.quantization
+    cfg = dataclasses.replace(cfg, torch_dtype="", experts=dataclasses.replace(cfg.experts, quant="none"),
+                              quantization=quantization)
     flat: dict = {}
 
     def walk(prefix: str, value) -> None:
@@ -151,7 +154,12 @@ def check_checkpoint(model: torch.nn.Module, path: str) -> Path:
     cfg: MoEConfig = model.config
     try:
         if (root / "config.json").is_file():
-            live, new = _same_model_fields(cfg), _same_model_fields(load_config(root))
+            new_cfg = load_config(root)
+            if new_cfg.quantization.method == "fp8":
+                raise WeightUpdateError(f"{root}: updates from FP8 checkpoints are not supported (the served weights "
+                                        "are replaced in place from float tensors); publish the update in bf16",
+                                        param="model_path")
+            live, new = _same_model_fields(cfg), _same_model_fields(new_cfg)
             diff = next((k for k in live if live[k] != new.get(k)), None)
             if diff is not None:
                 raise CheckpointError(
