@@ -87,7 +87,7 @@ if triton is not None:
     import triton.language as tl
 
     from .paged_attention import _attend_tiles, _find_seq
-    from .support import _await_inputs, _round
+    from .support import _await_inputs, _grouped_tile, _round
 
     @triton.jit
     def _mm(a, b, acc, PREC: tl.constexpr, INTERPRET: tl.constexpr):
@@ -140,11 +140,7 @@ if triton is not None:
             pid = tl.program_id(0)
             num_m = tl.cdiv(M, BLOCK_M)
             num_n = tl.cdiv(N, BLOCK_N)
-            per_group = GROUP_M * num_n
-            first_m = (pid // per_group) * GROUP_M
-            group_m = tl.minimum(num_m - first_m, GROUP_M)
-            pid_m = first_m + (pid % per_group) % group_m
-            pid_n = (pid % per_group) // group_m
+            pid_m, pid_n = _grouped_tile(pid, num_m, num_n, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

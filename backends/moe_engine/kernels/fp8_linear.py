@@ -23,7 +23,7 @@ from .support import _DT, _launch, triton
 if triton is not None:
     import triton.language as tl
 
-    from .support import _await_inputs, _round
+    from .support import _await_inputs, _grouped_tile, _round
 
     @triton.jit
     def _w8a8_linear_kernel(
@@ -37,11 +37,7 @@ if triton is not None:
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_pid_n
-        first_m = (pid // per_group) * GROUP_M
-        group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_n = (pid % per_group) // group_m
+        pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
         rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rmask = rows < M
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # wrapped, in bounds; the store masks them

@@ -36,7 +36,7 @@ if triton is not None:
     from triton.language.extra import libdevice
 
     from .fused_moe import _expert_tile
-    from .support import _await_inputs, _round
+    from .support import _await_inputs, _grouped_tile, _round
 
 
 def _tc(m: int, n: int, k: int, g: int, w: int, s: int) -> TileConfig:
@@ -79,11 +79,7 @@ if triton is not None:
         _await_inputs(PDL)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_pid_n
-        first_m = (pid // per_group) * GROUP_M
-        group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_n = (pid % per_group) // group_m
+        pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
 
         expert, row0, row_end = _expert_tile(pid_m, offs_ptr, E, BLOCK_E, BLOCK_M)
         if expert >= E:

@@ -72,7 +72,7 @@ if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from .support import _await_inputs, _round
+    from .support import _await_inputs, _grouped_tile, _round
 
 CONFIG_ENV = "MOE_FUSED_MOE_CONFIGS"
 CONFIG_FILE = Path(__file__).with_name("fused_moe_configs.json")
@@ -248,12 +248,7 @@ if triton is not None:
         _await_inputs(PDL)  # (the weights a program reads depend on offs, an earlier kernel's output)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        # grouped ordering: GROUP_M row tiles share each weight column tile while it is in L2
-        per_group = GROUP_M * num_pid_n
-        first_m = (pid // per_group) * GROUP_M
-        group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_n = (pid % per_group) // group_m
+        pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
 
         expert, row0, row_end = _expert_tile(pid_m, offs_ptr, E, BLOCK_E, BLOCK_M)
         if expert >= E:

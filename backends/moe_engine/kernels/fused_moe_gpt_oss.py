@@ -48,7 +48,7 @@ if triton is not None:
     from triton.language.extra import libdevice
 
     from .fused_moe import _expert_tile
-    from .support import _await_inputs, _round
+    from .support import _await_inputs, _grouped_tile, _round
 
     @triton.jit(do_not_specialize=["num_pid_m"])  # varies with the step size: no recompile per step size
     def _biased_moe_gemm_kernel(
@@ -66,11 +66,7 @@ if triton is not None:
         _await_inputs(PDL)  # (the weights a program reads depend on offs, an earlier kernel's output)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_pid_n  # GROUP_M row tiles share each weight column tile while it is in L2
-        first_m = (pid // per_group) * GROUP_M
-        group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_n = (pid % per_group) // group_m
+        pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
 
         expert, row0, row_end = _expert_tile(pid_m, offs_ptr, E, BLOCK_E, BLOCK_M)
         if expert >= E:

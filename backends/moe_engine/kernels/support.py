@@ -149,6 +149,15 @@ if triton is not None:
             gdc_launch_dependents()
             gdc_wait()
 
+    @triton.jit
+    def _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+        """Program pid of a 1-D GEMM grid -> (row tile, column tile), in groups of GROUP_M row tiles that take
+        every column tile in turn: a weight column tile is read by GROUP_M programs while it is in L2."""
+        per_group = GROUP_M * num_pid_n
+        first_m = (pid // per_group) * GROUP_M
+        group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
     # Whether _round may use the bfloat16 cast (read when a kernel compiles; the interpreter truncates the cast).
     _BF16_CAST = tl.constexpr(not interpreting())
 
