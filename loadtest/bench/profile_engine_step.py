@@ -68,7 +68,7 @@ def main() -> int:
             enforce_eager=args.enforce_eager,
             fused_kernels=False if args.no_fused else None,
             # Paired steps of two engines must each finish before the other's starts.
-            overlap_decode=False if (args.no_overlap or args.paired_capture) else None,
+            async_scheduling=False if (args.no_overlap or args.paired_capture) else None,
         ),
     )
     cuda = args.device.startswith("cuda")
@@ -93,9 +93,9 @@ def main() -> int:
         steps with prefill."""
         out = []
         while True:
-            engine._drain_inbox()
-            engine._admit()
-            decode_only = all(not s.in_prefill for s in engine._running.values())
+            engine._drain_inbox()  # (the scheduler admits waiting requests in its plan)
+            queued = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+            decode_only = all(s.is_decoding for s in queued)
             if profiler is not None and decode_only == decode:
                 profiler.enable()
             t0 = time.perf_counter()
@@ -157,7 +157,8 @@ def paired_capture(args, cfg, model, on, cuda: bool) -> int:
         for prompt in prompts:
             sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             engine.add_request(Request(engine.new_request_id(), prompt, sampling, on_output=lambda out: None))
-        while any(s.in_prefill for s in list(engine._running.values()) + list(engine._waiting)) or engine._inbox:
+        while any(not s.is_decoding for s in list(engine.scheduler.running) + list(engine.scheduler.waiting)) \
+                or engine._inbox:
             engine.step()
 
     def timed_step(engine) -> float:

@@ -263,6 +263,25 @@ def cached_kv(cache: LayerKV, batch: ForwardBatch, heads: int | None = None) -> 
     return k, v
 
 
+def cached_kv_by_block(cache: LayerKV, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each sequence's cached k [B, Hkv, Lk, Dk] and v [B, Hkv, Lk, Dv] (Lk = the step's max_seq_len, as
+    ``cached_kv`` with its kv heads), as strided views of one whole-block gather per tensor: B*nb copies of a
+    contiguous [block_size, Hkv, D] block, where ``cached_kv`` indexes every (sequence, head, position) row and,
+    for grouped-query heads, copies each kv head once per query head (on CPU at 16 decoding sequences of ~200
+    keys that gather and the repeated keys' SDPA were a fifth of a Mixtral decode step). With SDPA's enable_gqa
+    the result is bit for bit ``cached_kv(cache, batch, Hq)``'s (the same values, the same kernel).
+    None when the block tables cannot hold Lk keys (a padded step whose max_seq_len is a bucket)."""
+    nb_all, bs, Hkv = cache.k.shape[:3]
+    B, nb = batch.block_tables.shape
+    Lk = batch.max_seq_len
+    if nb * bs < Lk:
+        return None
+    blocks = batch.block_tables.reshape(-1)  # [B*nb]
+    k = cache.k.index_select(0, blocks).view(B, nb * bs, Hkv, -1)[:, :Lk].transpose(1, 2)  # [B, Hkv, Lk, Dk]
+    v = cache.v.index_select(0, blocks).view(B, nb * bs, Hkv, -1)[:, :Lk].transpose(1, 2)  # [B, Hkv, Lk, Dv]
+    return k, v
+
+
 def attend_cached(
     q: torch.Tensor,  # [T, Hq, Dk]
     keys: torch.Tensor,  # [B, Hkv, Lk, Dk]
@@ -282,14 +301,15 @@ def attend_cached(
         q_pad = q.new_zeros(B, Tq, Hq, Dk)
         q_pad[batch.token_seq, batch.token_qidx] = q
         q_pad = q_pad.transpose(1, 2)  # [B, Hq, Tq, Dk]
-    if Hkv != Hq:  # grouped-query attention: each kv head serves Hq/Hkv query heads (as HF's repeat_kv)
-        keys = keys.repeat_interleave(Hq // Hkv, dim=1)  # (attend gathers them repeated already)
-        values = values.repeat_interleave(Hq // Hkv, dim=1)
+    gqa = Hkv != Hq  # grouped-query attention: each kv head serves Hq/Hkv query heads (as HF's repeat_kv)
     mask = batch.mask(sliding_window)  # [B, 1, Tq, Lk]
 
-    if sinks is None:
-        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale)
+    if sinks is None:  # SDPA maps each query head to its kv head itself (no repeated copies)
+        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     else:
+        if gqa:
+            keys = keys.repeat_interleave(Hq // Hkv, dim=1)
+            values = values.repeat_interleave(Hq // Hkv, dim=1)
         # Attention sinks (GPT-OSS), as HF's eager_attention_forward: an extra per-head logit joins the
         # softmax and is dropped after it; the max is subtracted and the softmax runs in the scores' dtype.
         scores = torch.matmul(q_pad, keys.transpose(-1, -2)) * scale  # [B, Hq, Tq, Lk]
@@ -471,11 +491,20 @@ def attend_stored(
         return inv.attention_from_cache(q, cache, batch, scale, sliding_window, sinks)
     if batch.use_kernels:
         return attend_kernels(q, k, v, cache, batch, scale, sliding_window, sinks)
-    Hq = q.shape[1]
     if batch.parts is not None:
         return torch.cat([
-            attend_cached(q[a:b], *cached_kv(cache, sub, Hq), sub, scale, sliding_window, sinks)
+            attend_cached(q[a:b], *_gathered_kv(cache, sub, q.shape[1], sinks), sub, scale, sliding_window, sinks)
             for a, b, sub in batch.parts
         ])
-    keys, values = cached_kv(cache, batch, Hq)
-    return attend_cached(q, keys, values, batch, scale, sliding_window, sinks)
+    return attend_cached(q, *_gathered_kv(cache, batch, q.shape[1], sinks), batch, scale, sliding_window, sinks)
+
+
+def _gathered_kv(cache: LayerKV, batch: ForwardBatch, heads: int, sinks: torch.Tensor | None):
+    """The reference path's keys/values: on CPU without sinks whole blocks (``cached_kv_by_block``, kv heads);
+    elsewhere ``cached_kv`` repeated to the query heads (CUDA's SDPA backends differ in what takes enable_gqa,
+    and the sinks' matmuls want the heads repeated)."""
+    if sinks is None and cache.k.device.type == "cpu":
+        gathered = cached_kv_by_block(cache, batch)
+        if gathered is not None:
+            return gathered
+    return cached_kv(cache, batch, heads)

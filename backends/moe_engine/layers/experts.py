@@ -117,6 +117,10 @@ GATHER_MAX_BYTES = 256 << 20  # ... and only while the gathered weight copies st
 # overrides it for benchmarks (0: always torch's).
 TRITON_GEMM_MAX_PAIRS = int(os.environ.get("MOE_TRITON_GEMM_MAX_PAIRS", sys.maxsize))
 
+# CPU float32 (``Experts._forward_cpu``): an expert with fewer rows than this in a step multiplies as W @ x.T,
+# one with more as x @ W.T (measured on the 2-core EPYC: 2-7 rows ~1.4x faster, 1 and 8+ the same).
+CPU_WEIGHT_LEFT_MAX_ROWS = 8
+
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _GMM_SUPPORT: dict = {}
 
@@ -310,7 +314,10 @@ class Experts(nn.Module):
         return self._forward_grouped(x, ids, weights)
 
     def _forward_grouped(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        """Grouped by expert: one grouped GEMM per projection where torch has one, else one matmul per expert."""
+        """Grouped by expert: on CPU in float32 ``_forward_cpu`` (GEMM operand order by rows per expert); elsewhere
+        one grouped GEMM per projection where torch has one, else one matmul per expert."""
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            return self._forward_cpu(x, ids, weights)
         if grouped_mm_works(x.device, x.dtype):
             return self._forward_grouped_mm(x, ids, weights)
         return forward_grouped(self._expert, self.num_experts, x, ids, weights)
@@ -327,6 +334,35 @@ class Experts(nn.Module):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         gate, up = _GMM(x[tok], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        return sum_in_expert_order((y * weights[tok, slot, None]).to(x.dtype), ids, tok, slot)
+
+    def _forward_cpu(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """The rows of ``forward_grouped`` (HF's order, weighted, summed in ascending expert order), each expert's
+        GEMMs in the operand order that streams its weights fastest for its row count. A decode step reads
+        every hit expert's whole weights for a few rows each: memory-bound, and MKL's ``x @ W.T`` with 2-7 rows
+        reads them at ~6 GB/s on this 2-core EPYC where ``W @ x.T`` (the weights as the left operand, one
+        output column per row) reads at ~10 (loadtest/bench/bench_cpu_experts.py; a 4-layer Mixtral decode step
+        at 16 sequences: the experts were 55% of it). From CPU_WEIGHT_LEFT_MAX_ROWS rows on the two orders cost
+        the same and ``x @ W.T`` stays (as in prefill). Equal to the grouped GEMM within float32 GEMM rounding
+        (another blocking of the same sums); a given expert's rows take the same order every time."""
+        tok, slot = group_by_expert(ids)  # [K*T] each
+        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()  # on CPU: no device wait
+        rows = x[tok]  # [K*T, H] grouped by expert
+        y = torch.empty_like(rows)  # [K*T, H]
+        I = self.down_proj.shape[2]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            x_e, y_e = rows[start:start + n], y[start:start + n]  # [n, H]
+            if n < CPU_WEIGHT_LEFT_MAX_ROWS:
+                h = torch.mm(self.gate_up_proj[e], x_e.t())  # [2I, n]: gate rows, then up rows
+                act = (F.silu(h[:I]) * h[I:]).t().contiguous()  # [n, I]: its .t() is the fast right operand
+                y_e.copy_(torch.mm(self.down_proj[e], act.t()).t())  # [H, n] -> [n, H]
+            else:
+                gate, up = F.linear(x_e, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
+                torch.mm(F.silu(gate) * up, self.down_proj[e].t(), out=y_e)
+            start += n
         return sum_in_expert_order((y * weights[tok, slot, None]).to(x.dtype), ids, tok, slot)
 
     def _grouped_mm_local(self, x: Tensor, offs: Tensor) -> Tensor:
