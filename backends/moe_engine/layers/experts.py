@@ -347,7 +347,13 @@ class Experts(nn.Module):
         (another blocking of the same sums); a given expert's rows take the same order every time."""
         tok, slot = group_by_expert(ids)  # [K*T] each
         counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()  # on CPU: no device wait
-        rows = x[tok]  # [K*T, H] grouped by expert
+        y = self._grouped_rows_cpu(x[tok], counts)  # [K*T, H]
+        return sum_in_expert_order((y * weights[tok, slot, None]).to(x.dtype), ids, tok, slot)
+
+    def _grouped_rows_cpu(self, rows: Tensor, counts: list[int]) -> Tensor:
+        """rows [K*T, H] grouped by expert (counts[e] rows of expert e, in expert order) -> their expert MLPs
+        [K*T, H], each expert's GEMMs in ``_forward_cpu``'s operand order (the fused path's CPU fallback takes
+        it too: the same bits as the op-by-op path)."""
         y = torch.empty_like(rows)  # [K*T, H]
         I = self.down_proj.shape[2]
         start = 0
@@ -363,7 +369,7 @@ class Experts(nn.Module):
                 gate, up = F.linear(x_e, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
                 torch.mm(F.silu(gate) * up, self.down_proj[e].t(), out=y_e)
             start += n
-        return sum_in_expert_order((y * weights[tok, slot, None]).to(x.dtype), ids, tok, slot)
+        return y
 
     def _grouped_mm_local(self, x: Tensor, offs: Tensor) -> Tensor:
         """Grouped rows x [n, H] (this rank's experts' rows first, ending at offs[-1]) -> [n, H]; rows past offs[-1]
@@ -386,6 +392,9 @@ class Experts(nn.Module):
         elif ids.numel() <= self.triton_gemm_max_pairs:  # only the hit experts' weights are read
             y = fused_moe.expert_mlp(x, self.gate_up_proj, self.down_proj, pos, tok, offs,
                                      deterministic=self.batch_invariant)  # [K*T, H]
+        elif x.device.type == "cpu" and x.dtype == torch.float32:  # as the op-by-op path (_forward_grouped)
+            counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()  # [E] rows per expert
+            y = self._grouped_rows_cpu(x[tok], counts)  # [K*T, H]
         else:
             gate, up = _GMM(x[tok], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [K*T, I] each
             y = _GMM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [K*T, H]
