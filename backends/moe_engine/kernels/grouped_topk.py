@@ -35,6 +35,7 @@ if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from .moe_routing import _select_top_k
     from .support import _await_inputs
 
     @triton.jit
@@ -90,22 +91,7 @@ if triton is not None:
             cand = tl.where(keep & m, choice, float("-inf"))
         kk = tl.arange(0, BLOCK_K)
         km = kk < K
-        ids = tl.zeros([BLOCK_K], dtype=tl.int64)
-        w = tl.zeros([BLOCK_K], dtype=tl.float32)
-        if FORCED:
-            forced = tl.load(fmask_ptr + t) != 0
-            given = tl.load(fids_ptr + t * K + kk, mask=km, other=0)
-        ends = tl.zeros([BLOCK_E], dtype=tl.int32)  # GROUP: pairs with an id <= e (route's offs)
-        for j in tl.static_range(K):
-            best = tl.max(cand, axis=0)
-            idx = tl.minimum(tl.min(tl.where(cand == best, e, BLOCK_E), axis=0), E - 1)  # E - 1: NaN logits
-            if FORCED:
-                idx = tl.where(forced, tl.sum(tl.where(kk == j, given, 0), axis=0).to(idx.dtype), idx)
-            ids = tl.where(kk == j, idx.to(tl.int64), ids)
-            w = tl.where(kk == j, tl.sum(tl.where(e == idx, s, 0.0), axis=0), w)
-            cand = tl.where(e == idx, float("-inf"), cand)
-            if GROUP:
-                ends += (e >= idx).to(tl.int32)
+        ids, w, ends = _select_top_k(cand, s, e, fmask_ptr, fids_ptr, t, E, K, BLOCK_E, BLOCK_K, FORCED, GROUP)
         if RENORM:
             w = w / (tl.sum(w, axis=0) + 1e-20)
         w = w * scale

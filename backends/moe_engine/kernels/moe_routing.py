@@ -43,6 +43,31 @@ if triton is not None:
     from .support import _await_inputs, _round
 
     @triton.jit
+    def _select_top_k(cand, vals, e, fmask_ptr, fids_ptr, t, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_K: tl.constexpr, FORCED: tl.constexpr, GROUP: tl.constexpr):
+        """Token t's K experts, best first: the largest ``cand`` (ties: the lowest id; NaN rows: E - 1), or the
+        forced ids where the token is forced -> (ids [BLOCK_K] int64, their ``vals`` [BLOCK_K], ends [BLOCK_E]:
+        GROUP: pairs with an id <= e, route's offsets for this token)."""
+        kk = tl.arange(0, BLOCK_K)
+        ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+        w = tl.zeros([BLOCK_K], dtype=tl.float32)
+        if FORCED:
+            forced = tl.load(fmask_ptr + t) != 0
+            given = tl.load(fids_ptr + t * K + kk, mask=kk < K, other=0)
+        ends = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for j in tl.static_range(K):
+            best = tl.max(cand, axis=0)
+            idx = tl.minimum(tl.min(tl.where(cand == best, e, BLOCK_E), axis=0), E - 1)  # E - 1: NaN logits
+            if FORCED:
+                idx = tl.where(forced, tl.sum(tl.where(kk == j, given, 0), axis=0).to(idx.dtype), idx)
+            ids = tl.where(kk == j, idx.to(tl.int64), ids)
+            w = tl.where(kk == j, tl.sum(tl.where(e == idx, vals, 0.0), axis=0), w)
+            cand = tl.where(e == idx, float("-inf"), cand)
+            if GROUP:  # counted here, elementwise: no reduction across the lanes
+                ends += (e >= idx).to(tl.int32)
+        return ids, w, ends
+
+    @triton.jit
     def _softmax_topk_kernel(
         logits_ptr, ids_ptr, w_ptr, E, sl, fmask_ptr, fids_ptr,
         pos_ptr, tok_ptr, offs_ptr, cap_ptr,  # GROUP: what ``_route_kernel`` writes, for a one-token step
@@ -70,24 +95,8 @@ if triton is not None:
             ex = tl.exp(x - tl.max(x, axis=0))
             p = ex / tl.sum(ex, axis=0)
         kk = tl.arange(0, BLOCK_K)
-        ids = tl.zeros([BLOCK_K], dtype=tl.int64)
-        w = tl.zeros([BLOCK_K], dtype=tl.float32)
-        cand = x
         km = kk < K
-        if FORCED:
-            forced = tl.load(fmask_ptr + t) != 0
-            given = tl.load(fids_ptr + t * K + kk, mask=km, other=0)
-        ends = tl.zeros([BLOCK_E], dtype=tl.int32)  # GROUP: pairs with an id <= e (route's offs)
-        for j in tl.static_range(K):
-            best = tl.max(cand, axis=0)
-            idx = tl.minimum(tl.min(tl.where(cand == best, e, BLOCK_E), axis=0), E - 1)  # E - 1: NaN logits
-            if FORCED:
-                idx = tl.where(forced, tl.sum(tl.where(kk == j, given, 0), axis=0).to(idx.dtype), idx)
-            ids = tl.where(kk == j, idx.to(tl.int64), ids)
-            w = tl.where(kk == j, tl.sum(tl.where(e == idx, p, 0.0), axis=0), w)
-            cand = tl.where(e == idx, float("-inf"), cand)
-            if GROUP:  # counted here, elementwise: no reduction across the lanes
-                ends += (e >= idx).to(tl.int32)
+        ids, w, ends = _select_top_k(x, p, e, fmask_ptr, fids_ptr, t, E, K, BLOCK_E, BLOCK_K, FORCED, GROUP)
         if SOFTMAX_OF_TOPK:  # torch.softmax over the K gathered logits (float32 inside, as torch's kernel)
             w = tl.where(km, w, float("-inf"))
             ew = tl.where(km, tl.exp(w - tl.max(w, axis=0)), 0.0)
