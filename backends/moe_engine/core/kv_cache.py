@@ -128,7 +128,7 @@ def kv_cache_budget(model: torch.nn.Module, specs: list[KVSpec], settings) -> in
     if device.type != "cuda":
         need = (max_num_seqs * -(-max_model_len // block_size) + 1) * bytes_per_block(specs, block_size, dtype)
         return min(CPU_KV_BUDGET, need + state_bytes(specs, max_num_seqs, dtype))
-    peak = profile_peak_activation(model, specs, block_size, step_tokens, max_num_seqs)
+    peak = profile_peak_activation(model, specs, block_size, step_tokens, max_num_seqs, settings.attention_kernels)
     torch.cuda.synchronize(device)
     # Memory this process's caching allocator holds but no tensor uses (a previous engine's KV cache, the
     # profiling step's activations) is free for this one: hand it back before asking the driver.
@@ -152,10 +152,13 @@ def kv_cache_budget(model: torch.nn.Module, specs: list[KVSpec], settings) -> in
 
 @torch.inference_mode()
 def profile_peak_activation(
-    model: torch.nn.Module, specs: list[KVSpec], block_size: int, step_tokens: int, max_num_seqs: int
+    model: torch.nn.Module, specs: list[KVSpec], block_size: int, step_tokens: int, max_num_seqs: int,
+    use_kernels: bool = False,
 ) -> int:
     """Peak device bytes a step of ``step_tokens`` prefill tokens allocates beyond what is allocated now
-    (activations, expert buffers, logits and sampling of ``max_num_seqs`` rows), measured by running one."""
+    (activations, expert buffers, logits and sampling of ``max_num_seqs`` rows), measured by running one.
+    ``use_kernels``: the attention the engine will run (the runner's); the reference path's dense score matrix
+    of one long prompt (8 GiB at GPT-OSS's 64 heads x 8,192 tokens) would be reserved for a step that never holds it."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     cfg = model.config
@@ -163,7 +166,9 @@ def profile_peak_activation(
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     cache = KVCache(specs, -(-step_tokens // block_size) + 1, block_size, dtype, device)
-    batch = ForwardBatch.build([list(range(cache.num_blocks - 1))], [0], [step_tokens], device, block_size)
+    batch = ForwardBatch.build([list(range(cache.num_blocks - 1))], [0], [step_tokens], device, block_size,
+                               split_parts=not use_kernels)
+    batch.use_kernels = use_kernels
     capture = torch.zeros(step_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.int32,
                           device=device)
     ids = torch.randint(0, cfg.vocab_size, (step_tokens,), device=device)
