@@ -40,7 +40,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import DTYPE_ALIASES, MoEConfig, load_config
-from . import fp8_load
+from . import fp8_load, mxfp4_load
 from .fp8 import FP8_DTYPE as fp8_dtype
 from .fp8 import dequantize_fp8
 from .distributed.sharding import Selection
@@ -409,12 +409,14 @@ def load_model(
     progress: bool = True,
     shard=None,
     fp8: str | None = None,
+    mxfp4: bool = False,
 ) -> MoEForCausalLM:
     """Build ``MoEForCausalLM`` from a HF checkpoint directory (config.json + safetensors). ``shard``: a callable
     that shards the meta model for one rank and returns its selections (sharding.shard_model); then only this
     rank's parts are read. ``fp8``: serve the dense projections and experts in W8A8 block FP8 (fp8_load.py):
     "checkpoint" keeps an FP8 checkpoint's weights as stored, "quantize" quantises them at load; None: FP8 weights
-    are dequantised into ``dtype``."""
+    are dequantised into ``dtype``. ``mxfp4``: keep an MXFP4 checkpoint's GPT-OSS experts packed as stored
+    (mxfp4_load.py); False: dequantise them into ``dtype``."""
     root = Path(path)
     cfg = load_config(root)
     tdtype = resolve_dtype(dtype, cfg)
@@ -422,6 +424,8 @@ def load_model(
     start = time.monotonic()
     if fp8 is not None and shard is not None:
         raise ValueError("FP8 weights are not supported with tensor parallelism")
+    if mxfp4 and (shard is not None or cfg.experts.quant != "mxfp4"):
+        raise ValueError("packed MXFP4 experts need an MXFP4 checkpoint and one GPU (no tensor parallelism)")
     with torch.device("meta"):
         model = MoEForCausalLM(cfg)
     selections = shard(model) if shard is not None else {}
@@ -429,8 +433,10 @@ def load_model(
     with ExitStack() as stack:
         tensors = _Tensors(root, stack, cfg.key_prefixes, cfg.quantization.weight_block_size)
         fp8_names = fp8_load.prepare(model, cfg, tensors, fp8) if fp8 is not None else set()
+        mxfp4_names = mxfp4_load.prepare(model) if mxfp4 else set()
         params = list(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens.weight
-        total = sum(p.numel() * (p.element_size() if n in fp8_names or n.endswith("_scale_inv") else torch.empty(
+        stored = fp8_names | mxfp4_names  # read in the checkpoint's dtype
+        total = sum(p.numel() * (p.element_size() if n in stored or n.endswith("_scale_inv") else torch.empty(
             (), dtype=model.param_dtype(n, tdtype)).element_size()) for n, p in params)
         bar = None
         if progress:
@@ -461,7 +467,9 @@ def load_model(
                 if bar is not None:
                     bar.update(q.nbytes + s.nbytes)
                 continue
-            if is_experts_param(name):
+            if name in mxfp4_names:  # bytes / scales as stored
+                value = _place(tensors.get(name, shape), torch.uint8, device)
+            elif is_experts_param(name):
                 value = _load_experts(tensors, cfg, name, shape, pdtype, device, sel)
             else:
                 value = _load_direct(tensors, cfg, name, shape, pdtype, device, sel)
@@ -487,6 +495,7 @@ def load_model(
         raise CheckpointError(f"parameters left unloaded: {', '.join(leftover[:5])}")
     if unused:
         log.warning("%d checkpoint tensors not used by %s (e.g. %s)", len(unused), cfg.architecture, ", ".join(unused[:3]))
-    log.info("loaded %s (%s, %.2f GB) in %.1f s", root, tdtype, total / 1e9, time.monotonic() - start)
+    packed = f"; experts MXFP4 packed: {mxfp4_load.packed_bytes(model) / 1e9:.2f} GB" if mxfp4 else ""
+    log.info("loaded %s (%s, %.2f GB%s) in %.1f s", root, tdtype, total / 1e9, packed, time.monotonic() - start)
     model.shard_selections = selections  # this rank's slices of each sharded tensor: weight updates read the same
     return model.eval()
