@@ -114,6 +114,9 @@ class _Headers(_Tensors):
         self.used.add(key)
 
     def get(self, key: str, shape) -> torch.Tensor:
+        if key.endswith(_PACKED_SUFFIXES):  # MXFP4 blocks / scales read whole into packed experts
+            self._check(key, shape, frozenset({"U8"}))
+            return torch.empty(shape, dtype=torch.uint8, device=_META)
         self._check(key, shape, _FLOAT_FILE_DTYPES)
         return torch.empty(shape, device=_META)
 
