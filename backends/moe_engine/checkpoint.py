@@ -375,6 +375,24 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out.reshape(*prefix, G * B * 2).transpose(1, 2).contiguous()
 
 
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the magnitudes FP4_VALUES[0:8]
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, C] (C, the reduction dim, a multiple of 32) -> (blocks uint8 [..., R, C/32, 16], scales uint8
+    [..., R, C/32]) that ``dequantize_mxfp4`` reads: per group of 32, the power-of-two scale that fits max |w| into
+    6, each value rounded to the nearest e2m1 magnitude (a tie to the smaller), its sign kept. For random weights
+    (the real-shape benchmark) and test checkpoints; not a calibrated quantiser."""
+    groups = w.float().contiguous().unflatten(-1, (-1, 32))  # [..., R, C/32, 32]
+    amax = groups.abs().amax(-1)
+    exp = torch.ceil(torch.log2(torch.clamp(amax, min=2.0**-126) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exp)[..., None]
+    mids = torch.tensor(_FP4_MIDPOINTS, device=w.device)
+    code = torch.bucketize(scaled.abs(), mids).to(torch.uint8) | ((scaled < 0).to(torch.uint8) << 3)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)  # low nibble: the even column
+    return blocks, (exp + 127).to(torch.uint8)
+
+
 def _load_mxfp4(t: _Tensors, name: str, shape, dtype, device) -> torch.Tensor:
     """GPT-OSS ``{name}_blocks`` / ``{name}_scales`` -> dequantised [E, C, R] (``shape``)."""
     E, C, R = shape

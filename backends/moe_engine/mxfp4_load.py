@@ -75,6 +75,29 @@ def prepare(model: nn.Module) -> set[str]:
     return names
 
 
+@torch.no_grad()
+def pack_in_memory(model: nn.Module) -> int:
+    """Quantise every GPT-OSS experts module's model-dtype weights to MXFP4 on their device (round to nearest,
+    checkpoint.py ``quantize_mxfp4``, one expert at a time to keep temporaries small) and serve them packed, freeing
+    the model-dtype tensors: the real-shape benchmark's random weights. Returns the packed bytes."""
+    from .checkpoint import quantize_mxfp4
+
+    for m in model.modules():
+        if not isinstance(m, GptOssExperts) or m.mxfp4:
+            continue
+        packed = {}
+        for name in ("gate_up_proj", "down_proj"):  # [E, K, N] -> the Hub's [E, N, K/32, 16] + [E, N, K/32]
+            w = getattr(m, name)
+            pairs = [quantize_mxfp4(w[e].t()) for e in range(w.shape[0])]
+            packed[f"{name}_blocks"] = torch.stack([b for b, _ in pairs])
+            packed[f"{name}_scales"] = torch.stack([s for _, s in pairs])
+            del pairs
+        m.keep_mxfp4()
+        for name, t in packed.items():
+            setattr(m, name, nn.Parameter(t, requires_grad=False))
+    return packed_bytes(model)
+
+
 def packed_bytes(model: nn.Module) -> int:
     """Bytes of the model's packed MXFP4 expert weights (bytes and scales)."""
     return sum(getattr(m, p).nbytes for m in model.modules() if isinstance(m, GptOssExperts) and m.mxfp4

@@ -192,3 +192,35 @@ def test_packing_is_chosen_on_cuda_with_the_fused_kernels_and_logged(ckpts, capl
     with caplog.at_level(logging.INFO, logger="moe_engine.mxfp4_load"):
         assert serve_mxfp4(cfg, EngineConfig(), "cpu") is False
     assert "experts dequantised to the model dtype at load (the packed kernels run on CUDA only)" in caplog.text
+
+
+def test_quantizer_rounds_every_weight_to_its_nearest_mxfp4_value():
+    """checkpoint.quantize_mxfp4 (the benchmark's and the test checkpoints' quantiser): each weight becomes the
+    nearest of its group's 16 representable values (scale * FP4_VALUES), the scale the power of two that fits the
+    group's max |w| into 6."""
+    from moe_engine.checkpoint import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
+
+    w = torch.randn(3, 8, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-4, 1, 8)[:, None]
+    blocks, scales = quantize_mxfp4(w)
+    assert blocks.shape == (3, 8, 3, 16) and scales.shape == (3, 8, 3) and blocks.dtype == scales.dtype == torch.uint8
+    deq = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2)  # [3, 8, 96], as w
+    grid = torch.exp2(scales.float() - 127).repeat_interleave(32, -1)[..., None] * torch.tensor(FP4_VALUES)
+    nearest = (grid - w[..., None]).abs().min(-1).values
+    assert torch.equal((deq - w).abs(), nearest)
+    assert (w.abs().unflatten(-1, (3, 32)).amax(-1) <= 6 * torch.exp2(scales.float() - 127)).all()
+
+
+def test_packing_a_loaded_model_in_memory_keeps_its_weights(ckpts):
+    """mxfp4_load.pack_in_memory (the real-shape benchmark's --quantization mxfp4): a model dequantised from an
+    MXFP4 checkpoint, packed again, holds exactly the same weight values (scales chosen by each group's max)."""
+    from moe_engine.checkpoint import dequantize_mxfp4
+    from moe_engine.mxfp4_load import pack_in_memory
+
+    model = load_model(ckpts["A"], dtype="float32", device=DEVICE, progress=False)
+    dense = {n: p.clone() for n, p in model.named_parameters() if ".experts." in n}
+    assert pack_in_memory(model) == expert_weight_bytes(model) > 0
+    for m_name, m in model.named_modules():
+        if isinstance(m, GptOssExperts):
+            for name in ("gate_up_proj", "down_proj"):
+                got = dequantize_mxfp4(getattr(m, f"{name}_blocks"), getattr(m, f"{name}_scales"), torch.float32)
+                assert torch.equal(got, dense[f"{m_name}.{name}"]), (m_name, name)
