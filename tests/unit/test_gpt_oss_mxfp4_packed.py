@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from moe_engine.checkpoint import load_model
 from moe_engine.config import load_config
-from moe_engine.core.memory_plan import weight_bytes
+from moe_engine.core.memory_plan import quantized_weight_bytes, weight_bytes
 from moe_engine.core.sequence import Request, SamplingParams
 from moe_engine.engine import Engine, EngineConfig
 from moe_engine.kernels import support as kernel_support
@@ -79,7 +79,8 @@ def test_packed_experts_hold_the_checkpoint_bytes_in_a_quarter_of_the_bf16_memor
     assert 0.25 < ratio <= 0.266  # 4 bits + one 8-bit scale per 32 weights, against 16 bits
     # the memory plan counts what the device holds: the packed bytes
     assert weight_bytes(dense) - weight_bytes(model) == expert_weight_bytes(dense) - expert_weight_bytes(model)
-    assert packed_bytes(model) == expert_weight_bytes(model)
+    assert packed_bytes(model) == quantized_weight_bytes(model) == expert_weight_bytes(model)  # the start-up log's
+    assert quantized_weight_bytes(dense) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
