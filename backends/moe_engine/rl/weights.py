@@ -10,7 +10,8 @@ Contracts:
 - From disk, tensors are found exactly as at start-up (checkpoint.py's mapping, reused: per-expert and fused expert
   layouts, the Hub's Mixtral names, MXFP4, tied embeddings, float dtypes converted), so an engine updated to
   checkpoint B computes what an engine started on B computes. B's config.json, when present, must describe the
-  same model (its dtype aside).
+  same model (its dtype aside). GPT-OSS experts kept packed in MXFP4 take MXFP4 bytes and scales only (by name,
+  uint8): a float update of them is refused, naming the fix (no re-quantisation here).
 - From a broadcast, the trainer names tensors as a checkpoint does; ``checkpoint_targets`` maps every such name to
   the parameter, or the rows of a fused expert parameter, it fills. A trainer may send the model in buckets (one
   call each). Names of tensors the model does not use (a tied ``lm_head.weight``, DeepSeek-V3's multi-token
