@@ -9,8 +9,6 @@ Runs under Triton's interpreter on CPU (tests/conftest.py); ``MOE_TEST_DEVICE=cu
 from __future__ import annotations
 
 import os
-import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +18,6 @@ from moe_engine.kernels import fused_moe_gpt_oss
 from moe_engine.kernels import moe_routing as routing_kernels
 from moe_engine.kernels import support as kernel_support
 from moe_engine.kernels.fused_moe import TileConfig
-from moe_engine.layers.experts import GptOssExperts
 
 from .test_fused_moe_gpt_oss import ALPHA, assert_like_torch, random_ids, torch_experts, y_bound
 

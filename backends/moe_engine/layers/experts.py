@@ -560,9 +560,9 @@ class GptOssExperts(nn.Module):
                 y = fused_moe_gpt_oss.expert_mlp(
                     x, self.gate_up_proj_blocks, self.gate_up_proj_bias, self.down_proj_blocks, self.down_proj_bias,
                     pos, tok, offs, self.limit, self.alpha, scales=(self.gate_up_proj_scales, self.down_proj_scales))
-            else:
+            else:  # y [K*T, H]
                 y = fused_moe_gpt_oss.expert_mlp(x, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
-                                                 self.down_proj_bias, pos, tok, offs, self.limit, self.alpha)  # [K*T, H]
+                                                 self.down_proj_bias, pos, tok, offs, self.limit, self.alpha)
             outputs = ExpertOutputs(y, ids, pos, weights)
             return outputs if defer_combine else outputs.combine(x.dtype)
         assert grouped is None, "grouped pairs are for the fused path"
