@@ -129,8 +129,9 @@ def model_card(cfg: FrontendConfig, model: ModelInfo, created: int,
         "top_k": model.num_experts_per_tok,
         "routed_experts_dtype": model.routed_experts_dtype,
         # weights: the checkpoint's format ("none", "fp8", "mxfp4"); served_as: what the engine computes with, "fp8"
-        # (W8A8 block FP8: an FP8 checkpoint on a GPU with FP8 tensor cores, or --quantization fp8) or the model
-        # dtype (dequantised at load; null when the engine cannot tell); kv_cache: the KV blocks' dtype ("auto":
+        # (W8A8 block FP8: an FP8 checkpoint on a GPU with FP8 tensor cores, or --quantization fp8), "mxfp4"
+        # (GPT-OSS experts kept packed on the GPU) or the model dtype (dequantised at load; null when the engine
+        # cannot tell); kv_cache: the KV blocks' dtype ("auto":
         # the model dtype, as vLLM's --kv-cache-dtype auto)
         "quantization": {"weights": model.quantization, "served_as": engine.get("weights_served_as"),
                          "kv_cache": "auto"},

@@ -211,6 +211,7 @@ class TritonPythonModel:
         from moe_engine.config import load_config
         from moe_engine.fp8 import all_finite
         from moe_engine.fp8_load import serve_fp8
+        from moe_engine.mxfp4_load import serve_mxfp4
 
         self.cfg = load_config(checkpoint)
         fp8 = serve_fp8(self.cfg, ecfg, device)  # (refuses --quantization fp8 with tensor parallelism)
@@ -228,7 +229,8 @@ class TritonPythonModel:
         else:
             if device == "cuda" and args.get("model_instance_kind") == "GPU":
                 device = f"cuda:{args.get('model_instance_device_id') or 0}"
-            model = load_model(checkpoint, dtype=dtype, device=device, fp8=fp8)
+            mxfp4 = serve_mxfp4(self.cfg, ecfg, device)  # GPT-OSS MXFP4 experts packed (CUDA, fused kernels)
+            model = load_model(checkpoint, dtype=dtype, device=device, fp8=fp8, mxfp4=mxfp4)
             bad = next((n for n, p in model.named_parameters() if p.is_floating_point() and not all_finite(p)), None)
             if bad is not None:
                 raise ValueError(f"checkpoint {checkpoint}: tensor {bad!r} holds NaN or infinite values")

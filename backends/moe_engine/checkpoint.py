@@ -40,7 +40,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import DTYPE_ALIASES, MoEConfig, load_config
-from . import fp8_load
+from . import fp8_load, mxfp4_load
 from .fp8 import FP8_DTYPE as fp8_dtype
 from .fp8 import dequantize_fp8
 from .distributed.sharding import Selection
@@ -375,6 +375,24 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out.reshape(*prefix, G * B * 2).transpose(1, 2).contiguous()
 
 
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the magnitudes FP4_VALUES[0:8]
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, C] (C, the reduction dim, a multiple of 32) -> (blocks uint8 [..., R, C/32, 16], scales uint8
+    [..., R, C/32]) that ``dequantize_mxfp4`` reads: per group of 32, the power-of-two scale that fits max |w| into
+    6, each value rounded to the nearest e2m1 magnitude (a tie to the smaller), its sign kept. For random weights
+    (the real-shape benchmark) and test checkpoints; not a calibrated quantiser."""
+    groups = w.float().contiguous().unflatten(-1, (-1, 32))  # [..., R, C/32, 32]
+    amax = groups.abs().amax(-1)
+    exp = torch.ceil(torch.log2(torch.clamp(amax, min=2.0**-126) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exp)[..., None]
+    mids = torch.tensor(_FP4_MIDPOINTS, device=w.device)
+    code = torch.bucketize(scaled.abs(), mids).to(torch.uint8) | ((scaled < 0).to(torch.uint8) << 3)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)  # low nibble: the even column
+    return blocks, (exp + 127).to(torch.uint8)
+
+
 def _load_mxfp4(t: _Tensors, name: str, shape, dtype, device) -> torch.Tensor:
     """GPT-OSS ``{name}_blocks`` / ``{name}_scales`` -> dequantised [E, C, R] (``shape``)."""
     E, C, R = shape
@@ -409,12 +427,14 @@ def load_model(
     progress: bool = True,
     shard=None,
     fp8: str | None = None,
+    mxfp4: bool = False,
 ) -> MoEForCausalLM:
     """Build ``MoEForCausalLM`` from a HF checkpoint directory (config.json + safetensors). ``shard``: a callable
     that shards the meta model for one rank and returns its selections (sharding.shard_model); then only this
     rank's parts are read. ``fp8``: serve the dense projections and experts in W8A8 block FP8 (fp8_load.py):
     "checkpoint" keeps an FP8 checkpoint's weights as stored, "quantize" quantises them at load; None: FP8 weights
-    are dequantised into ``dtype``."""
+    are dequantised into ``dtype``. ``mxfp4``: keep an MXFP4 checkpoint's GPT-OSS experts packed as stored
+    (mxfp4_load.py); False: dequantise them into ``dtype``."""
     root = Path(path)
     cfg = load_config(root)
     tdtype = resolve_dtype(dtype, cfg)
@@ -422,6 +442,8 @@ def load_model(
     start = time.monotonic()
     if fp8 is not None and shard is not None:
         raise ValueError("FP8 weights are not supported with tensor parallelism")
+    if mxfp4 and (shard is not None or cfg.experts.quant != "mxfp4"):
+        raise ValueError("packed MXFP4 experts need an MXFP4 checkpoint and one GPU (no tensor parallelism)")
     with torch.device("meta"):
         model = MoEForCausalLM(cfg)
     selections = shard(model) if shard is not None else {}
@@ -429,8 +451,10 @@ def load_model(
     with ExitStack() as stack:
         tensors = _Tensors(root, stack, cfg.key_prefixes, cfg.quantization.weight_block_size)
         fp8_names = fp8_load.prepare(model, cfg, tensors, fp8) if fp8 is not None else set()
+        mxfp4_names = mxfp4_load.prepare(model) if mxfp4 else set()
         params = list(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens.weight
-        total = sum(p.numel() * (p.element_size() if n in fp8_names or n.endswith("_scale_inv") else torch.empty(
+        stored = fp8_names | mxfp4_names  # read in the checkpoint's dtype
+        total = sum(p.numel() * (p.element_size() if n in stored or n.endswith("_scale_inv") else torch.empty(
             (), dtype=model.param_dtype(n, tdtype)).element_size()) for n, p in params)
         bar = None
         if progress:
@@ -461,7 +485,9 @@ def load_model(
                 if bar is not None:
                     bar.update(q.nbytes + s.nbytes)
                 continue
-            if is_experts_param(name):
+            if name in mxfp4_names:  # bytes / scales as stored
+                value = _place(tensors.get(name, shape), torch.uint8, device)
+            elif is_experts_param(name):
                 value = _load_experts(tensors, cfg, name, shape, pdtype, device, sel)
             else:
                 value = _load_direct(tensors, cfg, name, shape, pdtype, device, sel)
@@ -487,6 +513,7 @@ def load_model(
         raise CheckpointError(f"parameters left unloaded: {', '.join(leftover[:5])}")
     if unused:
         log.warning("%d checkpoint tensors not used by %s (e.g. %s)", len(unused), cfg.architecture, ", ".join(unused[:3]))
-    log.info("loaded %s (%s, %.2f GB) in %.1f s", root, tdtype, total / 1e9, time.monotonic() - start)
+    packed = f"; experts MXFP4 packed: {mxfp4_load.packed_bytes(model) / 1e9:.2f} GB" if mxfp4 else ""
+    log.info("loaded %s (%s, %.2f GB%s) in %.1f s", root, tdtype, total / 1e9, packed, time.monotonic() - start)
     model.shard_selections = selections  # this rank's slices of each sharded tensor: weight updates read the same
     return model.eval()

@@ -193,7 +193,7 @@ class ExpertsSpec:
     shared_bias: bool = False  # DeepSeek-V2 mlp_bias: biases on the shared experts
     swiglu_limit: float = 7.0  # GPT-OSS clamp
     swiglu_alpha: float = 1.702  # GPT-OSS sigmoid gain
-    quant: str = "none"  # "none" | "mxfp4" (GPT-OSS *_blocks/*_scales, dequantised at load)
+    quant: str = "none"  # "none" | "mxfp4" (GPT-OSS *_blocks/*_scales: kept packed or dequantised, mxfp4_load.py)
 
 
 @dataclass(frozen=True)

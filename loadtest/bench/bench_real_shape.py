@@ -33,6 +33,7 @@ warm-up of case b reports what the weights routed.
 Usage:
     python loadtest/bench/bench_real_shape.py --quick --out $OUT/bench          # H200, about 5 minutes (paged engine)
     python loadtest/bench/bench_real_shape.py --shape gpt-oss-120b-8l --quick --cases a,b,c,hf   # issue 49
+    python loadtest/bench/bench_real_shape.py --shape gpt-oss-120b-8l --quantization mxfp4 --quick --cases a,b,c  # 50
     python loadtest/bench/bench_real_shape.py --cases c --profile c:prefill     # profile: kernel time per op class
     .venv/bin/python loadtest/bench/bench_real_shape.py --shape tiny --device cpu --scale 0.05 --quick   # CPU, <1 min
     python loadtest/bench/bench_real_shape.py --shape moonlight --cases a,b --quick --out $OUT/moonlight  # MLA shape
@@ -881,9 +882,10 @@ def parse_args(argv=None):
     p.add_argument("--d-stall-s", type=float, default=10.0, help="case d stops when its peak has not grown this long")
     g = p.add_argument_group("engine (passed where the installed EngineConfig has the field)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--quantization", default=None, choices=("fp8",),
+    g.add_argument("--quantization", default=None, choices=("fp8", "mxfp4"),
                    help="fp8: the random weights quantised to W8A8 block FP8 on the device (loadtest/bench/bench_fp8.py "
-                        "compares with bf16 in one run)")
+                        "compares with bf16 in one run); mxfp4 (GPT-OSS shapes): the experts quantised to MXFP4 on "
+                        "the device and served packed (mxfp4_load.pack_in_memory), as a gpt-oss checkpoint on a GPU")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB")
@@ -1018,8 +1020,19 @@ def main(argv=None) -> int:
             fp8_load.install_fp8(ctx.model, fp8_load.quantize_in_memory(ctx.model, fp8_load.target_names(ctx.model)))
             rsm.free_device_memory(ctx.device)
             log("dense projections and experts quantised to FP8 (128 x 128 blocks); rooflines below count bf16 bytes")
+        expert_bytes = None
+        if args.quantization == "mxfp4":  # GPT-OSS experts as gpt-oss checkpoints store them, packed on the GPU
+            from moe_engine import mxfp4_load
+
+            if ctx.cfg.experts.block != "gpt_oss":
+                raise SystemExit("--quantization mxfp4: GPT-OSS shapes only (its experts are the MXFP4 ones)")
+            packed = mxfp4_load.pack_in_memory(ctx.model)
+            rsm.free_device_memory(ctx.device)
+            expert_bytes = 17 / 32  # 4 bits a weight + one 8-bit scale per 32
+            log(f"experts quantised to MXFP4 and kept packed ({packed / 2**30:.2f} GiB); the batch-1 roofline counts "
+                "their packed bytes, the batched decode rooflines bf16 bytes")
         ctx.results["model_build_s"] = time.perf_counter() - t
-        per_token = rsm.weight_bytes_per_token(ctx.cfg, ctx.elem)
+        per_token = rsm.weight_bytes_per_token(ctx.cfg, ctx.elem, expert_bytes)
         total = sum(per_token.values())
         ctx.roofline = ctx.results["roofline"] = {"bytes": per_token, "batch1_bytes": total,
                                                    "batch1_s": total / ctx.bandwidth["bytes_per_s"]}

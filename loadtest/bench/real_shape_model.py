@@ -365,11 +365,12 @@ def _mixer_elems(cfg) -> dict[str, int]:
     return out
 
 
-def weight_bytes_per_token(cfg, elem: int) -> dict[str, int]:
+def weight_bytes_per_token(cfg, elem: int, expert_bytes: float | None = None) -> dict[str, int]:
     """Weight bytes one decode token reads (batch 1): per layer its token mixer (attention projections and q/k norms,
     or a hybrid's Gated DeltaNet / Mamba-2 projections), norms, router, the K chosen experts (SwiGLU gate_up + down;
     Nemotron-H's ungated up + down) and any shared expert; then the final norm, lm_head and one embedding row. (A
-    dense MLP layer, if any, reads its whole MLP.)"""
+    dense MLP layer, if any, reads its whole MLP.) ``expert_bytes``: bytes per routed-expert weight when they are
+    stored otherwise (MXFP4: 17/32); default ``elem``."""
     H = cfg.hidden_size
     n_moe = len(cfg.moe_layers)
     n_dense = sum(cfg.has_mlp(i) and i not in cfg.moe_layers for i in range(cfg.num_hidden_layers))
@@ -383,7 +384,8 @@ def weight_bytes_per_token(cfg, elem: int) -> dict[str, int]:
         **_mixer_elems(cfg),
         "routers": n_moe * cfg.num_experts * H * router_elem,
         f"experts ({cfg.num_experts_per_tok} of {cfg.num_experts} per layer, "
-        f"{'up + down' if mats == 2 else 'gate_up + down'})": n_moe * cfg.num_experts_per_tok * per_expert,
+        f"{'up + down' if mats == 2 else 'gate_up + down'})": n_moe * cfg.num_experts_per_tok * per_expert
+        * (expert_bytes / elem if expert_bytes else 1),
         "shared experts": n_moe * (shared + latent),
         "dense MLP layers": n_dense * (2 if cfg.hidden_act == "relu2" else 3) * cfg.intermediate_size * H,
         "lm_head": cfg.vocab_size * H,

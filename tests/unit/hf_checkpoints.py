@@ -254,19 +254,11 @@ MXFP4_QUANT_CONFIG = {  # as in openai/gpt-oss-20b's config.json
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of transformers' MXFP4 dequantisation: w [E, R, C] (C, the reduction dim, a multiple of 32) ->
-    blocks uint8 [E, R, C/32, 16] (low nibble = even column), scales uint8 [E, R, C/32] (exponent + 127).
-    Each group of 32 gets the power-of-two scale that fits its max |w| into 6, values round to the nearest
-    FP4 (e2m1) value."""
-    from moe_engine.checkpoint import FP4_VALUES
+    blocks uint8 [E, R, C/32, 16] (low nibble = even column), scales uint8 [E, R, C/32] (exponent + 127)
+    (checkpoint.py's round-to-nearest quantiser)."""
+    from moe_engine.checkpoint import quantize_mxfp4 as quantize
 
-    E, R, C = w.shape
-    groups = w.float().reshape(E, R, C // 32, 32)
-    amax = groups.abs().amax(-1)
-    exp = torch.ceil(torch.log2(torch.clamp(amax, min=2.0**-126) / 6.0)).clamp(-127, 127)
-    scaled = groups / torch.exp2(exp)[..., None]
-    idx = (scaled[..., None] - torch.tensor(FP4_VALUES)).abs().argmin(-1)
-    blocks = (idx[..., 0::2] | (idx[..., 1::2] << 4)).to(torch.uint8)
-    return blocks, (exp + 127).to(torch.uint8)
+    return quantize(w)
 
 
 def save_gpt_oss_mxfp4(model, out: Path) -> Path:

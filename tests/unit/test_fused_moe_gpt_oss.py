@@ -61,9 +61,9 @@ def torch_experts(x, weights, tok, offs, limit):
     """HF GptOssExperts' loop body, expert by expert on its grouped rows, keeping what the bound needs:
     y [P, H], and per row the gate_up matmul output, gate_up, clamped gate/up, h, and the down matmul output."""
     gate_up, gate_up_bias, down, down_bias = weights
-    P = tok.shape[0]
-    mm_gu = torch.zeros(P, 2 * I, dtype=x.dtype, device=x.device)
-    mm_y = torch.zeros(P, H, dtype=x.dtype, device=x.device)
+    P, I2, Hd = tok.shape[0], gate_up.shape[2], down.shape[2]  # (any shape: the MXFP4 tests' too)
+    mm_gu = torch.zeros(P, I2, dtype=x.dtype, device=x.device)
+    mm_y = torch.zeros(P, Hd, dtype=x.dtype, device=x.device)
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
@@ -250,20 +250,24 @@ from moe_engine.kernels import fused_moe as fm
 from moe_engine.kernels import fused_moe_gpt_oss as fg
 
 E, H, I = 128, 2880, 2880  # GPT-OSS-120B's experts
+mxfp4 = sys.argv[1] == "mxfp4"  # the weight load: bf16 weights, or MXFP4 bytes + scales decoded in registers
 out = {}
-for bucket in sys.argv[1:]:
+for bucket in sys.argv[2:]:
     for gate_up in (True, False):
         N, K = (I, H) if gate_up else (H, I)
         cfg = fm._fit(fm.DEFAULT_CONFIGS[bucket][0 if gate_up else 1], N, K)
-        consts = dict(GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                      GROUP_M=cfg.GROUP_M, BLOCK_E=E, EVEN_K=K % cfg.BLOCK_K == 0, DT=1, UPCAST=False, PRECISE=True,
-                      PREC="tf32", PDL=True, WIDTH=(2 if gate_up else 1) * cfg.BLOCK_N)
-        ints = ("E", "N", "K", "num_pid_m", "s_a", "s_we", "s_wk", "s_be", "s_out")
-        sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "tok_ptr": "*i64",
-               "offs_ptr": "*i32", **{n: "i32" for n in ints}, "limit": "fp32", "alpha": "fp32",
-               **{n: "constexpr" for n in consts}}
+        consts = dict(GATE_UP=gate_up, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=max(cfg.BLOCK_K, 32),
+                      GROUP_M=cfg.GROUP_M, BLOCK_E=E, EVEN_K=K % max(cfg.BLOCK_K, 32) == 0, DT=1, UPCAST=False,
+                      PRECISE=True, PREC="tf32", PDL=True, WIDTH=(2 if gate_up else 1) * cfg.BLOCK_N, MXFP4=mxfp4)
+        consts["s_wk" if mxfp4 else "s_wn"] = 1  # the weights' unit stride (Triton specialises an int 1 so too)
+        ints = tuple(n for n in ("E", "N", "K", "num_pid_m", "s_a", "s_we", "s_wk", "s_wn", "s_se", "s_sn", "s_be",
+                                 "s_out") if n not in consts)
+        sig = {"a_ptr": "*bf16", "w_ptr": "*u8" if mxfp4 else "*bf16", "scale_ptr": "*u8" if mxfp4 else "*bf16",
+               "bias_ptr": "*bf16", "out_ptr": "*bf16", "tok_ptr": "*i64", "offs_ptr": "*i32",
+               **{n: "i32" for n in ints}, "limit": "fp32", "alpha": "fp32", **{n: "constexpr" for n in consts}}
         kernel = fg._biased_moe_gemm_kernel
-        aligned = ("a_ptr", "w_ptr", "bias_ptr", "out_ptr", "tok_ptr", "offs_ptr") + ints[:3] + ints[4:]
+        aligned = ("a_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "tok_ptr", "offs_ptr") + tuple(
+            n for n in ints if n != "num_pid_m")
         attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         ck = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False})
@@ -275,11 +279,12 @@ print(json.dumps(out))
 """
 
 
-def test_default_tiles_compile_for_hopper_at_the_gpt_oss_shape(tmp_path):
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+def test_default_tiles_compile_for_hopper_at_the_gpt_oss_shape(tmp_path, weights):
     """The interpreter cannot see the compiled path (the epilogue's reshape and split of the interleaved tile on
-    the MMA layout, libdevice exp, IEEE division, shared memory, the PDL wait): compile both GEMMs for sm_90 with
-    ptxas from the Triton wheel (no GPU needed) at GPT-OSS-120B's expert shape for a decode, a mid and a prefill
-    bucket of the default tile table."""
+    the MMA layout, the MXFP4 tile's interleave of its nibbles, libdevice exp, IEEE division, shared memory, the
+    PDL wait): compile both GEMMs of each weight load for sm_90 with ptxas from the Triton wheel (no GPU needed)
+    at GPT-OSS-120B's expert shape for a decode, a mid and a prefill bucket of the default tile table."""
     import json
     import subprocess
     from pathlib import Path
@@ -288,7 +293,7 @@ def test_default_tiles_compile_for_hopper_at_the_gpt_oss_shape(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(repo / "backends"), str(repo)]), TRITON_CACHE_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, "2-8", "129-512", ">16384"], env=env,
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, weights, "2-8", "129-512", ">16384"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -7,6 +7,8 @@ no bit on CPU.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 from pathlib import Path
 
@@ -60,6 +62,9 @@ def test_the_startup_account_of_memory_adds_up():
     text = d.describe()
     for part in ("weights 50.0 GiB", "KV cache 19.0 GiB", "kept free 8.0 GiB", "2 x 1.00 GiB"):
         assert part in text, text
+    assert "MXFP4" not in text
+    packed = dataclasses.replace(d, quantized_weights=40 * gib)  # e.g. GPT-OSS's experts kept as MXFP4
+    assert "weights 50.0 GiB (40.0 GiB of it MXFP4 / FP8)" in packed.describe()
 
 
 def test_logits_in_chunks_equal_one_gemm(tiny_checkpoint, monkeypatch):

@@ -23,7 +23,7 @@ import torch
 from ..layers.attend import ForwardBatch, LayerKV
 from ..layers.experts import StepRouting
 from ..layers.recurrent import LayerState, StateSpec
-from .memory_plan import MemoryDivision, estimate_step_activations, weight_bytes
+from .memory_plan import MemoryDivision, estimate_step_activations, quantized_weight_bytes, weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,8 @@ def kv_cache_budget(model: torch.nn.Module, specs: list[KVSpec], settings) -> in
     budget = int(total * gpu_memory_utilization) - in_use - 2 * peak
     weights = weight_bytes(model)
     estimate = estimate_step_activations(model.config, step_tokens, min(max_num_seqs, step_tokens), dtype)["total"]
-    division = MemoryDivision(total, gpu_memory_utilization, weights, max(0, in_use - weights), peak, estimate, budget)
+    division = MemoryDivision(total, gpu_memory_utilization, weights, max(0, in_use - weights), peak, estimate, budget,
+                              quantized_weight_bytes(model))
     log.info("KV budget: %s", division.describe())
     if budget <= 0:
         raise RuntimeError(

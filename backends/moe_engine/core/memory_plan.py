@@ -85,6 +85,7 @@ class MemoryDivision:
     peak_activations: int
     estimated_activations: int
     kv_cache: int
+    quantized_weights: int = 0  # of ``weights``: those stored packed / quantized (MXFP4 experts, FP8), scales included
 
     @property
     def kept_back(self) -> int:
@@ -92,7 +93,8 @@ class MemoryDivision:
 
     def describe(self) -> str:
         g = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
-        return (f"GPU memory {g(self.total)}: weights {g(self.weights)}, CUDA context and other buffers "
+        quantized = f" ({g(self.quantized_weights)} of it MXFP4 / FP8)" if self.quantized_weights else ""
+        return (f"GPU memory {g(self.total)}: weights {g(self.weights)}{quantized}, CUDA context and other buffers "
                 f"{g(self.other_in_use)}, step activations 2 x {self.peak_activations / 2**30:.2f} GiB (profiled peak, "
                 f"reserved for the step and the CUDA graphs; estimate {self.estimated_activations / 2**30:.2f} GiB), "
                 f"KV cache {g(self.kv_cache)}, kept free {g(self.kept_back)} (gpu_memory_utilization "
@@ -107,3 +109,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(t.data_ptr())
             total += t.nbytes
     return total
+
+
+_QUANTIZED_DTYPES = (torch.uint8, torch.float8_e4m3fn)  # MXFP4 bytes and e8m0 scales; FP8 weights
+
+
+def quantized_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters held quantized (MXFP4 experts' bytes and scales, FP8 weights and their float32
+    ``*_scale_inv``): the part of ``weight_bytes`` a packed format saves on."""
+    return sum(p.nbytes for n, p in model.named_parameters()
+               if p.dtype in _QUANTIZED_DTYPES or n.endswith("_scale_inv"))

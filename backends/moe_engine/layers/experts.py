@@ -477,11 +477,17 @@ class GptOssExperts(nn.Module):
     copy) -> kernels/fused_moe_gpt_oss.py's two GEMMs (biases, interleaved gate/up, clamped SwiGLU; within rounding
     of the op-by-op path, same ids) -> ``routing_kernels.combine`` (bit-identical HF-order sum), no host sync, so
     decode and prefill steps replay CUDA graphs. Otherwise the reference (grouped) path, or gathered weights for
-    small CUDA decode batches."""
+    small CUDA decode batches.
+
+    MXFP4 (``keep_mxfp4``, mxfp4_load.py): the experts stay as the checkpoint stores them, ``gate_up_proj_blocks``
+    uint8 [E, 2I, H/32, 16] + ``gate_up_proj_scales`` [E, 2I, H/32], ``down_proj_blocks`` [E, H, I/32, 16] +
+    ``down_proj_scales`` [E, H, I/32] (the checkpoint's names: weight updates write them by name); the fused path
+    runs the kernels' MXFP4 weight load for every step size, the reference path dequantises one expert at a time."""
 
     supports_fused = True  # MoEForCausalLM.use_fused_kernels switches ``fused`` on where Triton runs
     batch_invariant = False  # deterministic inference (see the module docstring): the reference path
     bi_kernels = False
+    MXFP4_PARAMS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
 
     def __init__(self, spec: ExpertsSpec, hidden_size: int):
         super().__init__()
@@ -497,19 +503,47 @@ class GptOssExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, I, H), requires_grad=False)
         self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
         self.first_expert: int | None = None  # expert parallelism: this rank's first expert (sharding.py)
+        self.mxfp4 = False  # keep_mxfp4: the expert weights as MXFP4 bytes and scales
+
+    def keep_mxfp4(self) -> None:
+        """Hold the expert weights as MXFP4 (see the class docstring) instead of gate_up_proj / down_proj. Called on
+        the meta model before loading (mxfp4_load.prepare) or on a loaded one (its weights then need replacing)."""
+        E, H, I2 = self.gate_up_proj.shape
+        if H % 32 or I2 % 64:
+            raise ValueError(f"MXFP4 experts need hidden ({H}) and intermediate ({I2 // 2}) sizes multiple of 32")
+        device = self.gate_up_proj.device
+        del self.gate_up_proj, self.down_proj
+        shapes = {"gate_up_proj_blocks": (E, I2, H // 32, 16), "gate_up_proj_scales": (E, I2, H // 32),
+                  "down_proj_blocks": (E, H, I2 // 64, 16), "down_proj_scales": (E, H, I2 // 64)}
+        for name, shape in shapes.items():
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=torch.uint8, device=device),
+                                             requires_grad=False))
+        self.mxfp4 = True
 
     def _fused_on(self) -> bool:
-        return self.fused and self.triton_gemm_max_pairs > 0 and self.first_expert is None and not self.batch_invariant
+        return (self.fused and (self.triton_gemm_max_pairs > 0 or self.mxfp4) and self.first_expert is None
+                and not self.batch_invariant)
 
     def graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        if self._fused_on() and self.triton_gemm_max_pairs == sys.maxsize:
+        if self._fused_on() and (self.triton_gemm_max_pairs == sys.maxsize or self.mxfp4):
             return None
         return "GPT-OSS experts off the fused path group tokens by expert on the host"
 
     def takes_fused_path(self, x: Tensor, top_k: int) -> bool:
-        """Whether ``forward`` runs the fused path for the tokens x [T, H]."""
+        """Whether ``forward`` runs the fused path for the tokens x [T, H]. MXFP4 experts: every step size (the
+        reference path would dequantise every expert it runs, each step)."""
         T = x.shape[0]
-        return bool(T and self._fused_on() and T * top_k <= self.triton_gemm_max_pairs)
+        return bool(T and self._fused_on() and (self.mxfp4 or T * top_k <= self.triton_gemm_max_pairs))
+
+    def expert_weights(self, e: int) -> tuple[Tensor, Tensor]:
+        """Expert e's (gate_up [H, 2I], down [I, H]) in the model dtype (MXFP4: dequantised now, as at load)."""
+        if not self.mxfp4:
+            return self.gate_up_proj[e], self.down_proj[e]
+        from ..checkpoint import dequantize_mxfp4
+
+        dtype = self.gate_up_proj_bias.dtype
+        return (dequantize_mxfp4(self.gate_up_proj_blocks[e : e + 1], self.gate_up_proj_scales[e : e + 1], dtype)[0],
+                dequantize_mxfp4(self.down_proj_blocks[e : e + 1], self.down_proj_scales[e : e + 1], dtype)[0])
 
     def forward(
         self, x: Tensor, ids: Tensor, weights: Tensor, capture: Tensor | None = None,
@@ -522,8 +556,13 @@ class GptOssExperts(nn.Module):
         if self.takes_fused_path(x, K):
             # [T, K], [K*T], [E]: from the router's launch (one token; it also wrote the capture) or route's
             pos, tok, offs = grouped if grouped is not None else routing_kernels.route(ids, self.num_experts, capture)
-            y = fused_moe_gpt_oss.expert_mlp(x, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
-                                             self.down_proj_bias, pos, tok, offs, self.limit, self.alpha)  # [K*T, H]
+            if self.mxfp4:
+                y = fused_moe_gpt_oss.expert_mlp(
+                    x, self.gate_up_proj_blocks, self.gate_up_proj_bias, self.down_proj_blocks, self.down_proj_bias,
+                    pos, tok, offs, self.limit, self.alpha, scales=(self.gate_up_proj_scales, self.down_proj_scales))
+            else:  # y [K*T, H]
+                y = fused_moe_gpt_oss.expert_mlp(x, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
+                                                 self.down_proj_bias, pos, tok, offs, self.limit, self.alpha)
             outputs = ExpertOutputs(y, ids, pos, weights)
             return outputs if defer_combine else outputs.combine(x.dtype)
         assert grouped is None, "grouped pairs are for the fused path"
@@ -534,6 +573,8 @@ class GptOssExperts(nn.Module):
             return forward_grouped(self._expert, self.num_experts, x, ids, weights)
         if self.first_expert is not None:
             return forward_local(self._expert, self.first_expert, self.num_experts, x, ids, weights)
+        if self.mxfp4:  # (gathering would need every pair's expert dequantised)
+            return forward_grouped(self._expert, self.num_experts, x, ids, weights)
         slot_bytes = self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes
         if x.is_cuda and T * K <= GATHER_MAX_SLOTS and T * K * slot_bytes <= GATHER_MAX_BYTES:
             return forward_gathered(self._gathered(x, ids), ids, weights, x.dtype)
@@ -547,11 +588,12 @@ class GptOssExperts(nn.Module):
         return (up + 1) * (gate * sigmoid(gate * self.alpha))
 
     def _expert(self, e: int, rows: Tensor) -> Tensor:
+        w_gate_up, w_down = self.expert_weights(e)  # [H, 2I], [I, H]
         if self.batch_invariant:  # matmul, then bias: as HF
-            gate_up = inv.linear(rows, self.gate_up_proj[e].t(), None, self.bi_kernels) + self.gate_up_proj_bias[e]
-            return inv.linear(self._act(gate_up), self.down_proj[e].t(), None, self.bi_kernels) + self.down_proj_bias[e]
-        gate_up = rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I] (matmul, then bias: as HF)
-        return self._act(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, H]
+            gate_up = inv.linear(rows, w_gate_up.t(), None, self.bi_kernels) + self.gate_up_proj_bias[e]
+            return inv.linear(self._act(gate_up), w_down.t(), None, self.bi_kernels) + self.down_proj_bias[e]
+        gate_up = rows @ w_gate_up + self.gate_up_proj_bias[e]  # [n, 2I] (matmul, then bias: as HF)
+        return self._act(gate_up) @ w_down + self.down_proj_bias[e]  # [n, H]
 
     def _gathered(self, x: Tensor, ids: Tensor) -> Tensor:
         gate_up = torch.einsum("th,tkho->tko", x, self.gate_up_proj[ids]) + self.gate_up_proj_bias[ids]

@@ -169,9 +169,12 @@ class RolloutLifecycle:
         future: Future = Future()
         blocks = self.engine.blocks
         deterministic = bool(self.engine.settings.deterministic_inference)
-        # what the weights are served as: "fp8" (W8A8 block FP8) or the model dtype (an FP8 checkpoint dequantised)
+        # what the weights are served as: "fp8" (W8A8 block FP8), "mxfp4" (GPT-OSS experts kept packed, the rest in
+        # the model dtype) or the model dtype (a quantized checkpoint dequantised)
         fp8_served = any(p.dtype == torch.float8_e4m3fn for p in self.engine.model.parameters())
-        weights = "fp8" if fp8_served else str(self.engine.model.dtype).removeprefix("torch.")
+        mxfp4_served = any(getattr(m, "mxfp4", False) for m in self.engine.model.modules())
+        weights = ("fp8" if fp8_served else "mxfp4" if mxfp4_served
+                   else str(self.engine.model.dtype).removeprefix("torch."))
         future.set_result({"message": f"KV cache: {blocks.num_blocks} blocks x {blocks.block_size} tokens"
                                       + ("; deterministic inference" if deterministic else ""),
                            "kv_block_size": blocks.block_size, "num_kv_blocks": blocks.num_blocks,

@@ -10,7 +10,8 @@ Contracts:
 - From disk, tensors are found exactly as at start-up (checkpoint.py's mapping, reused: per-expert and fused expert
   layouts, the Hub's Mixtral names, MXFP4, tied embeddings, float dtypes converted), so an engine updated to
   checkpoint B computes what an engine started on B computes. B's config.json, when present, must describe the
-  same model (its dtype aside).
+  same model (its dtype aside). GPT-OSS experts kept packed in MXFP4 take MXFP4 bytes and scales only (by name,
+  uint8): a float update of them is refused, naming the fix (no re-quantisation here).
 - From a broadcast, the trainer names tensors as a checkpoint does; ``checkpoint_targets`` maps every such name to
   the parameter, or the rows of a fused expert parameter, it fills. A trainer may send the model in buckets (one
   call each). Names of tensors the model does not use (a tied ``lm_head.weight``, DeepSeek-V3's multi-token
@@ -67,6 +68,23 @@ class WeightUpdateError(InvalidRequestError):
     code: str | None = None  # checkpoint_not_found, weight_update_group_not_found: the API answers 404
 
 
+_PACKED_SUFFIXES = ("_blocks", "_scales")  # GPT-OSS experts kept as MXFP4 (layers/experts.py GptOssExperts.mxfp4)
+
+
+def _packed_param(model: torch.nn.Module, name: str) -> bool:
+    """Whether parameter ``name`` holds packed MXFP4 bytes or scales (uint8, written as the checkpoint stores them)."""
+    return name.endswith(_PACKED_SUFFIXES) and is_experts_param(name) and model.get_parameter(name).dtype == torch.uint8
+
+
+def _refuse_dense_into_packed(name: str, dtype) -> WeightUpdateError:
+    """A model-dtype expert tensor for experts served packed: refused (no re-quantisation here), naming the fixes."""
+    return WeightUpdateError(
+        f"tensor {name!r} ({dtype}): this engine serves the GPT-OSS experts packed as MXFP4 and does not re-quantize "
+        f"{dtype} weights into them; send the experts as MXFP4 ({name}_blocks uint8 + {name}_scales uint8, as "
+        "gpt-oss checkpoints store them), or start the engine with --disable-fused-kernels to serve them "
+        "dequantized (then any float dtype is accepted)", param="names")
+
+
 def refuse_fp8(model: torch.nn.Module) -> None:
     """Weights served in FP8 (e4m3 + block scales) are not updated in place: a bf16 tensor written into them would
     be cast without its scales. Refused, naming the way out."""
@@ -97,6 +115,9 @@ class _Headers(_Tensors):
         self.used.add(key)
 
     def get(self, key: str, shape) -> torch.Tensor:
+        if key.endswith(_PACKED_SUFFIXES):  # MXFP4 blocks / scales read whole into packed experts
+            self._check(key, shape, frozenset({"U8"}))
+            return torch.empty(shape, dtype=torch.uint8, device=_META)
         self._check(key, shape, _FLOAT_FILE_DTYPES)
         return torch.empty(shape, device=_META)
 
@@ -113,6 +134,10 @@ def _read(t: _Tensors, model: torch.nn.Module, name: str, like: torch.Tensor, de
     tensor parallelism only this rank's slices (the checkpoint's whole tensors are what the shapes are checked
     against)."""
     load = _load_experts if is_experts_param(name) else _load_direct
+    if _packed_param(model, name) and name not in t:
+        dense = name.rsplit("_", 1)[0]  # ...experts.gate_up_proj(_blocks)
+        if dense in t:
+            raise _refuse_dense_into_packed(dense, "a float tensor")
     sel = getattr(model, "shard_selections", {}).get(name)
     return load(t, model.config, name, tuple(like.shape), like.dtype, device, sel)
 
@@ -276,8 +301,11 @@ def _unused_name(cfg: MoEConfig, name: str) -> bool:
     return (cfg.tie_word_embeddings and name == "lm_head.weight") or _ignored_key(name, cfg)
 
 
-def parse_dtype(name: str, dtype: str) -> torch.dtype:
+def parse_dtype(name: str, dtype: str, packed: bool = False) -> torch.dtype:
+    """The torch dtype of an announced tensor: a float dtype, or uint8 where ``packed`` (MXFP4 bytes / scales)."""
     key = str(dtype).removeprefix("torch.")
+    if packed and key == "uint8":
+        return torch.uint8
     if key not in _FLOAT_DTYPES:
         raise WeightUpdateError(f"tensor {name!r}: dtype {dtype!r} is not a float dtype "
                                 f"({', '.join(sorted(_FLOAT_DTYPES))})", param="dtypes")
@@ -304,9 +332,15 @@ def check_tensors(model: torch.nn.Module, names: list[str], dtypes: list[str],
     cfg: MoEConfig = model.config
     targets = checkpoint_targets(model)
     plan = []
+    packed = {n for n in targets if _packed_param(model, targets[n].param)}
     for name, dtype, shape in zip(names, dtypes, shapes):
-        tdtype, shape = parse_dtype(name, dtype), tuple(int(s) for s in shape)
+        tdtype, shape = parse_dtype(name, dtype, packed=name in packed), tuple(int(s) for s in shape)
         target = targets.get(name)
+        if name in packed and tdtype != torch.uint8:
+            raise WeightUpdateError(f"tensor {name!r} holds MXFP4 {name.rsplit('_', 1)[1]}: its dtype must be "
+                                    f"uint8, not {dtype!r}", param="dtypes")
+        if target is None and f"{name}_blocks" in packed:
+            raise _refuse_dense_into_packed(name, dtype)
         if target is None and not _unused_name(cfg, name):
             raise WeightUpdateError(
                 f"tensor {name!r} is not a parameter of the served {cfg.architecture} model (names are checkpoint "
@@ -323,7 +357,8 @@ def dropped_plan(names: list[str], dtypes: list[str], shapes: list[list[int]]) -
     """The announced tensors, each to be received and dropped (a refused update); None if not even their dtypes
     and shapes can be read."""
     try:
-        return [Incoming(n, parse_dtype(n, d), tuple(int(x) for x in s), None) for n, d, s in
+        return [Incoming(n, parse_dtype(n, d, packed=n.endswith(_PACKED_SUFFIXES)), tuple(int(x) for x in s), None)
+                for n, d, s in
                 zip(names, dtypes, shapes, strict=True)]
     except (WeightUpdateError, TypeError, ValueError):
         return None
