@@ -520,6 +520,8 @@ def _check_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match the caches' [Hkv, D] "
             f"{tuple(k_cache.shape[2:])} / {tuple(v_cache.shape[2:])}"
         )
+    if k.dtype != v.dtype or (not fp8 and k.dtype != k_cache.dtype):
+        raise TypeError(f"k/v dtypes {k.dtype}/{v.dtype} differ from the cache's {k_cache.dtype}")
     _check_cache_dtype(k.dtype, k_cache, v_cache, fp8)
 
 
@@ -607,7 +609,7 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_l
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if q.dtype not in _DTYPES:
-        raise TypeError(f"q must be one of {_DTYPES}, got {q.dtype}")
+        raise TypeError(f"q must have a dtype among {_DTYPES}, got {q.dtype}")
     _check_cache_dtype(q.dtype, k_cache, v_cache, fp8)
     B = seq_lens.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] < B or cu_seqlens_q.shape[0] != B + 1:
@@ -855,6 +857,7 @@ def paged_attention_reference(
     (``k_scale`` / ``v_scale``) is dequantised after the gather as ``kv_fp8.dequantize``: the values the kernels read."""
     _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sinks, sliding_window,
                           k_scale is not None)
+    _scale_args(k_scale, v_scale, seq_lens)
     T, Hq, Dk = q.shape
     Dv = v_cache.shape[3]
     result = q.new_zeros(T, Hq, Dv)
