@@ -131,10 +131,10 @@ def model_card(cfg: FrontendConfig, model: ModelInfo, created: int,
         # weights: the checkpoint's format ("none", "fp8", "mxfp4"); served_as: what the engine computes with, "fp8"
         # (W8A8 block FP8: an FP8 checkpoint on a GPU with FP8 tensor cores, or --quantization fp8), "mxfp4"
         # (GPT-OSS experts kept packed on the GPU) or the model dtype (dequantised at load; null when the engine
-        # cannot tell); kv_cache: the KV blocks' dtype ("auto":
-        # the model dtype, as vLLM's --kv-cache-dtype auto)
+        # cannot tell); kv_cache: the KV blocks' dtype ("auto": the model dtype, as vLLM's --kv-cache-dtype auto;
+        # "fp8_e4m3" with --kv-cache-dtype fp8; null when the engine cannot tell)
         "quantization": {"weights": model.quantization, "served_as": engine.get("weights_served_as"),
-                         "kv_cache": "auto"},
+                         "kv_cache": engine.get("kv_cache_dtype")},
         "routed_experts_enabled": cfg.enable_routed_experts,
         # Cached prompt tokens still get their exact routed-experts rows (stored with the KV blocks).
         "prefix_caching_enabled": model.enable_prefix_caching,

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from moe_engine.config import UnsupportedModelError, load_config
-from moe_engine.engine_config import EngineConfig, check_parallel
+from moe_engine.engine_config import EngineConfig, batch_invariant_env, check_parallel, resolve_kv_cache_dtype
 
 from .triton_server import (
     DEFAULT_MODEL_REPOSITORY,
@@ -276,6 +276,10 @@ def check_model_and_engine(args, checkpoint: Path):  # noqa: ANN001 - argparse n
         raise usage_error("--expert-load-window must be > 0 seconds")
     if engine_config.expert_distribution_recorder_buffer_size < -1:
         raise usage_error("--expert-distribution-recorder-buffer-size must be >= 0, or -1 (every step)")
+    try:
+        resolve_kv_cache_dtype(engine_config, cfg, engine_config.deterministic_inference or batch_invariant_env())
+    except ValueError as exc:
+        raise usage_error(str(exc)) from None
     try:
         check_parallel(cfg, engine_config.tensor_parallel_size, engine_config.enable_expert_parallel)
         groups = instance_groups(args.data_parallel_size, engine_config.tensor_parallel_size, args.device)

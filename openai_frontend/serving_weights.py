@@ -95,7 +95,7 @@ async def engine_state(ctx: ServingContext) -> dict[str, Any]:
         return {}
     return {"weight_version": info.get("weight_version"), "kv_block_size": info.get("kv_block_size"),
             "deterministic_inference": info.get("deterministic_inference"),
-            "weights_served_as": info.get("weights_served_as")}
+            "weights_served_as": info.get("weights_served_as"), "kv_cache_dtype": info.get("kv_cache_dtype")}
 
 
 def _answer(result: dict[str, Any], **extra: Any) -> JSONResponse:

@@ -14,7 +14,9 @@
 - bf16 / fp16 / fp32 on disk, converted tensor by tensor to the requested dtype, except where HF keeps float32
   (DeepSeek's router weight and e_score_correction_bias; ``MoEForCausalLM.param_dtype``);
 - tied embeddings (``lm_head`` shares ``embed_tokens``; a stored ``lm_head.weight`` is ignored, as HF);
-- DeepSeek-V3 multi-token-prediction layers (``model.layers.{num_hidden_layers}.*``) are ignored, as HF.
+- DeepSeek-V3 multi-token-prediction layers (``model.layers.{num_hidden_layers}.*``) are ignored, as HF;
+- FP8 KV-cache scales as vLLM reads them (``...self_attn[.k_proj].k_scale``, ``[.v_proj].v_scale``, or one
+  ``kv_scale`` for both; ``read_kv_scales``) go to ``model.kv_scales`` for ``--kv-cache-dtype fp8``.
 
 The model is built on the ``meta`` device and each parameter is read from the memory-mapped
 file (``safe_open``) and assigned, so there is never a second full copy of the weights in RAM.
@@ -408,6 +410,32 @@ def _load_mxfp4(t: _Tensors, name: str, shape, dtype, device) -> torch.Tensor:
 
 _MTP_ARCHITECTURES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
+# A layer's KV-cache scales, under the names vLLM's loaders accept (ModelOpt / compressed-tensors / Quark: on the
+# attention module or its k_proj / v_proj; AutoFP8's older ``kv_scale``: one scale for keys and values).
+_KV_SCALE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|attn|mixer)\.(?:(?:[kv]_proj|qkv_proj|attn)\.)?"
+                           r"(k_scale|v_scale|kv_scale)$")
+
+
+def read_kv_scales(tensors: _Tensors, num_layers: int) -> list[tuple[float, float] | None]:
+    """Per layer (k_scale, v_scale) from the checkpoint, None where it has none (a missing half: 1.0). The scales
+    dequantise: the FP8 cache stores x / scale (kernels/kv_fp8.py), as vLLM. Marks the keys used."""
+    found: dict[int, dict[str, float]] = {}
+    for key in tensors.key_file:
+        m = _KV_SCALE_KEY.search(key)
+        if m is None or int(m.group(1)) >= num_layers:
+            continue
+        value = tensors._open(tensors.key_file[key]).get_tensor(key).float()
+        if value.numel() != 1:
+            raise CheckpointError(f"KV-cache scale {key!r} has {value.numel()} elements; only per-tensor scales "
+                                  "are supported")
+        found.setdefault(int(m.group(1)), {})[m.group(2)] = float(value.reshape(()))
+        tensors.used.add(key)
+    scales: list[tuple[float, float] | None] = [None] * num_layers
+    for layer, names in found.items():
+        both = names.get("kv_scale", 1.0)
+        scales[layer] = (names.get("k_scale", both), names.get("v_scale", both))
+    return scales
+
 
 def _ignored_key(key: str, cfg: MoEConfig) -> bool:
     """Tensors HF does not load either: the multi-token-prediction layers after the last layer (DeepSeek-V3,
@@ -495,6 +523,7 @@ def load_model(
             setattr(model.get_submodule(module_name), attr, nn.Parameter(value, requires_grad=False))
             if bar is not None:
                 bar.update(value.nbytes)
+        kv_scales = read_kv_scales(tensors, cfg.num_hidden_layers)
         unused = sorted(set(tensors.key_file) - tensors.used - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
         ignored = [k for k in unused if _ignored_key(k, cfg)]
         unused = [k for k in unused if not _ignored_key(k, cfg)]
@@ -516,4 +545,5 @@ def load_model(
     packed = f"; experts MXFP4 packed: {mxfp4_load.packed_bytes(model) / 1e9:.2f} GB" if mxfp4 else ""
     log.info("loaded %s (%s, %.2f GB%s) in %.1f s", root, tdtype, total / 1e9, packed, time.monotonic() - start)
     model.shard_selections = selections  # this rank's slices of each sharded tensor: weight updates read the same
+    model.kv_scales = kv_scales  # per layer (k_scale, v_scale) or None: an FP8 KV cache's (core/kv_cache.py)
     return model.eval()

@@ -168,7 +168,8 @@ class Engine:
         per_layer = "/".join(map(str, r.kv.values_per_token_layer)) + " values per layer" + (
             f": MLA latent {mla.kv_lora_rank} + rope key {mla.qk_rope_head_dim}" if mla is not None else "")
         return (f"KV cache {r.kv.nbytes / 2**30:.2f} GiB = {b.num_blocks} blocks x {s.block_size} tokens "
-                f"({b.num_blocks * s.block_size} tokens; {r.kv.bytes_per_token} bytes per token, {per_layer}), "
+                f"({b.num_blocks * s.block_size} tokens; {r.kv.bytes_per_token} bytes per token in "
+                f"{str(r.kv.kv_dtype).removeprefix('torch.')}, {per_layer}), "
                 f"{s.max_num_seqs} seqs, {s.step_tokens} tokens/step, "
                 f"max_model_len {s.max_model_len}, prefix caching {prefix}, routed experts "
                 f"{'on' if s.enable_routed_experts else 'off'}, expert load "

@@ -18,6 +18,10 @@ from typing import Any
 # Renamed settings still accepted in an engine_config JSON (old name -> new name).
 RENAMED = {"overlap_decode": "async_scheduling"}
 
+# --kv-cache-dtype values (vLLM's names) this engine serves -> what the KV blocks hold ("auto": the model dtype).
+# vLLM's fp8_e5m2 is refused (no scaled e5m2 path here), as is fp8 for MLA models (kernels/kv_fp8.py).
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
+
 # vLLM's switch for its batch-invariant mode, accepted as --enable-deterministic-inference (SGLang's flag).
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 
@@ -93,6 +97,11 @@ class EngineConfig:
               "(128 x 128 blocks) at load and serve them W8A8 (vLLM's flag; routers, norms, embeddings and lm_head "
               "stay in the model dtype). An FP8 checkpoint needs no flag: it is served in FP8 on GPUs with FP8 "
               "tensor cores and dequantised elsewhere", choices=["fp8"])
+    kv_cache_dtype: str = _setting(
+        "auto", "KV cache dtype (vLLM's flag): auto = the model dtype; fp8 / fp8_e4m3 = float8 e4m3 blocks, twice the "
+                "tokens in the same memory, with per-layer k/v scales from the checkpoint (k_scale / v_scale / "
+                "kv_scale) or 1.0. Not for MLA models, tensor parallelism or deterministic inference",
+        choices=list(KV_CACHE_DTYPES))
     deterministic_inference: bool = _setting(
         False, "batch-invariant forward: a request's tokens, logprobs, prompt logprobs, routed experts and routed "
                "weights are the same bits whatever shares its steps (chunking, prefix-cache hits and CUDA graphs "
@@ -182,6 +191,7 @@ class EngineConfig:
         deterministic = bool(self.deterministic_inference) or batch_invariant_env()
         if deterministic:
             check_deterministic(self, cuda, bool(fused), cfg)
+        kv_cache_dtype = resolve_kv_cache_dtype(self, cfg, deterministic)
         att = cfg.attention
         head_dims = (att.mla.kv_lora_rank, att.mla.qk_rope_head_dim) if att.mla is not None else (att.head_dim,)
         return ResolvedConfig(
@@ -209,6 +219,7 @@ class EngineConfig:
             tensor_parallel_size=self.tensor_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
             deterministic_inference=deterministic,
+            kv_cache_dtype=kv_cache_dtype,
             # the counts read the routing capture: none without routed experts
             expert_load=bool(self.expert_load and self.enable_routed_experts),
             expert_load_window=float(self.expert_load_window),
@@ -253,6 +264,7 @@ class ResolvedConfig:
     tensor_parallel_size: int
     enable_expert_parallel: bool
     deterministic_inference: bool = False  # batch-invariant forward (docs/design/determinism.md)
+    kv_cache_dtype: str = "auto"  # what the KV blocks hold: "auto" (the model dtype) or "fp8_e4m3"
     expert_load: bool = False  # tokens per (MoE layer, expert) counted on the device (core/expert_load.py)
     expert_load_window: float = 60.0  # seconds
     expert_distribution_recorder_mode: str = "stat"
@@ -295,6 +307,31 @@ def check_deterministic(engine: EngineConfig, cuda: bool, fused: bool, cfg) -> N
     if cuda and not fused:
         raise ValueError(f"{flag} on CUDA needs the fused Triton kernels (Triton installed, no "
                          "--disable-fused-kernels)")
+
+
+def resolve_kv_cache_dtype(engine: EngineConfig, cfg, deterministic: bool) -> str:
+    """``engine.kv_cache_dtype`` as the blocks hold it ("auto" or "fp8_e4m3"); ValueError for a value this engine
+    does not serve or an FP8 cache it cannot combine: MLA models (their latent-cache kernels read the model dtype),
+    tensor parallelism and deterministic inference (their attention paths have no FP8 read yet)."""
+    value = (engine.kv_cache_dtype or "auto").strip().lower()
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {engine.kv_cache_dtype!r} is not supported (supported: "
+                         f"{', '.join(KV_CACHE_DTYPES)}" + ("; fp8_e5m2 is not implemented, use fp8 (e4m3)"
+                                                            if value == "fp8_e5m2" else "") + ")")
+    resolved = KV_CACHE_DTYPES[value]
+    if resolved == "auto":
+        return resolved
+    flag = f"--kv-cache-dtype {value}"
+    if cfg.attention.mla is not None:
+        raise ValueError(f"{flag} is not supported for MLA models ({cfg.architecture}: the latent cache stays in the "
+                         "model dtype); use --kv-cache-dtype auto")
+    if engine.tensor_parallel_size > 1:
+        raise ValueError(f"{flag} is not supported with tensor parallelism yet; use --tensor-parallel-size 1 or "
+                         "--kv-cache-dtype auto")
+    if deterministic:
+        raise ValueError(f"{flag} is not supported with --enable-deterministic-inference (the batch-invariant "
+                         "attention reads the model dtype); drop one of the two")
+    return resolved
 
 
 def check_parallel(cfg, tensor_parallel_size: int, expert_parallel: bool) -> None:

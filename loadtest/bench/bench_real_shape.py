@@ -123,7 +123,8 @@ def engine_config(args, device: torch.device, **want):
                 "exact_kernels": True if args.exact_kernels else None,
                 "deterministic_inference": True if args.enable_deterministic_inference else None,
                 "expert_load": False if args.disable_expert_load else None,
-                "kv_cache_memory_bytes": int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None}
+                "kv_cache_memory_bytes": int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None,
+                "kv_cache_dtype": args.kv_cache_dtype}
     want.update({k: v for k, v in optional.items() if v is not None})
     if "kv_cache_bytes" in have and "kv_cache_memory_bytes" not in have:  # the slot-cache engine (de221cd)
         budget = want.pop("kv_cache_memory_bytes", None)
@@ -886,6 +887,9 @@ def parse_args(argv=None):
                    help="fp8: the random weights quantised to W8A8 block FP8 on the device (loadtest/bench/bench_fp8.py "
                         "compares with bf16 in one run); mxfp4 (GPT-OSS shapes): the experts quantised to MXFP4 on "
                         "the device and served packed (mxfp4_load.pack_in_memory), as a gpt-oss checkpoint on a GPU")
+    g.add_argument("--kv-cache-dtype", default=None, choices=("auto", "fp8", "fp8_e4m3"),
+                   help="fp8: FP8 (e4m3) KV blocks with scales 1.0; run once with and once without to compare case c's "
+                        "ITL and case d's KV tokens with the bf16 cache")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB")

@@ -47,7 +47,7 @@ def test_models(client, fe_server):
     m = client.models.retrieve(fe_server.model).model_dump()
     assert m["num_hidden_layers"] == 3 and m["moe_layers"] == [1, 2] and m["num_experts"] == 8
     assert m["top_k"] == 2 and m["routed_experts_dtype"] == "uint8" and m["max_model_len"] == 128
-    assert m["quantization"] == {"weights": "none", "served_as": None, "kv_cache": "auto"}  # (no engine state)
+    assert m["quantization"] == {"weights": "none", "served_as": None, "kv_cache": None}  # (no engine state)
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("nope")
     assert e.value.body["code"] == "model_not_found"

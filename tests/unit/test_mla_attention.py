@@ -287,7 +287,8 @@ def test_kv_cache_holds_the_latent_and_reports_it(tmp_path, caplog):
         engine = Engine(load_model(path, progress=False), cfg, EngineConfig(max_model_len=64))
     per_layer = 32 + 8  # the tiny config's kv_lora_rank + qk_rope_head_dim
     assert engine.stats()["kv_bytes_per_token"] == cfg.num_hidden_layers * per_layer * 4  # float32
-    assert f"{cfg.num_hidden_layers * per_layer * 4} bytes per token, {per_layer} values per layer: MLA latent 32 + " \
+    assert f"{cfg.num_hidden_layers * per_layer * 4} bytes per token in float32, {per_layer} values per layer: MLA " \
+           "latent 32 + " \
            "rope key 8" in caplog.text
     # Moonlight-16B-A3B's shape (built on the meta device): 576 values per layer against 16 heads x (192 + 128)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

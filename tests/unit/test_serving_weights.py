@@ -106,6 +106,14 @@ def test_the_model_card_says_whether_deterministic_inference_is_on(srv):
         assert srv.http.get("/v1/models/m").json()["deterministic_inference"] is on
 
 
+def test_the_model_card_says_what_the_kv_cache_holds(srv):
+    """--kv-cache-dtype fp8: quantization.kv_cache is the engine's answer (fp8_e4m3, or auto for the model dtype)."""
+    for kv in ("fp8_e4m3", "auto"):
+        srv.engine.answers["get_engine_info"] = {"success": True, "message": "", "kv_block_size": 16,
+                                                 "kv_cache_dtype": kv}
+        assert srv.http.get("/v1/models/m").json()["quantization"]["kv_cache"] == kv
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/update_weights_from_disk", {}, "model_path"),
     ("/update_weights_from_disk", {"model_path": "/x", "is_async": True}, "is_async"),

@@ -8,6 +8,10 @@ p lives in block ``block_table[p // block_size]`` at offset ``p % block_size``; 
 
 The last block is never handed out: CUDA-graph padding rows write their keys there (``null_block``).
 
+``--kv-cache-dtype fp8``: the blocks hold float8 e4m3 (1 byte per value: twice the tokens of a bf16 cache in the same
+bytes) with one float32 k_scale and v_scale per layer (kernels/kv_fp8.py), the checkpoint's or 1.0; recurrent states
+stay in the model dtype.
+
 Hybrid models: a layer whose ``kv_layout`` entry is a ``StateSpec`` (linear attention, Mamba) has no blocks but a
 ``LayerState`` (layers/recurrent.py): its states for ``num_state_slots`` sequence slots and one null slot, at fixed
 addresses, allocated here beside the blocks and counted in the same budget (``state_bytes``).
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import kv_fp8
 from ..layers.attend import ForwardBatch, LayerKV
 from ..layers.experts import StepRouting
 from ..layers.recurrent import LayerState, StateSpec
@@ -38,6 +43,7 @@ class KVSpec:
 
 
 def bytes_per_block(specs: list[KVSpec | StateSpec], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block in every attention layer (``dtype``: the cache's, float8 for an FP8 cache)."""
     elem = torch.empty((), dtype=dtype).element_size()
     return sum(s.num_kv_heads * (s.k_dim + s.v_dim) for s in specs if isinstance(s, KVSpec)) * block_size * elem
 
@@ -55,28 +61,40 @@ def blocks_for_budget(specs: list[KVSpec | StateSpec], block_size: int, dtype: t
 class KVCache:
     def __init__(
         self, specs: list[KVSpec | StateSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: torch.device | str, num_state_slots: int = 4,
+        device: torch.device | str, num_state_slots: int = 4, kv_dtype: torch.dtype | None = None,
+        kv_scales: list[tuple[float, float] | None] | None = None,
     ):
+        """``dtype``: the model's (recurrent states; the blocks too unless ``kv_dtype``). ``kv_dtype`` float8 e4m3:
+        an FP8 cache, with ``kv_scales[layer]`` = (k_scale, v_scale) (None or missing: 1.0)."""
         if num_blocks < 2:
             raise ValueError(f"a KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.null_block = num_blocks - 1
         self.device = torch.device(device)
+        self.kv_dtype = kv_dtype = kv_dtype or dtype
+        fp8 = kv_dtype == kv_fp8.FP8_KV_DTYPE
+
+        def scale(layer: int, which: int) -> torch.Tensor | None:
+            pair = kv_scales[layer] if kv_scales is not None and layer < len(kv_scales) else None
+            value = 1.0 if pair is None else float(pair[which])
+            return torch.full((1,), value, dtype=torch.float32, device=device) if fp8 else None
+
         hybrid = any(isinstance(s, StateSpec) for s in specs)
         self.num_state_slots = num_state_slots if hybrid else 0  # sequences with a recurrent state at once
         # per layer: its KV blocks, its recurrent states, or None (a Nemotron-H MLP / MoE block keeps nothing)
         self.layers: list[LayerKV | LayerState | None] = [
             None if s is None else LayerState.allocate(s, num_state_slots, dtype, device) if isinstance(s, StateSpec)
             else LayerKV(
-                k=torch.zeros(num_blocks, block_size, s.num_kv_heads, s.k_dim, dtype=dtype, device=device),
-                v=torch.zeros(num_blocks, block_size, s.num_kv_heads, s.v_dim, dtype=dtype, device=device),
+                k=torch.zeros(num_blocks, block_size, s.num_kv_heads, s.k_dim, dtype=kv_dtype, device=device),
+                v=torch.zeros(num_blocks, block_size, s.num_kv_heads, s.v_dim, dtype=kv_dtype, device=device),
+                k_scale=scale(i, 0), v_scale=scale(i, 1),
             )
-            for s in specs
+            for i, s in enumerate(specs)
         ]
         self.kv_layers = [layer for layer in self.layers if isinstance(layer, LayerKV)]
         # what one token's KV costs in every layer (MLA: the latent + the rope key, never expanded K/V)
-        self.bytes_per_token = bytes_per_block(specs, 1, dtype)
+        self.bytes_per_token = bytes_per_block(specs, 1, kv_dtype)
         self.values_per_token_layer = sorted({s.num_kv_heads * (s.k_dim + s.v_dim) for s in specs
                                               if isinstance(s, KVSpec)})
         self.state_nbytes = sum(layer.nbytes for layer in self.layers if isinstance(layer, LayerState))
@@ -125,10 +143,12 @@ def kv_cache_budget(model: torch.nn.Module, specs: list[KVSpec], settings) -> in
     max_model_len, gpu_memory_utilization = settings.max_model_len, settings.gpu_memory_utilization
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
+    kv_dtype = kv_fp8.storage_dtype(settings.kv_cache_dtype, dtype)
     if device.type != "cuda":
-        need = (max_num_seqs * -(-max_model_len // block_size) + 1) * bytes_per_block(specs, block_size, dtype)
+        need = (max_num_seqs * -(-max_model_len // block_size) + 1) * bytes_per_block(specs, block_size, kv_dtype)
         return min(CPU_KV_BUDGET, need + state_bytes(specs, max_num_seqs, dtype))
-    peak = profile_peak_activation(model, specs, block_size, step_tokens, max_num_seqs, settings.attention_kernels)
+    peak = profile_peak_activation(model, specs, block_size, step_tokens, max_num_seqs, settings.attention_kernels,
+                                  kv_dtype)
     torch.cuda.synchronize(device)
     # Memory this process's caching allocator holds but no tensor uses (a previous engine's KV cache, the
     # profiling step's activations) is free for this one: hand it back before asking the driver.
@@ -154,7 +174,7 @@ def kv_cache_budget(model: torch.nn.Module, specs: list[KVSpec], settings) -> in
 @torch.inference_mode()
 def profile_peak_activation(
     model: torch.nn.Module, specs: list[KVSpec], block_size: int, step_tokens: int, max_num_seqs: int,
-    use_kernels: bool = False,
+    use_kernels: bool = False, kv_dtype: torch.dtype | None = None,
 ) -> int:
     """Peak device bytes a step of ``step_tokens`` prefill tokens allocates beyond what is allocated now
     (activations, expert buffers, logits and sampling of ``max_num_seqs`` rows), measured by running one.
@@ -166,7 +186,7 @@ def profile_peak_activation(
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    cache = KVCache(specs, -(-step_tokens // block_size) + 1, block_size, dtype, device)
+    cache = KVCache(specs, -(-step_tokens // block_size) + 1, block_size, dtype, device, kv_dtype=kv_dtype)
     batch = ForwardBatch.build([list(range(cache.num_blocks - 1))], [0], [step_tokens], device, block_size,
                                split_parts=not use_kernels)
     batch.use_kernels = use_kernels

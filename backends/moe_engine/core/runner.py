@@ -28,6 +28,7 @@ from ..layers.experts import StepRouting
 from .cuda_graphs import DecodeGraphs
 from .expert_load import ExpertLoad
 from ..engine_config import ResolvedConfig
+from ..kernels import kv_fp8
 from .kv_cache import KVCache, blocks_for_budget, kv_cache_budget, state_bytes
 from .memory_plan import logits_chunk_rows
 from .prefill_graphs import PrefillGraphs
@@ -111,8 +112,7 @@ class ReleasableMemory:
 
     def allocate_kv(self) -> None:
         """The KV cache again, as it was sized at start (zeros); graphs follow with ``reset_graphs``."""
-        self.kv = KVCache(self.model.kv_layout(), self._kv_blocks, self.block_size, self.dtype, self.device,
-                          num_state_slots=self.num_state_slots)
+        self.kv = self._new_kv(self._kv_blocks)
 
 
 def graphs_off_reason(model: torch.nn.Module, settings: ResolvedConfig) -> str | None:
@@ -122,6 +122,20 @@ def graphs_off_reason(model: torch.nn.Module, settings: ResolvedConfig) -> str |
     if not settings.cuda_graphs:
         return "enforce_eager" if settings.max_cudagraph_capture_size else "max_cudagraph_capture_size=0"
     return model.graph_unsafe_reason()
+
+
+def describe_kv_scales(model: torch.nn.Module) -> None:
+    """Log where an FP8 KV cache's scales come from: the checkpoint's (checkpoint.py's ``read_kv_scales``) or 1.0
+    (vLLM's default, uncalibrated: values beyond +-448 saturate)."""
+    scales = model.kv_scales or []
+    found = sum(pair is not None for pair in scales)
+    attention = len(model.config.attention_layers)
+    if found:
+        log.info("FP8 KV cache: k/v scales from the checkpoint for %d of %d attention layers (1.0 for the rest)",
+                 found, attention)
+    else:
+        log.info("FP8 KV cache: the checkpoint has no k_scale / v_scale; using uncalibrated scales of 1.0 (values "
+                 "beyond +-448 saturate), as vLLM does")
 
 
 def build_runner(model: torch.nn.Module, settings: ResolvedConfig, group=None) -> ModelRunner:
@@ -134,13 +148,16 @@ def build_runner(model: torch.nn.Module, settings: ResolvedConfig, group=None) -
     model.use_batch_invariant(settings.deterministic_inference)
     specs = model.kv_layout()
     dtype = next(model.parameters()).dtype
+    kv_dtype = kv_fp8.storage_dtype(settings.kv_cache_dtype, dtype)
+    if kv_dtype != dtype:
+        describe_kv_scales(model)
     budget = kv_cache_budget(model, specs, settings)
     # hybrid models: every running sequence's recurrent states (and the null slot) first, the blocks from the rest
     states = state_bytes(specs, settings.max_num_seqs, dtype)
     if states:
         log.info("recurrent states: %.3f GiB for %d sequences (%d linear-attention / Mamba layers)", states / 2**30,
                  settings.max_num_seqs, len(model.config.recurrent_layers))
-    num_blocks = blocks_for_budget(specs, settings.block_size, dtype, budget - states)
+    num_blocks = blocks_for_budget(specs, settings.block_size, kv_dtype, budget - states)
     if group is not None:
         num_blocks = group.min_int(num_blocks)
     if (num_blocks - 1) * settings.block_size < settings.max_model_len:
@@ -163,8 +180,8 @@ class ModelRunner(ReleasableMemory):
         self.device, self.dtype = param.device, param.dtype
         self.block_size = s.block_size
         self.num_state_slots = s.max_num_seqs  # hybrid models: one recurrent-state slot per running sequence
-        self.kv = KVCache(model.kv_layout(), num_blocks, s.block_size, self.dtype, self.device,
-                          num_state_slots=self.num_state_slots)
+        self.kv_dtype = kv_fp8.storage_dtype(s.kv_cache_dtype, self.dtype)  # float8 e4m3: --kv-cache-dtype fp8
+        self.kv = self._new_kv(num_blocks)
         self.null_block = self.kv.null_block
         self.step_tokens = S = s.step_tokens
         # prompt scoring's logits rows at once ([rows, vocab] float32; memory_plan.py): 512 for vocabularies up to
@@ -227,6 +244,12 @@ class ModelRunner(ReleasableMemory):
         # rank 0 runs it; ``on_close`` stops them.
         self.publish = None
         self.on_close = None
+
+    def _new_kv(self, num_blocks: int) -> KVCache:
+        """A zeroed KV cache of ``num_blocks`` blocks; an FP8 one with the checkpoint's per-layer scales (or 1.0)."""
+        return KVCache(self.model.kv_layout(), num_blocks, self.block_size, self.dtype, self.device,
+                       num_state_slots=self.num_state_slots, kv_dtype=self.kv_dtype,
+                       kv_scales=self.model.kv_scales)
 
     def describe_graphs(self) -> str:
         """The CUDA graphs for the start-up log line."""

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .support import pdl
+from . import kv_fp8
+from .support import _DT, pdl
 
 try:
     import triton
@@ -149,13 +150,14 @@ if triton is not None:
 
     @triton.jit
     def _store_kv_kernel(
-        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
         s_kt, s_kh, s_vt, s_vh,  # source strides (token, head); unit last stride
         s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,  # cache strides (block, offset, head); unit last stride
         H, DK: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, KV_FP8: tl.constexpr,
     ):
-        """Token program_id(0): its k [H, DK] and v [H, DV] copied to slot_mapping[t] (skipped when < 0)."""
+        """Token program_id(0): its k [H, DK] and v [H, DV] copied to slot_mapping[t] (skipped when < 0); KV_FP8:
+        quantised with the layer's scales (kv_fp8.py)."""
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot < 0:
@@ -166,10 +168,13 @@ if triton is not None:
         dk = tl.arange(0, BLOCK_DK)[None, :]
         mk = (h < H) & (dk < DK)
         k = tl.load(k_ptr + t * s_kt + h * s_kh + dk, mask=mk)
-        tl.store(kc_ptr + blk * s_kcb + off * s_kco + h * s_kch + dk, k, mask=mk)
         dv = tl.arange(0, BLOCK_DV)[None, :]
         mv = (h < H) & (dv < DV)
         v = tl.load(v_ptr + t * s_vt + h * s_vh + dv, mask=mv)
+        if KV_FP8:
+            k = kv_fp8.to_fp8(k, tl.load(k_scale_ptr))
+            v = kv_fp8.to_fp8(v, tl.load(v_scale_ptr))
+        tl.store(kc_ptr + blk * s_kcb + off * s_kco + h * s_kch + dk, k, mask=mk)
         tl.store(vc_ptr + blk * s_vcb + off * s_vco + h * s_vch + dv, v, mask=mv)
 
     @triton.jit
@@ -218,13 +223,21 @@ if triton is not None:
             return _load_tile(ptrs_cols, mask_cols, FULL)
 
     @triton.jit
+    def _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr):
+        """The layer's FP8 cache scales (float32 scalars; 1.0 unused when the cache is in the model dtype)."""
+        if KV_FP8:
+            return tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+        else:
+            return 1.0, 1.0
+
+    @triton.jit
     def _attend_tiles(
         q, m_i, l_i, acc, qpos, key_lo, full_hi, key_hi,
         k_cache_ptr, v_cache_ptr, k_desc, v_desc, table_ptr, kvh, window,
-        s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2,
+        s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2, k_scale, v_scale,
         DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HAS_WINDOW: tl.constexpr, KROW: tl.constexpr,
-        TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+        TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, KV_FP8: tl.constexpr, DT: tl.constexpr,
     ):
         """Online softmax of the rows of q [BLOCK_M, DK_PAD] (positions qpos [BLOCK_M]) over keys [key_lo,
         key_hi) of one sequence (key_lo a multiple of TILE_N; key_hi <= its length). Causal and window masks
@@ -241,7 +254,11 @@ if triton is not None:
         TMA (Hopper+, TILE_N dividing BLOCK_SIZE, head dims powers of two): the unmasked tiles come through the
         tensor descriptors k_desc / v_desc (the caches as [num_blocks * BLOCK_SIZE, Hkv * D] rows, [TILE_N, D]
         boxes: a tile is TILE_N consecutive rows of one block), copied to shared memory asynchronously instead of
-        gathered key by key. The same tiles feed the same dots: the result is the same to the bit."""
+        gathered key by key. The same tiles feed the same dots: the result is the same to the bit.
+
+        KV_FP8: the caches hold float8 e4m3; each K and V tile is dequantised right after its load (float32 times
+        k_scale / v_scale, rounded once to q's dtype DT: kv_fp8.from_fp8), so the dots see what the reference's
+        dequantised gather holds."""
         offs_n = tl.arange(0, TILE_N)
         dk = tl.arange(0, DK_PAD)
         dv = tl.arange(0, DV_PAD)
@@ -259,6 +276,8 @@ if triton is not None:
                     k_base + blk[None, :] * s_kb + off[None, :] * s_ko + dk[:, None],
                     dk[None, :] < DK, dk[:, None] < DK, DK == DK_PAD, KROW,
                 )
+            if KV_FP8:
+                kt = kv_fp8.from_fp8(kt, k_scale, DT, q.dtype)
             s = _dot(q, kt, IEEE, INTERPRET)  # [BLOCK_M, TILE_N] unscaled
             m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -272,6 +291,8 @@ if triton is not None:
                     v_cache_ptr + blk[:, None] * s_vb + off[:, None] * s_vo + kvh * s_vh + dv[None, :],
                     dv[None, :] < DV, DV == DV_PAD,
                 )
+            if KV_FP8:
+                v = kv_fp8.from_fp8(v, v_scale, DT, q.dtype)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, INTERPRET)
             m_i = m_new
         for start in range(full_hi, key_hi, TILE_N):
@@ -284,6 +305,8 @@ if triton is not None:
                 k_base + blk[None, :] * s_kb + off[None, :] * s_ko + dk[:, None],
                 kvalid[:, None] & (dk[None, :] < DK), kvalid[None, :] & (dk[:, None] < DK), False, KROW,
             )
+            if KV_FP8:
+                kt = kv_fp8.from_fp8(kt, k_scale, DT, q.dtype)
             s = _dot(q, kt, IEEE, INTERPRET)  # [BLOCK_M, TILE_N] unscaled
             allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
             if HAS_WINDOW:
@@ -298,6 +321,8 @@ if triton is not None:
                 v_cache_ptr + blk[:, None] * s_vb + off[:, None] * s_vo + kvh * s_vh + dv[None, :],
                 mask=kvalid[:, None] & (dv[None, :] < DV), other=0.0,
             )
+            if KV_FP8:
+                v = kv_fp8.from_fp8(v, v_scale, DT, q.dtype)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, INTERPRET)
             m_i = m_new
         return m_i, l_i, acc
@@ -309,13 +334,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_seqs", "s_bt"])
     def _attn_2d_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, sinks_ptr, tables_ptr, cu_ptr, seq_lens_ptr,
-        num_seqs, scale_log2, window,
+        k_scale_ptr, v_scale_ptr, num_seqs, scale_log2, window,
         s_qt, s_qh, s_ot, s_oh, s_bt,
         s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, KROW: tl.constexpr, TMA: tl.constexpr,
-        IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+        IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, KV_FP8: tl.constexpr, DT: tl.constexpr,
     ):
         """Program (query tile, kv head): BLOCK_Q tokens of one sequence x its G query heads, rows m ->
         (token m // G, head kvh * G + m % G). k_desc / v_desc: TMA descriptors of the caches when TMA (else
@@ -357,10 +382,11 @@ if triton is not None:
         if HAS_WINDOW:
             key_lo = tl.maximum(first - window + 1, 0) // TILE_N * TILE_N
             full_hi = key_lo  # (window masks: every tile masked)
+        k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
         m_i, l_i, acc = _attend_tiles(
             q, m_i, l_i, acc, qpos, key_lo, full_hi, key_hi, k_cache_ptr, v_cache_ptr, k_desc, v_desc,
-            tables_ptr + seq * s_bt, kvh, window, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2,
-            DK, DV, DK_PAD, DV_PAD, BLOCK_SIZE, TILE_N, HAS_WINDOW, KROW, TMA, IEEE, INTERPRET,
+            tables_ptr + seq * s_bt, kvh, window, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2, k_scale, v_scale,
+            DK, DV, DK_PAD, DV_PAD, BLOCK_SIZE, TILE_N, HAS_WINDOW, KROW, TMA, IEEE, INTERPRET, KV_FP8, DT,
         )
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         dv = tl.arange(0, DV_PAD)
@@ -370,14 +396,14 @@ if triton is not None:
     @triton.jit(do_not_specialize=["s_bt"])
     def _attn_split_kernel(
         part_m_ptr, part_l_ptr, part_acc_ptr,  # [B, Hq, S], [B, Hq, S], [B, Hq, S, DV_PAD] float32
-        q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, cu_ptr, seq_lens_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, cu_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
         scale_log2, window,
         s_qt, s_qh, s_bt,
         s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
         Hq: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
         HAS_WINDOW: tl.constexpr, KROW: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, KV_FP8: tl.constexpr, DT: tl.constexpr,
     ):
         """Program (sequence, kv head, split) of a decode step: the G heads' one query over split's share of
         the keys (whole tiles, split evenly at run time). Empty splits write (-inf, 0, 0). The split count is
@@ -413,11 +439,12 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+        k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
         m_i, l_i, acc = _attend_tiles(
             q, m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.int32) + qpos, key_lo, full_hi, key_hi,
             k_cache_ptr, v_cache_ptr, None, None, tables_ptr + seq * s_bt, kvh,
-            window, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2,
-            DK, DV, DK_PAD, DV_PAD, BLOCK_SIZE, TILE_N, HAS_WINDOW, KROW, False, IEEE, INTERPRET,
+            window, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2, k_scale, v_scale,
+            DK, DV, DK_PAD, DV_PAD, BLOCK_SIZE, TILE_N, HAS_WINDOW, KROW, False, IEEE, INTERPRET, KV_FP8, DT,
         )
         part = (seq * Hq + head) * num_splits + split  # [BLOCK_M]
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
@@ -485,7 +512,7 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _check_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fp8: bool) -> None:
     if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"caches must be [num_blocks, block_size, Hkv, D]: {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     if k.shape[1:] != k_cache.shape[2:] or v.shape[1:] != v_cache.shape[2:] or k.shape[0] != v.shape[0]:
@@ -493,8 +520,30 @@ def _check_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match the caches' [Hkv, D] "
             f"{tuple(k_cache.shape[2:])} / {tuple(v_cache.shape[2:])}"
         )
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+    if k.dtype != v.dtype or (not fp8 and k.dtype != k_cache.dtype):
         raise TypeError(f"k/v dtypes {k.dtype}/{v.dtype} differ from the cache's {k_cache.dtype}")
+    _check_cache_dtype(k.dtype, k_cache, v_cache, fp8)
+
+
+def _check_cache_dtype(dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor, fp8: bool) -> None:
+    """The caches hold ``dtype`` (the model's), or float8 e4m3 when the layer's scales are given (``fp8``)."""
+    want = kv_fp8.FP8_KV_DTYPE if fp8 else dtype
+    if k_cache.dtype != want or v_cache.dtype != want:
+        raise TypeError(f"caches of {k_cache.dtype}/{v_cache.dtype} for {dtype} keys/values"
+                        + (" and FP8 scales" if fp8 else "") + f": expected {want}"
+                        + ("" if fp8 else " (an FP8 cache needs k_scale and v_scale)"))
+
+
+def _scale_args(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, fallback: torch.Tensor):
+    """(k_scale, v_scale, KV_FP8) for a launch: the layer's float32 scales, or ``fallback`` (unread) twice."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("an FP8 cache needs both k_scale and v_scale")
+    if k_scale is None:
+        return fallback, fallback, False
+    if k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32 or k_scale.numel() != 1 \
+            or v_scale.numel() != 1:
+        raise ValueError("k_scale / v_scale must be float32 tensors of one element")
+    return k_scale, v_scale, True
 
 
 def store_kv(
@@ -503,11 +552,15 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dk]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
     slot_mapping: torch.Tensor,  # [T] int64 (or int32): flat slot of each token, < 0 = skip (padding)
+    k_scale: torch.Tensor | None = None,  # float32 [1]: an FP8 cache's scales (kv_fp8.py), else None
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write each token's k/v at its flat slot (block * block_size + offset): one Triton launch, an exact
-    copy (same dtype required). Capturable: grid T."""
+    copy (same dtype required), or with ``k_scale`` / ``v_scale`` quantised into an FP8 cache as
+    ``kv_fp8.quantize``. Capturable: grid T."""
     _check_triton(k.device)
-    _check_kv(k, v, k_cache, v_cache)
+    _check_kv(k, v, k_cache, v_cache, k_scale is not None)
+    k_scale, v_scale, fp8 = _scale_args(k_scale, v_scale, slot_mapping)
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("caches need a unit last stride")
     T, H, DK = k.shape
@@ -516,29 +569,34 @@ def store_kv(
         return
     k, v = _unit_last(k), _unit_last(v)
     _launch(
-        _store_kv_kernel, (T,), k, v, k_cache, v_cache, slot_mapping,
+        _store_kv_kernel, (T,), k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H, DK=DK, DV=DV, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=_pow2(H), BLOCK_DK=_pow2(DK), BLOCK_DV=_pow2(DV),
+        BLOCK_H=_pow2(H), BLOCK_DK=_pow2(DK), BLOCK_DV=_pow2(DV), KV_FP8=fp8,
     )
 
 
 def store_kv_reference(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """Torch version of ``store_kv`` (same arguments). Reads which slots are valid on the host."""
-    _check_kv(k, v, k_cache, v_cache)
+    _check_kv(k, v, k_cache, v_cache, k_scale is not None)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep]
-    v_cache[blocks, offsets] = v[keep]
+    k, v = k[keep], v[keep]
+    if k_scale is not None:
+        k, v = kv_fp8.quantize(k, k_scale), kv_fp8.quantize(v, v_scale)
+    k_cache[blocks, offsets] = k
+    v_cache[blocks, offsets] = v
 
 
-def _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sinks, sliding_window):
+def _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sinks, sliding_window,
+                          fp8: bool = False):
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError(f"q must be [T, Hq, Dk] and caches [num_blocks, block_size, Hkv, D]; got "
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -550,8 +608,9 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_l
         raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q and caches must share a dtype among {_DTYPES}: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q must have a dtype among {_DTYPES}, got {q.dtype}")
+    _check_cache_dtype(q.dtype, k_cache, v_cache, fp8)
     B = seq_lens.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] < B or cu_seqlens_q.shape[0] != B + 1:
         raise ValueError(f"block_tables [B, max_blocks], cu_seqlens_q [B+1], seq_lens [B]: got "
@@ -653,14 +712,19 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, Hq, Dv], q's dtype, unit last stride
     num_splits: int | None = None,  # decode split-K count; None: choose_num_splits(...)
     config: KernelConfig = DEFAULT_CONFIG,
+    k_scale: torch.Tensor | None = None,  # float32 [1]: an FP8 cache's scales (kv_fp8.py), else None
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, Dv]
-    """Causal attention of a step's queries over their sequences' paged keys (see the module docstring).
+    """Causal attention of a step's queries over their sequences' paged keys (see the module docstring). With
+    ``k_scale`` / ``v_scale`` the caches hold float8 e4m3, dequantised as each tile is loaded.
 
     Decode steps (max_query_len == 1) with num_splits > 1 take the split-K kernels, everything else the 2-D
     kernel; the choice and every grid come from host ints. Output rows of tokens past cu_seqlens_q[B] are
     left as they are."""
     _check_triton(q.device)
-    _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sinks, sliding_window)
+    _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sinks, sliding_window,
+                          k_scale is not None)
+    k_scale, v_scale, fp8 = _scale_args(k_scale, v_scale, seq_lens)
     T, Hq, Dk = q.shape
     Hkv, block_size, Dv = k_cache.shape[2], k_cache.shape[1], v_cache.shape[3]
     B, G = seq_lens.shape[0], Hq // Hkv
@@ -679,7 +743,7 @@ def paged_attention(
     common = dict(
         DK=Dk, DV=Dv, DK_PAD=max(_pow2(Dk), 16), DV_PAD=max(_pow2(Dv), 16), BLOCK_SIZE=block_size,
         HAS_WINDOW=sliding_window is not None, IEEE=q.dtype == torch.float32, INTERPRET=interpreting(),
-        PDL=pdl(q.device),
+        PDL=pdl(q.device), KV_FP8=fp8, DT=_DT[q.dtype],
     )
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
@@ -693,7 +757,7 @@ def paged_attention(
         part_acc = torch.empty(B, Hq, num_splits, common["DV_PAD"], dtype=torch.float32, device=q.device)
         _launch(
             _attn_split_kernel, (B, Hkv, num_splits),
-            part_m, part_l, part_acc, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+            part_m, part_l, part_acc, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale,
             scale_log2, window, q.stride(0), q.stride(1), block_tables.stride(0), *cache_strides,
             Hq=Hq, G=G, BLOCK_M=block_m, TILE_N=config.decode_tile_n, KROW=config.decode_k_rows, **common,
             num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
@@ -717,7 +781,7 @@ def paged_attention(
     _launch(
         _attn_2d_kernel, (T // block_q + B, Hkv),
         out, q, k_cache, v_cache, k_desc, v_desc, sinks if sinks is not None else q, block_tables, cu_seqlens_q,
-        seq_lens, B, scale_log2, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        seq_lens, k_scale, v_scale, B, scale_log2, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), *cache_strides,
         G=G, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, HAS_SINKS=sinks is not None, KROW=krow, TMA=tma,
         **common, num_warps=warps, num_stages=stages,
@@ -782,13 +846,18 @@ def paged_attention_reference(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,  # accepted for a drop-in signature; unused
     config: KernelConfig | None = None,  # idem
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, Dv]
     """``paged_attention`` op by op: per group of sequences (single-query ones, then the others, so that
     decode rows are not padded to a prefill chunk), gather the blocks into [n, Hkv, Lk, D], pad queries to
     [n, Hq, Lq, Dk], mask as layers/attend.py does, and run ``_dense``. Stale cache contents past a sequence's
     length are zeroed before use (they may be anything, NaN included). Rows of padding tokens are zero.
-    ``max_query_len`` / ``max_seq_len`` are not needed (host copies give the exact lengths)."""
-    _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sinks, sliding_window)
+    ``max_query_len`` / ``max_seq_len`` are not needed (host copies give the exact lengths). An FP8 cache
+    (``k_scale`` / ``v_scale``) is dequantised after the gather as ``kv_fp8.dequantize``: the values the kernels read."""
+    _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sinks, sliding_window,
+                          k_scale is not None)
+    _scale_args(k_scale, v_scale, seq_lens)
     T, Hq, Dk = q.shape
     Dv = v_cache.shape[3]
     result = q.new_zeros(T, Hq, Dv)
@@ -807,6 +876,8 @@ def paged_attention_reference(
         valid = k_pos[None, :] < kv_len[:, None]  # [n, Lk]
         keys = gather_blocks(k_cache, block_tables[idx], Lk)  # [n, Lk, Hkv, Dk]
         values = gather_blocks(v_cache, block_tables[idx], Lk)
+        if k_scale is not None:
+            keys, values = kv_fp8.dequantize(keys, k_scale, q.dtype), kv_fp8.dequantize(values, v_scale, q.dtype)
         keys = keys.masked_fill(~valid[:, :, None, None], 0).transpose(1, 2)  # [n, Hkv, Lk, Dk]
         values = values.masked_fill(~valid[:, :, None, None], 0).transpose(1, 2)  # [n, Hkv, Lk, Dv]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kv_fp8
 from .support import _DT, _launch, _pow2, pdl, triton
 
 # Heads per program of ``qk_norm_rope`` (per-head or no norm), by step size, (fewest tokens, heads), first match:
@@ -73,16 +74,17 @@ if triton is not None:
         q_ptr, qvar_ptr, qw_ptr, qout_ptr, sq, Hq,
         k_ptr, kvar_ptr, kw_ptr, kout_ptr, sk, Hk,
         cos_ptr, sin_ptr, eps,
-        v_ptr, sv, ck_ptr, cv_ptr, slot_ptr, sck, sck_h, scv, scv_h,
+        v_ptr, sv, ck_ptr, cv_ptr, slot_ptr, sck, sck_h, scv, scv_h, k_scale_ptr, v_scale_ptr,
         HEAD_NORM: tl.constexpr, HAS_NORM: tl.constexpr, D: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr, VAR_HERE: tl.constexpr,
-        STORE_KV: tl.constexpr, PDL: tl.constexpr, R: tl.constexpr,
+        STORE_KV: tl.constexpr, PDL: tl.constexpr, R: tl.constexpr, KV_FP8: tl.constexpr,
     ):
         """Token program_id(0), heads block program_id(1): the first cdiv(Hq, BLOCK_H) blocks are q's, the rest
         k's -> normed (optional) and rotated, [BLOCK_H, D] out. A full-width norm (not HEAD_NORM) needs every head
         of q (of k) in one block. STORE_KV: the k programs also write the rotated k and the token's v ([Hk, D] at
         v_ptr + row * sv) into the paged cache at the token's slot, as _store_kv_kernel would (the same values: k
-        as the k output holds it, cast to the cache's dtype), saving that kernel's launch and its reads."""
+        as the k output holds it, cast to the cache's dtype, or KV_FP8: quantised with the layer's scales as
+        kv_fp8.to_fp8), saving that kernel's launch and its reads."""
         _await_inputs(PDL)
         row = tl.program_id(0)
         q_blocks = tl.cdiv(Hq, BLOCK_H)
@@ -99,16 +101,20 @@ if triton is not None:
             tl.store(kout_ptr + row * Hk * D + h * D + d, k_out, mask=m)
             if STORE_KV:
                 slot = tl.load(slot_ptr + row)
-                tl.store(ck_ptr + slot * sck + h * sck_h + d, k_out.to(ck_ptr.dtype.element_ty), mask=m)
                 v = tl.load(v_ptr + row * sv + h * D + d, mask=m)
+                if KV_FP8:
+                    k_out = kv_fp8.to_fp8(k_out, tl.load(k_scale_ptr))
+                    v = kv_fp8.to_fp8(v, tl.load(v_scale_ptr))
+                tl.store(ck_ptr + slot * sck + h * sck_h + d, k_out.to(ck_ptr.dtype.element_ty), mask=m)
                 tl.store(cv_ptr + slot * scv + h * scv_h + d, v.to(cv_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _store_kv_kernel(
-        k_ptr, v_ptr, ck_ptr, cv_ptr, slot_ptr,
+        k_ptr, v_ptr, ck_ptr, cv_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
         sk_t, sk_h, sv_t, sv_h,  # source strides (token, head); last dim contiguous
         sck, sck_h, scv, scv_h,  # cache strides (slot, head): [num_blocks * block_size, H, D] views
         H, DK: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t)
@@ -116,10 +122,13 @@ if triton is not None:
         dk = tl.arange(0, BLOCK_DK)[None, :]
         mk = (h < H) & (dk < DK)
         k = tl.load(k_ptr + t * sk_t + h * sk_h + dk, mask=mk)
-        tl.store(ck_ptr + slot * sck + h * sck_h + dk, k.to(ck_ptr.dtype.element_ty), mask=mk)
         dv = tl.arange(0, BLOCK_DV)[None, :]
         mv = (h < H) & (dv < DV)
         v = tl.load(v_ptr + t * sv_t + h * sv_h + dv, mask=mv)
+        if KV_FP8:  # quantised with the layer's scales (kv_fp8.py)
+            k = kv_fp8.to_fp8(k, tl.load(k_scale_ptr))
+            v = kv_fp8.to_fp8(v, tl.load(v_scale_ptr))
+        tl.store(ck_ptr + slot * sck + h * sck_h + dk, k.to(ck_ptr.dtype.element_ty), mask=mk)
         tl.store(cv_ptr + slot * scv + h * scv_h + dv, v.to(cv_ptr.dtype.element_ty), mask=mv)
 
 
@@ -141,8 +150,8 @@ def qk_norm_rope(
     """Optional q/k RMSNorm tails, then half-style rotary, for q and k in one launch. Without ``q_var`` /
     ``k_var`` a norm sums its mean of squares in the kernel (equal within float32 summation order).
     ``kv_cache`` = (v [T, Hk*D] (or [T, Hk, D]), cache_k, cache_v [num_blocks, block_size, Hk, D], slot_mapping
-    [T] long): the same launch also writes the rotated k and v into the cache at each token's slot, exactly what
-    ``store_kv(k_out, v, ...)`` writes."""
+    [T] long[, k_scale, v_scale]): the same launch also writes the rotated k and v into the cache at each token's
+    slot, exactly what ``store_kv(k_out, v, ...)`` writes (with the scales: into an FP8 cache, kv_fp8.py)."""
     T, D = q.shape[0], head_dim
     qr, kr = q.reshape(T, -1), k.reshape(T, -1)
     if qr.stride(-1) != 1:
@@ -153,15 +162,16 @@ def qk_norm_rope(
     q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     k_out = torch.empty(T, Hk, D, dtype=k.dtype, device=k.device)
     if kv_cache is not None:
-        v, cache_k, cache_v, slots = kv_cache
+        v, cache_k, cache_v, slots, *scales = kv_cache
         vr = v.reshape(T, -1)
         if vr.stride(-1) != 1:
             vr = vr.contiguous()
         assert vr.shape[1] == Hk * D and cache_k.shape[2:] == cache_v.shape[2:] == (Hk, D), "k/v/cache shapes"
         kv_args = (vr, vr.stride(0), cache_k, cache_v, slots,
-                   cache_k.stride(1), cache_k.stride(2), cache_v.stride(1), cache_v.stride(2))
+                   cache_k.stride(1), cache_k.stride(2), cache_v.stride(1), cache_v.stride(2), *(scales or (kr, kr)))
     else:
-        kv_args = (kr, 0, kr, kr, kr, 0, 0, 0, 0)  # unused (STORE_KV off)
+        scales = None
+        kv_args = (kr, 0, kr, kr, kr, 0, 0, 0, 0, kr, kr)  # unused (STORE_KV off)
     if T:
         has_norm = norm != "none"
         var_here = has_norm and q_var is None
@@ -179,7 +189,7 @@ def qk_norm_rope(
             cos.contiguous(), sin.contiguous(), eps, *kv_args,
             HEAD_NORM=norm == "head", HAS_NORM=has_norm, D=D,
             BLOCK_H=block_h, BLOCK_D=_pow2(D), DT=_DT[q.dtype], VAR_HERE=var_here,
-            STORE_KV=kv_cache is not None, PDL=pdl(q.device), R=cos.shape[-1],
+            STORE_KV=kv_cache is not None, PDL=pdl(q.device), R=cos.shape[-1], KV_FP8=bool(scales),
         )
     return q_out, k_out
 
@@ -190,6 +200,8 @@ def store_kv(
     cache_k: torch.Tensor,  # [num_blocks, block_size, H, Dk]
     cache_v: torch.Tensor,  # [num_blocks, block_size, H, Dv]
     slot_mapping: torch.Tensor,  # [T] long: flat slot (block * block_size + offset) of each token
+    k_scale: torch.Tensor | None = None,  # float32 [1]: an FP8 cache's scales (kv_fp8.py), else None
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     T, H, DK = k.shape
     DV = v.shape[-1]
@@ -200,7 +212,8 @@ def store_kv(
     if T:
         _launch(
             _store_kv_kernel, (T,), k, v, cache_k, cache_v, slot_mapping,
+            k_scale if k_scale is not None else k, v_scale if v_scale is not None else v,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cache_k.stride(1), cache_k.stride(2), cache_v.stride(1), cache_v.stride(2),
-            H, DK=DK, DV=DV, BLOCK_H=_pow2(H), BLOCK_DK=_pow2(DK), BLOCK_DV=_pow2(DV),
+            H, DK=DK, DV=DV, BLOCK_H=_pow2(H), BLOCK_DK=_pow2(DK), BLOCK_DV=_pow2(DV), KV_FP8=k_scale is not None,
         )

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.uploads import upload
-from ..kernels import paged_attention
+from ..kernels import kv_fp8, paged_attention
 from ..kernels import rotary as rotary_kernels
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,35 @@ DENSE_PREFILL_BUCKET = 512
 
 @dataclass
 class LayerKV:
-    """One layer's cache: k [num_blocks, block_size, Hkv, Dk], v [num_blocks, block_size, Hkv, Dv]."""
+    """One layer's cache: k [num_blocks, block_size, Hkv, Dk], v [num_blocks, block_size, Hkv, Dv], in the model
+    dtype, or float8 e4m3 with the layer's scales (``--kv-cache-dtype fp8``, kernels/kv_fp8.py)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # float32 [1] on the cache's device: FP8 caches only
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def scales(self) -> dict:
+        """The kernels' k_scale / v_scale arguments (None for a cache in the model dtype)."""
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+    def store_args(self, v: torch.Tensor, slot_mapping: torch.Tensor) -> tuple:
+        """``rotary_kernels.qk_norm_rope``'s ``kv_cache``: the fused rotary writes k and ``v`` at the slots."""
+        scales = (self.k_scale, self.v_scale) if self.k_scale is not None else ()
+        return (v, self.k, self.v, slot_mapping, *scales)
+
+    def read(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered cache contents as attention reads them: FP8 ones dequantised to ``dtype`` (kv_fp8.py)."""
+        if self.k_scale is None:
+            return k, v
+        return kv_fp8.dequantize(k, self.k_scale, dtype), kv_fp8.dequantize(v, self.v_scale, dtype)
+
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's k/v as a later read of the cache returns them (FP8: quantised and dequantised)."""
+        if self.k_scale is None:
+            return k, v
+        return kv_fp8.round_trip(k, self.k_scale), kv_fp8.round_trip(v, self.v_scale)
 
 
 @dataclass
@@ -235,8 +260,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: ForwardBat
     """Write this step's k [T, Hkv, Dk] / v [T, Hkv, Dv] into the cache at each token's slot (the fused rotary,
     ``rotary_kernels.qk_norm_rope`` with ``kv_cache``, writes them itself and skips this)."""
     if batch.use_kernels:  # one kernel (kernels/rotary.py) instead of two index_puts and their copies
-        rotary_kernels.store_kv(k, v, cache.k, cache.v, batch.slot_mapping)
+        rotary_kernels.store_kv(k, v, cache.k, cache.v, batch.slot_mapping, **cache.scales)
         return
+    if cache.k_scale is not None:
+        k, v = kv_fp8.quantize(k, cache.k_scale), kv_fp8.quantize(v, cache.v_scale)
     nb, bs = cache.k.shape[0], cache.k.shape[1]
     cache.k.view(nb * bs, *cache.k.shape[2:])[batch.slot_mapping] = k.to(cache.k.dtype)
     cache.v.view(nb * bs, *cache.v.shape[2:])[batch.slot_mapping] = v.to(cache.v.dtype)
@@ -360,12 +387,13 @@ def attend_kernels(
         return paged_attention.paged_attention(
             q, cache.k, cache.v, batch.int32("block_tables"), batch.int32("cu_seqlens_q"), batch.int32("seq_lens"),
             max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len, scale=scale,
-            sliding_window=sliding_window, sinks=sinks,
+            sliding_window=sliding_window, sinks=sinks, **cache.scales,
         )
     starts = [0]
     for n in batch.query_lens:
         starts.append(starts[-1] + n)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    k, v = cache.as_stored(k, v)  # an FP8 cache: the values the paged kernel would read back
     try:
         for b in range(nf, B):
             lo, hi = starts[b], starts[b + 1]
@@ -378,7 +406,7 @@ def attend_kernels(
         paged_attention.paged_attention(
             q[:t0], cache.k, cache.v, batch.int32("block_tables")[:nf], batch.int32("cu_seqlens_q")[:nf + 1],
             batch.int32("seq_lens")[:nf], max_query_len=max(batch.query_lens[:nf]), max_seq_len=batch.max_seq_len,
-            scale=scale, out=out[:t0],
+            scale=scale, out=out[:t0], **cache.scales,
         )
     return out
 
@@ -493,18 +521,17 @@ def attend_stored(
         return attend_kernels(q, k, v, cache, batch, scale, sliding_window, sinks)
     if batch.parts is not None:
         return torch.cat([
-            attend_cached(q[a:b], *_gathered_kv(cache, sub, q.shape[1], sinks), sub, scale, sliding_window, sinks)
+            attend_cached(q[a:b], *_gathered_kv(cache, sub, q, sinks), sub, scale, sliding_window, sinks)
             for a, b, sub in batch.parts
         ])
-    return attend_cached(q, *_gathered_kv(cache, batch, q.shape[1], sinks), batch, scale, sliding_window, sinks)
+    return attend_cached(q, *_gathered_kv(cache, batch, q, sinks), batch, scale, sliding_window, sinks)
 
 
-def _gathered_kv(cache: LayerKV, batch: ForwardBatch, heads: int, sinks: torch.Tensor | None):
-    """The reference path's keys/values: on CPU without sinks whole blocks (``cached_kv_by_block``, kv heads);
-    elsewhere ``cached_kv`` repeated to the query heads (CUDA's SDPA backends differ in what takes enable_gqa,
-    and the sinks' matmuls want the heads repeated)."""
+def _gathered_kv(cache: LayerKV, batch: ForwardBatch, q: torch.Tensor, sinks: torch.Tensor | None):
+    """The reference path's keys/values, in q's dtype (an FP8 cache dequantised as the kernels read it): on CPU
+    without sinks whole blocks (``cached_kv_by_block``, kv heads); elsewhere ``cached_kv`` repeated to the query
+    heads (CUDA's SDPA backends differ in what takes enable_gqa, and the sinks' matmuls want the heads repeated)."""
+    gathered = None
     if sinks is None and cache.k.device.type == "cpu":
         gathered = cached_kv_by_block(cache, batch)
-        if gathered is not None:
-            return gathered
-    return cached_kv(cache, batch, heads)
+    return cache.read(*(gathered or cached_kv(cache, batch, q.shape[1])), q.dtype)

@@ -71,7 +71,7 @@ class Attention(nn.Module):
         if self.fused and self.rope_style == "half" and self.clip_qkv is None and cos.shape[-1] <= self.head_dim \
                 and self.tp_slices is None:
             # [T, Hq, D], [T, Hkv, D]; k and v written into the cache by the same launch
-            q, k = self._fused_norm_rope(q, k, cos, sin, (v, cache.k, cache.v, batch.slot_mapping))
+            q, k = self._fused_norm_rope(q, k, cos, sin, cache.store_args(v, batch.slot_mapping))
             v = v.view(T, self.num_kv_heads, self.head_dim)
             out = attend_stored(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks,
                                 self.batch_invariant).reshape(T, self.num_heads * self.head_dim)
@@ -110,7 +110,7 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary and self.fused and self.rope_style == "half" and self.tp_slices is None:
-            q, k = rotary_kernels.qk_norm_rope(q, k, cos, sin, D, kv_cache=(v, cache.k, cache.v, batch.slot_mapping))
+            q, k = rotary_kernels.qk_norm_rope(q, k, cos, sin, D, kv_cache=cache.store_args(v, batch.slot_mapping))
             out = attend_stored(q, k, v, cache, batch, self.scale, self.sliding_window, self.sinks)
         else:
             if self.rotary:

@@ -207,6 +207,9 @@ class MoEForCausalLM(nn.Module):
         self.config = cfg
         self.model = MoEModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # per layer (k_scale, v_scale) of an FP8 KV cache, as the checkpoint gives them (checkpoint.read_kv_scales);
+        # None: 1.0 everywhere
+        self.kv_scales: list[tuple[float, float] | None] | None = None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embedding().weight
         for p in self.parameters():

@@ -165,7 +165,8 @@ class RolloutLifecycle:
     def get_engine_info(self) -> Future:
         """What a client cannot see in the model's metadata because the engine decides it when it starts: the KV
         cache's block size (the prefix cache's granularity; device-dependent by default) and block count, and
-        whether deterministic inference is on (--enable-deterministic-inference or VLLM_BATCH_INVARIANT=1)."""
+        whether deterministic inference is on (--enable-deterministic-inference or VLLM_BATCH_INVARIANT=1), what the
+        weights are served as and what the KV blocks hold (--kv-cache-dtype: "auto" or "fp8_e4m3")."""
         future: Future = Future()
         blocks = self.engine.blocks
         deterministic = bool(self.engine.settings.deterministic_inference)
@@ -175,10 +176,13 @@ class RolloutLifecycle:
         mxfp4_served = any(getattr(m, "mxfp4", False) for m in self.engine.model.modules())
         weights = ("fp8" if fp8_served else "mxfp4" if mxfp4_served
                    else str(self.engine.model.dtype).removeprefix("torch."))
+        kv_dtype = self.engine.settings.kv_cache_dtype  # "auto" (the model dtype) or "fp8_e4m3"
         future.set_result({"message": f"KV cache: {blocks.num_blocks} blocks x {blocks.block_size} tokens"
+                                      + (f" ({kv_dtype})" if kv_dtype != "auto" else "")
                                       + ("; deterministic inference" if deterministic else ""),
                            "kv_block_size": blocks.block_size, "num_kv_blocks": blocks.num_blocks,
-                           "deterministic_inference": deterministic, "weights_served_as": weights})
+                           "deterministic_inference": deterministic, "weights_served_as": weights,
+                           "kv_cache_dtype": kv_dtype})
         return future
 
     def is_sleeping(self) -> Future:
