@@ -8,6 +8,7 @@ no bit on CPU.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import sys
 from pathlib import Path
@@ -102,3 +103,23 @@ def test_prompt_logprobs_in_chunks_equal_one_chunk(tiny_checkpoint, monkeypatch)
     assert one[0].shape == (39,)
     for a, b in zip(one, chunked):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(os.environ.get("MOE_TEST_DEVICE", "cpu") != "cuda", reason="GPU memory: MOE_TEST_DEVICE=cuda")
+def test_the_kv_budgets_profiled_step_runs_the_engines_attention():
+    """The KV budget reserves twice the peak of a profiled 8,192-token prompt step; that step must run the attention
+    the engine runs (paged kernels, dense causal prefill), not the reference path, whose score matrix (GPT-OSS-120B:
+    64 heads x 8,192^2, 8 GiB a layer) made the 8-layer cut fail to start on an 80 GB H100, and whose batch-invariant
+    form (key by key) held a deterministic engine's start-up for minutes."""
+    from moe_engine.core.kv_cache import profile_peak_activation
+
+    heads, tokens = 16, 8192
+    model, cfg = rsm.build_engine_model({**rsm.SHAPES["tiny-gpt-oss"], "num_attention_heads": heads},
+                                        torch.device("cuda"), torch.bfloat16, seed=0)
+    model.use_fused_kernels(True)
+    specs = model.kv_layout()
+    scores = heads * tokens * tokens * 2  # one layer's bf16 score matrix: 2 GiB
+    reference = profile_peak_activation(model, specs, 64, tokens, 256, use_kernels=False)
+    kernels = profile_peak_activation(model, specs, 64, tokens, 256, use_kernels=True)
+    assert reference >= scores  # what the test tells apart
+    assert kernels < scores / 8, (kernels / 2**30, reference / 2**30)
