@@ -76,6 +76,12 @@ def dequantize_fp8(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] | N
     return (weight.float() * expand_scales(scale_inv, weight.shape, bm, bn)).to(dtype)
 
 
+def _over_fp8_max(amax: Tensor) -> Tensor:
+    """amax / 448 correctly rounded on every device: torch on CUDA divides by a Python scalar as amax * (1 / 448),
+    which differs from the quotient by an ulp for about half of all float32 values; a tensor divisor is divided."""
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def quantize_fp8_blocks(w: Tensor, block: tuple[int, int] = (128, 128)) -> tuple[Tensor, Tensor]:
     """w [..., R, C] -> (float8_e4m3fn [..., R, C], float32 weight_scale_inv [..., ceil(R/bm), ceil(C/bn)]), one
     scale per block = max|w| / 448 (DeepSeek's ``weight_quant``); a partial last block is scaled by its own max. A
@@ -87,7 +93,7 @@ def quantize_fp8_blocks(w: Tensor, block: tuple[int, int] = (128, 128)) -> tuple
     padded[..., :R, :C] = w.float()
     tiles = padded.reshape(*lead, SR, bm, SC, bn)
     amax = tiles.abs().amax(dim=(-3, -1))  # [..., SR, SC]
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale_inv = torch.where(amax > 0, _over_fp8_max(amax), torch.ones_like(amax))
     q = (tiles / scale_inv[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(*lead, SR * bm, SC * bn)[..., :R, :C].contiguous(), scale_inv
 
@@ -100,7 +106,7 @@ def quantize_activations(x: Tensor, group: int = ACT_GROUP) -> tuple[Tensor, Ten
     padded = torch.zeros(T, G * group, dtype=torch.float32, device=x.device)
     padded[:, :K] = x.float()
     groups = padded.view(T, G, group)
-    scale = groups.abs().amax(-1).clamp(min=_EPS) / FP8_MAX  # [T, G]
+    scale = _over_fp8_max(groups.abs().amax(-1).clamp(min=_EPS))  # [T, G]: as the kernel's div_rn
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(T, G * group)[:, :K].contiguous(), scale
 

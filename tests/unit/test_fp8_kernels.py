@@ -101,6 +101,20 @@ def test_expert_mlp_fp8_rejects_mismatched_scales():
         expert_mlp_fp8(torch.zeros(2, 256, device=DEVICE), q, s[:, :1], dq, ds, pos, tok, offs)
 
 
+def test_reference_scales_are_correctly_rounded_quotients():
+    """The activation kernel divides with div_rn, and the reference must divide the same on every device: torch on
+    CUDA divides by a Python scalar as x * (1 / 448), an ulp off the quotient for about half of all float32 values,
+    which made the kernel's scales differ from the reference's on an H100 (the weights' block scales too)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 512, generator=g) * torch.logspace(-3, 3, 512)).to(DEVICE)
+    _, s = fp8.quantize_activations(x)
+    amax = x.float().view(64, 4, 128).abs().amax(-1)
+    assert torch.equal(s, (amax.double() / fp8.FP8_MAX).float())  # float64 quotient rounded once: the IEEE one
+    _, w_s = fp8.quantize_fp8_blocks(x, (32, 128))
+    w_amax = x.float().view(2, 32, 4, 128).abs().amax(dim=(1, 3))
+    assert torch.equal(w_s, (w_amax.double() / fp8.FP8_MAX).float())
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter's float32 -> e4m3 cast is wrong at binade edges")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_activations_kernel_equals_torch(dtype):
