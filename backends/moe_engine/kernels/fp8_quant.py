@@ -6,9 +6,9 @@
 One program per (token, group): max |x| of the group in float32, scale = max(amax, 1e-10) / 448, q = x / scale
 clamped to +-448 and rounded to nearest even (``cvt.rn.satfinite.e4m3x2``). Equal to ``moe_engine.fp8.
 quantize_activations`` bit for bit: the divisions are IEEE (``div_rn``), as the reference's (``fp8._over_fp8_max``: a
-tensor divisor, since torch on CUDA divides by a Python scalar as a product with its reciprocal). Under Triton's interpreter the
-float32 -> e4m3 cast is wrong at binade edges (2.7% of random values round to half the right value), so there the
-torch function runs instead and the kernel is tested on GPUs only (MOE_TEST_DEVICE=cuda).
+tensor divisor, since torch on CUDA divides by a Python scalar as a product with its reciprocal). Under Triton's
+interpreter the float32 -> e4m3 cast is wrong at binade edges (2.7% of random values round to half the right value),
+so there the torch function runs instead and the kernel is tested on GPUs only (MOE_TEST_DEVICE=cuda).
 """
 from __future__ import annotations
 
