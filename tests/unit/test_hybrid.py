@@ -151,3 +151,28 @@ def test_prefix_caching_is_off_for_hybrid_models(checkpoints):
         run_all(engine, [r])
     assert again.num_cached == 0 and again.tokens == first.tokens
     np.testing.assert_array_equal(again.routing, first.routing)
+
+
+def test_start_up_warns_when_recurrent_states_crowd_out_the_kv_cache(checkpoints, caplog):
+    """A hybrid model's per-sequence states come out of the KV budget before the blocks: when they take most of it
+    (Qwen3.5-35B-A3B on an 80 GB H100: 64 sequences' states took 3.9 of a 4.0 GiB budget, leaving 2,432 KV tokens
+    and two sequences at a time) the start-up log warns and says what each sequence fewer gives back."""
+    path = checkpoints("qwen3_5_moe", torch.float32)
+    small = engine_for(path, max_num_seqs=2)
+    specs, block = small.runner.model.kv_layout(), small.settings.block_size
+    per_seq = state_bytes(specs, 1, torch.float32) // 2
+    blocks = bytes_per_block(specs, block, torch.float32) * (2 * 256 // block + 2)  # two sequences' KV, the null block
+    many = blocks // per_seq + 2  # sequences whose states (and the null slot's) take more than half the budget
+    budget = blocks + per_seq * (many + 1)
+    logs = {}
+    for seqs in (many, 2):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="moe_engine"):
+            engine = engine_for(path, max_num_seqs=seqs, kv_cache_memory_bytes=budget)
+        logs[seqs] = (caplog.text, engine.blocks.num_blocks)
+    warned, quiet = logs[many][0], logs[2][0]
+    assert f"recurrent states of {many} sequences take" in warned
+    assert f"each --max-num-seqs fewer gives the KV cache {per_seq / 2**20:.1f} MiB more" in warned
+    assert "recurrent states of" not in quiet
+    assert logs[2][1] > logs[many][1]  # the other sequences' states went to KV blocks
+    assert "max_model_len (256) at once" in warned

@@ -166,6 +166,14 @@ def build_runner(model: torch.nn.Module, settings: ResolvedConfig, group=None) -
             + (f" after {states / 2**30:.2f} GiB of recurrent states" if states else "") + ") cannot "
             f"hold one sequence of max_model_len={settings.max_model_len}; raise the KV budget or lower max_model_len"
         )
+    tokens = (num_blocks - 1) * settings.block_size
+    log.info("KV cache: %d tokens, %.2fx max_model_len (%d) at once", tokens, tokens / settings.max_model_len,
+             settings.max_model_len)
+    if states > budget / 2:  # e.g. Qwen3.5-35B-A3B on an 80 GB GPU: 64 sequences' states ate 3.9 of 4.0 GiB
+        per_seq = states / (settings.max_num_seqs + 1)
+        log.warning("recurrent states of %d sequences take %.2f of the %.2f GiB KV budget, leaving %d KV tokens: "
+                    "each --max-num-seqs fewer gives the KV cache %.1f MiB more", settings.max_num_seqs,
+                    states / 2**30, budget / 2**30, tokens, per_seq / 2**20)
     runner = ModelRunner(model, num_blocks, settings)
     if settings.attention_kernels and runner.dtype != torch.float32 and not settings.deterministic_inference:
         warm_dense_prefill(runner, settings.step_tokens)  # (deterministic inference keeps every prompt paged)
