@@ -501,18 +501,21 @@ from triton.compiler import ASTSource
 from moe_engine.kernels import paged_attention as pa
 
 kernel, out = pa._attn_2d_kernel, {}
-for name, decode, dtype, G, dk, dv, tma in json.loads(sys.argv[1]):
+for name, decode, dtype, G, dk, dv, tma, kv in json.loads(sys.argv[1]):  # kv: the cache's dtype (fp8e4nv)
+    kv = kv or dtype
     dk_pad, dv_pad, esize = pa._pow2(dk), pa._pow2(dv), 4 if dtype == "fp32" else 2
     block_m, tile_n, warps, stages, krow = pa.tiles_2d(decode, G, dk_pad, dv_pad, esize, tma=tma)
     consts = dict(G=G, BLOCK_Q=1 if decode else block_m // G, BLOCK_M=block_m, TILE_N=tile_n,
                   BLOCK_SIZE=64 if tma else 16, DK=dk, DV=dv, DK_PAD=dk_pad, DV_PAD=dv_pad, HAS_WINDOW=False,
-                  HAS_SINKS=False, KROW=krow, TMA=tma, IEEE=dtype == "fp32", INTERPRET=False, PDL=True)
-    descs = {"k_desc": f"tensordesc<{dtype}[{tile_n}, {dk}]>" if tma else "constexpr",
-             "v_desc": f"tensordesc<{dtype}[{tile_n}, {dv}]>" if tma else "constexpr"}
+                  HAS_SINKS=False, KROW=krow, TMA=tma, IEEE=dtype == "fp32", INTERPRET=False, PDL=True,
+                  KV_FP8=kv != dtype, DT={"fp32": 0, "bf16": 1}[dtype])
+    descs = {"k_desc": f"tensordesc<{kv}[{tile_n}, {dk}]>" if tma else "constexpr",
+             "v_desc": f"tensordesc<{kv}[{tile_n}, {dv}]>" if tma else "constexpr"}
     consts.update({n: None for n, t in descs.items() if t == "constexpr"})
     ptr = "*" + dtype
-    sig = {"out_ptr": ptr, "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, **descs, "sinks_ptr": ptr,
-           "tables_ptr": "*i32", "cu_ptr": "*i32", "seq_lens_ptr": "*i32", "num_seqs": "i32", "scale_log2": "fp32",
+    sig = {"out_ptr": ptr, "q_ptr": ptr, "k_cache_ptr": "*" + kv, "v_cache_ptr": "*" + kv, **descs, "sinks_ptr": ptr,
+           "tables_ptr": "*i32", "cu_ptr": "*i32", "seq_lens_ptr": "*i32", "k_scale_ptr": "*fp32",
+           "v_scale_ptr": "*fp32", "num_seqs": "i32", "scale_log2": "fp32",
            "window": "i32",
            **{n: "i32" for n in ("s_qt", "s_qh", "s_ot", "s_oh", "s_bt", "s_kb", "s_ko", "s_kh", "s_vb", "s_vo", "s_vh")},
            **{n: "constexpr" for n in consts if n not in descs}}
@@ -536,9 +539,15 @@ def test_two_d_kernel_launches_compile_for_hopper_within_its_shared_memory(tmp_p
     from pathlib import Path
 
     pytest.importorskip("triton.backends.nvidia")
-    cases = [("decode bf16 d128", True, "bf16", 8, 128, 128, False), ("prefill bf16 d128", False, "bf16", 8, 128, 128, False),
-             ("decode fp32 d128", True, "fp32", 8, 128, 128, False), ("decode bf16 mla", True, "bf16", 16, 192, 128, False),
-             ("prefill bf16 d128 tma", False, "bf16", 8, 128, 128, True)]
+    cases = [("decode bf16 d128", True, "bf16", 8, 128, 128, False, None),
+             ("prefill bf16 d128", False, "bf16", 8, 128, 128, False, None),
+             ("decode fp32 d128", True, "fp32", 8, 128, 128, False, None),
+             ("decode bf16 mla", True, "bf16", 16, 192, 128, False, None),
+             ("prefill bf16 d128 tma", False, "bf16", 8, 128, 128, True, None),
+             # --kv-cache-dtype fp8: e4m3 tiles dequantised after each load (kernels/kv_fp8.py), TMA too
+             ("decode bf16 d128 fp8kv", True, "bf16", 8, 128, 128, False, "fp8e4nv"),
+             ("prefill bf16 d128 fp8kv", False, "bf16", 8, 128, 128, False, "fp8e4nv"),
+             ("prefill bf16 d128 fp8kv tma", False, "bf16", 8, 128, 128, True, "fp8e4nv")]
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(repo / "backends"), TRITON_CACHE_DIR=str(tmp_path))
@@ -553,3 +562,4 @@ def test_two_d_kernel_launches_compile_for_hopper_within_its_shared_memory(tmp_p
     tma = result["prefill bf16 d128 tma"]  # 64-key blocks: one warpgroup's 128 rows, tiles through TMA on wgmma
     assert tma["tma_loads"] and tma["wgmma"] and (tma["block_m"], tma["tile_n"], tma["warps"]) == (128, 64, 4)
     assert not any(r["tma_loads"] for name, r in result.items() if not name.endswith("tma"))
+    assert result["prefill bf16 d128 fp8kv tma"]["tma_loads"]
