@@ -100,7 +100,8 @@ class EngineConfig:
     kv_cache_dtype: str = _setting(
         "auto", "KV cache dtype (vLLM's flag): auto = the model dtype; fp8 / fp8_e4m3 = float8 e4m3 blocks, twice the "
                 "tokens in the same memory, with per-layer k/v scales from the checkpoint (k_scale / v_scale / "
-                "kv_scale) or 1.0. Not for MLA models, tensor parallelism or deterministic inference",
+                "kv_scale) or 1.0 (MLA models: the latent and rope key). Not with tensor parallelism or "
+                "deterministic inference",
         choices=list(KV_CACHE_DTYPES))
     deterministic_inference: bool = _setting(
         False, "batch-invariant forward: a request's tokens, logprobs, prompt logprobs, routed experts and routed "
