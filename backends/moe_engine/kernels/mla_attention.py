@@ -3,7 +3,9 @@ cache: the absorbed decode kernel, its split-K merge, and the torch reference.
 
 Cache (per layer, core/kv_cache.py): ``latent [num_blocks, block_size, 1, R]`` (the normalised compressed kv, R =
 kv_lora_rank: 512 in V2/V3) and ``rope [num_blocks, block_size, 1, P]`` (the rotated key all heads share, P =
-qk_rope_head_dim: 64): R + P = 576 values per token and layer, never an expanded key or value.
+qk_rope_head_dim: 64): R + P = 576 values per token and layer, never an expanded key or value. In the model dtype, or
+with ``--kv-cache-dtype fp8`` float8 e4m3 (kv_fp8.py) with a float32 scale for the latent and one for the rope key
+(LayerKV's k_scale / v_scale): ``mla_rope_store`` quantises, ``mla_decode`` dequantises each tile on load (KV_FP8).
 
 Absorbed decode (DeepSeek's own inference; vLLM's TRITON_MLA and FlashMLA, SGLang's Triton MLA): kv_b_proj's
 weight is, per head, [nope + v, R]: W_UK its first nope rows, W_UV the other v. The expanded key of head h at
