@@ -416,9 +416,11 @@ _KV_SCALE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|attn|mixer)\.(?
                            r"(k_scale|v_scale|kv_scale)$")
 
 
-def read_kv_scales(tensors: _Tensors, num_layers: int) -> list[tuple[float, float] | None]:
+def read_kv_scales(tensors: _Tensors, num_layers: int, mla: bool = False) -> list[tuple[float, float] | None]:
     """Per layer (k_scale, v_scale) from the checkpoint, None where it has none (a missing half: 1.0). The scales
-    dequantise: the FP8 cache stores x / scale (kernels/kv_fp8.py), as vLLM. Marks the keys used."""
+    dequantise: the FP8 cache stores x / scale (kernels/kv_fp8.py), as vLLM. Marks the keys used. ``mla``: the
+    cache's "k" is the latent and its "v" the rope key; both take k_scale, as vLLM quantises the whole 576-value
+    latent + rope row with it (a v_scale is read and unused there)."""
     found: dict[int, dict[str, float]] = {}
     for key in tensors.key_file:
         m = _KV_SCALE_KEY.search(key)
@@ -433,7 +435,8 @@ def read_kv_scales(tensors: _Tensors, num_layers: int) -> list[tuple[float, floa
     scales: list[tuple[float, float] | None] = [None] * num_layers
     for layer, names in found.items():
         both = names.get("kv_scale", 1.0)
-        scales[layer] = (names.get("k_scale", both), names.get("v_scale", both))
+        k_scale = names.get("k_scale", both)
+        scales[layer] = (k_scale, k_scale if mla else names.get("v_scale", both))
     return scales
 
 
@@ -523,7 +526,7 @@ def load_model(
             setattr(model.get_submodule(module_name), attr, nn.Parameter(value, requires_grad=False))
             if bar is not None:
                 bar.update(value.nbytes)
-        kv_scales = read_kv_scales(tensors, cfg.num_hidden_layers)
+        kv_scales = read_kv_scales(tensors, cfg.num_hidden_layers, mla=cfg.attention.mla is not None)
         unused = sorted(set(tensors.key_file) - tensors.used - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
         ignored = [k for k in unused if _ignored_key(k, cfg)]
         unused = [k for k in unused if not _ignored_key(k, cfg)]

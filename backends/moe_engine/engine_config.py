@@ -100,7 +100,8 @@ class EngineConfig:
     kv_cache_dtype: str = _setting(
         "auto", "KV cache dtype (vLLM's flag): auto = the model dtype; fp8 / fp8_e4m3 = float8 e4m3 blocks, twice the "
                 "tokens in the same memory, with per-layer k/v scales from the checkpoint (k_scale / v_scale / "
-                "kv_scale) or 1.0. Not for MLA models, tensor parallelism or deterministic inference",
+                "kv_scale) or 1.0 (MLA models: the latent and rope key). Not with tensor parallelism or "
+                "deterministic inference",
         choices=list(KV_CACHE_DTYPES))
     deterministic_inference: bool = _setting(
         False, "batch-invariant forward: a request's tokens, logprobs, prompt logprobs, routed experts and routed "
@@ -311,8 +312,8 @@ def check_deterministic(engine: EngineConfig, cuda: bool, fused: bool, cfg) -> N
 
 def resolve_kv_cache_dtype(engine: EngineConfig, cfg, deterministic: bool) -> str:
     """``engine.kv_cache_dtype`` as the blocks hold it ("auto" or "fp8_e4m3"); ValueError for a value this engine
-    does not serve or an FP8 cache it cannot combine: MLA models (their latent-cache kernels read the model dtype),
-    tensor parallelism and deterministic inference (their attention paths have no FP8 read yet)."""
+    does not serve or an FP8 cache it cannot combine: tensor parallelism and deterministic inference (their
+    attention paths have no FP8 read yet). MLA models cache their latent and rope key in FP8 (layers/mla.py)."""
     value = (engine.kv_cache_dtype or "auto").strip().lower()
     if value not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {engine.kv_cache_dtype!r} is not supported (supported: "
@@ -322,9 +323,6 @@ def resolve_kv_cache_dtype(engine: EngineConfig, cfg, deterministic: bool) -> st
     if resolved == "auto":
         return resolved
     flag = f"--kv-cache-dtype {value}"
-    if cfg.attention.mla is not None:
-        raise ValueError(f"{flag} is not supported for MLA models ({cfg.architecture}: the latent cache stays in the "
-                         "model dtype); use --kv-cache-dtype auto")
     if engine.tensor_parallel_size > 1:
         raise ValueError(f"{flag} is not supported with tensor parallelism yet; use --tensor-parallel-size 1 or "
                          "--kv-cache-dtype auto")

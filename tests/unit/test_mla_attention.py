@@ -149,18 +149,55 @@ def run_step(layer, rotary, cache, tables, contexts, q_lens, x, use_kernels, den
         return layer(x, cos, sin, batch, cache[0]), batch
 
 
+# ``--kv-cache-dtype fp8``: the layer tests below also run over an e4m3 cache, with scales that are not 1.0 and differ
+# between the latent (k_scale) and the rope key (v_scale), so that a scale ignored or swapped shows.
+FP8_KV = dict(kv_dtype=torch.float8_e4m3fn, kv_scales=[(0.02, 0.05)])
+LAYER_CASES = [("deepseek_v2", torch.float32, {}), ("deepseek_v3", torch.float32, {}),
+               ("deepseek_v3", torch.bfloat16, {}), ("deepseek_v2", torch.float32, FP8_KV),
+               ("deepseek_v3", torch.bfloat16, FP8_KV)]
+LAYER_IDS = ["v2-fp32", "v3-fp32", "v3-bf16", "v2-fp32-fp8kv", "v3-bf16-fp8kv"]
+
+
+def copy_of(cache, cfg, dtype):
+    """A cache of the same kind (model dtype, or FP8 with the same scales) holding ``cache``'s contents."""
+    from moe_engine.core.kv_cache import KVCache
+
+    fp8 = cache[0].k_scale is not None
+    kw = dict(kv_dtype=cache.kv_dtype, kv_scales=[(cache[0].k_scale.item(), cache[0].v_scale.item())]) if fp8 else {}
+    c = KVCache([mla_spec(cfg)], num_blocks=cache.num_blocks, block_size=cache.block_size, dtype=dtype,
+                device=DEVICE, **kw)
+    c[0].k.copy_(cache[0].k)
+    c[0].v.copy_(cache[0].v)
+    return c
+
+
+def assert_same_cache(got, want, cfg, blocks=slice(None)):
+    """The kernel path's cache writes are the op-by-op path's: the latent bit for bit (an FP8 cache: both quantise
+    the same model-dtype latent with kv_fp8's rounding); the rotated rope key too, but V2's complex rotary within an
+    ulp of float32 (kernels/mla_attention.py's mla_rope_store), hence within one e4m3 step in an FP8 cache."""
+    (gk, gv), (wk, wv) = (got[0].k[blocks], got[0].v[blocks]), (want[0].k[blocks], want[0].v[blocks])
+    fp8 = want[0].k_scale is not None
+    bits = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)
+    assert torch.equal(bits(gk), bits(wk))
+    if cfg.rope.style != "complex":
+        assert torch.equal(bits(gv), bits(wv))
+    elif fp8:
+        torch.testing.assert_close(gv.float(), wv.float(), atol=2**-9, rtol=2**-3)
+        assert (bits(gv) != bits(wv)).float().mean() < 0.01
+    else:
+        torch.testing.assert_close(gv, wv, atol=1e-6, rtol=1e-6)
+
+
 @needs_kernels
-@pytest.mark.parametrize("arch,dtype", [("deepseek_v2", torch.float32), ("deepseek_v3", torch.float32),
-                                        ("deepseek_v3", torch.bfloat16)], ids=["v2-fp32", "v3-fp32", "v3-bf16"])
-def test_layer_kernel_path_equals_op_by_op(arch, dtype):
+@pytest.mark.parametrize("arch,dtype,cache_kw", LAYER_CASES, ids=LAYER_IDS)
+def test_layer_kernel_path_equals_op_by_op(arch, dtype, cache_kw):
     """Three sequences prefilled in chunks by the op-by-op layer; then, from copies of that cache, one decode step
     and one mixed step (two decodes, a chunk after cached context, a prompt from position 0, and a long prompt from
     position 0 last, which takes dense causal SDPA in bf16) on both paths: outputs within rounding, and the same
-    cache contents written (the latent bit for bit; the rotated rope key too, but V2's complex rotary within an
-    ulp of float32: kernels/mla_attention.py's mla_rope_store)."""
-    from moe_engine.core.kv_cache import KVCache
-
-    cfg, layer, rotary, cache, tables, g = layer_with_history(arch, dtype)
+    cache contents written (assert_same_cache). Over an FP8 cache the op-by-op path attends over the dequantised
+    cache (LayerKV.read), the kernels dequantise on load: the same values, so the same tolerance."""
+    cfg, layer, rotary, cache, tables, g = layer_with_history(arch, dtype, **cache_kw)
+    assert cache[0].k.dtype == cache_kw.get("kv_dtype", dtype)
     H = cfg.hidden_size
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=4e-2)
     steps = (
@@ -172,9 +209,7 @@ def test_layer_kernel_path_equals_op_by_op(arch, dtype):
         x = torch.randn(sum(q_lens), H, generator=g).to(dtype).to(DEVICE)
         outs, caches = [], []
         for use_kernels in (False, True):
-            c = KVCache([mla_spec(cfg)], num_blocks=40, block_size=8, dtype=dtype, device=DEVICE)
-            c[0].k.copy_(cache[0].k)
-            c[0].v.copy_(cache[0].v)
+            c = copy_of(cache, cfg, dtype)
             out, batch = run_step(layer, rotary, c, [tables[i] for i in seqs], contexts, q_lens, x, use_kernels,
                                   dense_min)
             outs.append(out)
@@ -183,21 +218,18 @@ def test_layer_kernel_path_equals_op_by_op(arch, dtype):
             assert batch.dense_from == 4  # the 20-token prompt (bf16: dense SDPA; float32: the paged kernel)
         assert torch.isfinite(outs[1]).all()
         torch.testing.assert_close(outs[1].float(), outs[0].float(), **tol)
-        assert torch.equal(caches[0][0].k, caches[1][0].k)
-        if cfg.rope.style == "complex":  # V2's complex product: float32 in another order (within an ulp)
-            torch.testing.assert_close(caches[1][0].v, caches[0][0].v, atol=1e-6, rtol=1e-6)
-        else:
-            assert torch.equal(caches[0][0].v, caches[1][0].v)
+        assert_same_cache(caches[1], caches[0], cfg)
 
 
-def layer_with_history(arch: str, dtype: torch.dtype):
+def layer_with_history(arch: str, dtype: torch.dtype, **cache_kw):
     """make_layer's layer and a cache of 40 blocks of 8 (the last: the null block) where the op-by-op layer prefilled
-    sequence 0 with 30 tokens, 1 with 9 and 2 with 17 (two chunks); five tables of 5 shuffled blocks each."""
+    sequence 0 with 30 tokens, 1 with 9 and 2 with 17 (two chunks); five tables of 5 shuffled blocks each.
+    ``cache_kw``: KVCache's (kv_dtype, kv_scales: an FP8 cache)."""
     from moe_engine.core.kv_cache import KVCache
 
     cfg, layer, rotary = make_layer(arch, dtype)
     g = torch.Generator().manual_seed(1)
-    cache = KVCache([mla_spec(cfg)], num_blocks=40, block_size=8, dtype=dtype, device=DEVICE)
+    cache = KVCache([mla_spec(cfg)], num_blocks=40, block_size=8, dtype=dtype, device=DEVICE, **cache_kw)
     free = torch.randperm(39, generator=g).tolist()
     tables = [[free.pop() for _ in range(5)] for _ in range(5)]
     for ctx, lens in (([0, 0, 0], [21, 9, 11]), ([21, 9, 11], [9, 0, 6])):
@@ -209,26 +241,25 @@ def layer_with_history(arch: str, dtype: torch.dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch,dtype", [("deepseek_v3", torch.float32), ("deepseek_v2", torch.bfloat16)],
-                         ids=["v3-fp32", "v2-bf16"])
-def test_prefill_graph_step_attends_every_row_absorbed(arch, dtype):
+@pytest.mark.parametrize("arch,dtype,cache_kw", [("deepseek_v3", torch.float32, {}),
+                                                 ("deepseek_v2", torch.bfloat16, {}),
+                                                 ("deepseek_v3", torch.bfloat16, FP8_KV)],
+                         ids=["v3-fp32", "v2-bf16", "v3-bf16-fp8kv"])
+def test_prefill_graph_step_attends_every_row_absorbed(arch, dtype, cache_kw):
     """A prefill graph's step (core/prefill_graphs.py: staged as a replay stages it, padded to its token bucket, no
     host lengths) takes every row through the absorbed kernel, each token a query of its own keys (split over
     them): two decodes, a chunk after 17 cached tokens and a prompt from position 0 give the op-by-op layer's
-    outputs within rounding and write the same cache; the padding rows write only the null block."""
+    outputs within rounding and write the same cache; the padding rows write only the null block. Over an FP8
+    cache too (its scales: tensors the graph reads, as it reads the cache)."""
     import numpy as np
 
-    from moe_engine.core.kv_cache import KVCache
     from moe_engine.core.prefill_graphs import StagingLayout, replay_batch, stage_step
 
-    cfg, layer, rotary, cache, tables, g = layer_with_history(arch, dtype)
+    cfg, layer, rotary, cache, tables, g = layer_with_history(arch, dtype, **cache_kw)
     seqs, contexts, q_lens = [0, 1, 2, 3], [30, 9, 17, 0], [1, 1, 5, 12]
     T, Tp, max_model_len = sum(q_lens), 32, 200  # 200: the kernel splits each token's keys 4 ways
     x = torch.randn(T, cfg.hidden_size, generator=g).to(dtype).to(DEVICE)
-    caches = [KVCache([mla_spec(cfg)], num_blocks=40, block_size=8, dtype=dtype, device=DEVICE) for _ in range(2)]
-    for c in caches:
-        c[0].k.copy_(cache[0].k)
-        c[0].v.copy_(cache[0].v)
+    caches = [copy_of(cache, cfg, dtype) for _ in range(2)]
     want, _ = run_step(layer, rotary, caches[0], [tables[i] for i in seqs], contexts, q_lens, x, use_kernels=False)
 
     layout = StagingLayout.for_engine(Tp, 6, max_model_len, 8)
@@ -252,11 +283,7 @@ def test_prefill_graph_step_attends_every_row_absorbed(arch, dtype):
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=4e-2)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got[:T].float(), want.float(), **tol)
-    assert torch.equal(caches[0][0].k[:39], caches[1][0].k[:39])
-    if cfg.rope.style == "complex":
-        torch.testing.assert_close(caches[1][0].v[:39], caches[0][0].v[:39], atol=1e-6, rtol=1e-6)
-    else:
-        assert torch.equal(caches[0][0].v[:39], caches[1][0].v[:39])
+    assert_same_cache(caches[1], caches[0], cfg, blocks=slice(0, 39))
 
 
 def mla_spec(cfg):

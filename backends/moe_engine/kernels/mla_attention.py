@@ -3,7 +3,9 @@ cache: the absorbed decode kernel, its split-K merge, and the torch reference.
 
 Cache (per layer, core/kv_cache.py): ``latent [num_blocks, block_size, 1, R]`` (the normalised compressed kv, R =
 kv_lora_rank: 512 in V2/V3) and ``rope [num_blocks, block_size, 1, P]`` (the rotated key all heads share, P =
-qk_rope_head_dim: 64): R + P = 576 values per token and layer, never an expanded key or value.
+qk_rope_head_dim: 64): R + P = 576 values per token and layer, never an expanded key or value. In the model dtype, or
+with ``--kv-cache-dtype fp8`` float8 e4m3 (kv_fp8.py) with a float32 scale for the latent and one for the rope key
+(LayerKV's k_scale / v_scale): ``mla_rope_store`` quantises, ``mla_decode`` dequantises each tile on load (KV_FP8).
 
 Absorbed decode (DeepSeek's own inference; vLLM's TRITON_MLA and FlashMLA, SGLang's Triton MLA): kv_b_proj's
 weight is, per head, [nope + v, R]: W_UK its first nope rows, W_UV the other v. The expanded key of head h at
@@ -34,14 +36,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .paged_attention import _check_triton, _pow2, choose_num_splits, interpreting, triton
+from . import kv_fp8
+from .paged_attention import (_check_cache_dtype, _check_triton, _pow2, _scale_args, choose_num_splits, interpreting,
+                              triton)
 from .support import _DT, pdl
 from .support import _launch as _launch_exact
 
 if triton is not None:
     import triton.language as tl
 
-    from .paged_attention import _dot
+    from .paged_attention import _dot, _kv_scales
     from .support import _await_inputs, _round
 
 _LOG2E = 1.4426950408889634
@@ -79,12 +83,16 @@ if triton is not None:
     @triton.jit
     def _mla_tiles(
         ql, qr, m_i, l_i, acc, key_lo, key_hi, table_ptr, lat_ptr, rope_ptr, s_lb, s_lo, s_rb, s_ro, scale_log2,
+        lat_scale, rope_scale,
         R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         TILE_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+        KV_FP8: tl.constexpr, DT: tl.constexpr,
     ):
         """Online softmax of the rows of (ql [BLOCK_H, R_PAD], qr [BLOCK_H, P_PAD]) over keys [key_lo, key_hi).
         MASKED: keys past key_hi (the last, partial tile) are neither loaded nor attended; else every tile is whole
-        and loads without masks (where R and P are powers of two)."""
+        and loads without masks (where R and P are powers of two). KV_FP8: the caches hold float8 e4m3; each tile
+        is dequantised right after its load (kv_fp8.from_fp8 with the layer's latent / rope scales), so both dots
+        see the values kv_fp8.dequantize gives the op-by-op path."""
         offs_n = tl.arange(0, TILE_N)
         r = tl.arange(0, R_PAD)
         p = tl.arange(0, P_PAD)
@@ -110,6 +118,9 @@ if triton is not None:
                     rope = tl.load(rope_ptrs)
                 else:
                     rope = tl.load(rope_ptrs, mask=p[None, :] < P, other=0.0)
+            if KV_FP8:
+                lat = kv_fp8.from_fp8(lat, lat_scale, DT, ql.dtype)
+                rope = kv_fp8.from_fp8(rope, rope_scale, DT, qr.dtype)
             # the latent tile serves both dots: as keys (transposed) and as values
             s = _dot(ql, tl.trans(lat), IEEE, INTERPRET) + _dot(qr, tl.trans(rope), IEEE, INTERPRET)
             if MASKED:
@@ -126,11 +137,12 @@ if triton is not None:
     @triton.jit(do_not_specialize=["s_bt"])
     def _mla_decode_kernel(
         out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,  # DIRECT: out; else the partials [N, Hq, S(, R_PAD)] float32
-        ql_ptr, qr_ptr, lat_ptr, rope_ptr, tables_ptr, seq_lens_ptr, scale_log2,
+        ql_ptr, qr_ptr, lat_ptr, rope_ptr, tables_ptr, seq_lens_ptr, lat_scale_ptr, rope_scale_ptr, scale_log2,
         s_qlt, s_qlh, s_qrt, s_qrh, s_ot, s_oh, s_bt, s_lb, s_lo, s_rb, s_ro,
         Hq: tl.constexpr, BLOCK_H: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
         DIRECT: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+        KV_FP8: tl.constexpr, DT: tl.constexpr,
     ):
         """Program (token, head block, split): the heads' one query over the split's share of the token's keys
         (positions < seq_lens[token], read through block table row ``token``; whole tiles, split evenly at run
@@ -157,12 +169,13 @@ if triton is not None:
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
+        lat_scale, rope_scale = _kv_scales(lat_scale_ptr, rope_scale_ptr, KV_FP8)
         m_i, l_i, acc = _mla_tiles(ql, qr, m_i, l_i, acc, key_lo, full_hi, table, lat_ptr, rope_ptr,
-                                   s_lb, s_lo, s_rb, s_ro, scale_log2, R, P, R_PAD, P_PAD, BLOCK_SIZE, TILE_N,
-                                   False, IEEE, INTERPRET)
+                                   s_lb, s_lo, s_rb, s_ro, scale_log2, lat_scale, rope_scale, R, P, R_PAD, P_PAD,
+                                   BLOCK_SIZE, TILE_N, False, IEEE, INTERPRET, KV_FP8, DT)
         m_i, l_i, acc = _mla_tiles(ql, qr, m_i, l_i, acc, full_hi, key_hi, table, lat_ptr, rope_ptr,
-                                   s_lb, s_lo, s_rb, s_ro, scale_log2, R, P, R_PAD, P_PAD, BLOCK_SIZE, TILE_N,
-                                   True, IEEE, INTERPRET)
+                                   s_lb, s_lo, s_rb, s_ro, scale_log2, lat_scale, rope_scale, R, P, R_PAD, P_PAD,
+                                   BLOCK_SIZE, TILE_N, True, IEEE, INTERPRET, KV_FP8, DT)
         if DIRECT:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + tok * s_ot + h[:, None] * s_oh + r[None, :], o.to(out_ptr.dtype.element_ty),
@@ -240,14 +253,16 @@ if triton is not None:
 
     @triton.jit
     def _mla_rope_kernel(
-        q_ptr, kr_ptr, lat_ptr, cos_ptr, sin_ptr, lc_ptr, rc_ptr, slot_ptr,
+        q_ptr, kr_ptr, lat_ptr, cos_ptr, sin_ptr, lc_ptr, rc_ptr, slot_ptr, lat_scale_ptr, rope_scale_ptr,
         s_qt, s_qh, s_kt, s_lt, s_ct, s_st, s_lcs, s_rcs, Hq,
         NOPE: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
         STYLE: tl.constexpr, BLOCK_H: tl.constexpr, DT: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         """Program (token, head block): the heads' rope dims of q rotated in place; head block 0 also rotates the
         token's shared rope key in place and (STORE) writes it and the token's latent into the caches at its slot
-        (slots < 0: padding, not written)."""
+        (slots < 0: padding, not written); KV_FP8: quantised with the layer's latent / rope scales (kv_fp8.py) from
+        the model-dtype values (the rotated key as rounded in q's dtype, as kv_fp8.quantize of apply_rotary's)."""
         _await_inputs(PDL)
         t = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)
@@ -266,10 +281,14 @@ if triton is not None:
             if STORE:
                 slot = tl.load(slot_ptr + t).to(tl.int64)
                 if slot >= 0:
-                    tl.store(rc_ptr + slot * s_rcs + one[:, None] * 0 + kd, k_out.to(rc_ptr.dtype.element_ty),
-                             mask=km)
                     r = tl.arange(0, R_PAD)
-                    lat = tl.load(lat_ptr + t * s_lt + r, mask=r < R)
+                    lat = tl.load(lat_ptr + t * s_lt + r, mask=r < R, other=0.0)
+                    k_cached = k_out
+                    if KV_FP8:
+                        k_cached = kv_fp8.to_fp8(k_out, tl.load(rope_scale_ptr))
+                        lat = kv_fp8.to_fp8(lat, tl.load(lat_scale_ptr))
+                    tl.store(rc_ptr + slot * s_rcs + one[:, None] * 0 + kd, k_cached.to(rc_ptr.dtype.element_ty),
+                             mask=km)
                     tl.store(lc_ptr + slot * s_lcs + r, lat.to(lc_ptr.dtype.element_ty), mask=r < R)
 
 
@@ -285,10 +304,12 @@ def mla_rope_store(
     rope_cache: torch.Tensor | None = None,  # [num_blocks, block_size, 1, P]
     slots: torch.Tensor | None = None,  # [T] flat slots, < 0: not written
     block_h: int = 16,
+    latent_scale: torch.Tensor | None = None,  # float32 [1] each: an FP8 cache's scales (LayerKV's k / v_scale)
+    rope_scale: torch.Tensor | None = None,
 ) -> None:
     """MLA's rotary of q's and k's rope parts and the KV-cache write in one launch: the values layers/rotary.py's
     apply_rotary and store_kv give (half and interleave styles to the bit; the complex style's float32 product in
-    its own order, within rounding), written in place."""
+    its own order, within rounding), written in place; into an FP8 cache (with the scales) as kv_fp8.quantize."""
     T, Hq, D = q.shape
     P = k_rope.shape[-1]
     if D != nope + P or q.stride(-1) != 1 or k_rope.stride(-1) != 1 or style not in ROPE_STYLES:
@@ -300,13 +321,16 @@ def mla_rope_store(
         sin = cos
     store = latent_cache is not None
     R = latent.shape[-1] if store else 1
+    if store:
+        _check_cache_dtype(q.dtype, latent_cache, rope_cache, latent_scale is not None)
+    latent_scale, rope_scale, fp8 = _scale_args(latent_scale, rope_scale, q)
     _launch_exact(
         _mla_rope_kernel, (T, -(-Hq // block_h)), q, k_rope, latent if store else q, cos, sin,
-        latent_cache if store else q, rope_cache if store else q, slots if store else q,
+        latent_cache if store else q, rope_cache if store else q, slots if store else q, latent_scale, rope_scale,
         q.stride(0), q.stride(1), k_rope.stride(0), latent.stride(0) if store else 0, cos.stride(0), sin.stride(0),
         latent_cache.stride(1) if store else 0, rope_cache.stride(1) if store else 0, Hq,
         NOPE=nope, P=P, P_PAD=max(_pow2(P), 2), R=R, R_PAD=_pow2(R), STYLE=ROPE_STYLES[style], BLOCK_H=block_h,
-        DT=_DT[q.dtype], STORE=store, PDL=pdl(q.device),
+        DT=_DT[q.dtype], STORE=store, PDL=pdl(q.device), KV_FP8=fp8,
     )
 
 
@@ -318,7 +342,7 @@ def _launch(kernel, grid, *args, num_warps: int | None = None, num_stages: int |
     return kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **meta)
 
 
-def _check(q_lat, q_rope, latent_cache, rope_cache, block_tables, seq_lens) -> None:
+def _check(q_lat, q_rope, latent_cache, rope_cache, block_tables, seq_lens, fp8: bool = False) -> None:
     if q_lat.dim() != 3 or q_rope.dim() != 3 or q_lat.shape[:2] != q_rope.shape[:2]:
         raise ValueError(f"q_lat [N, Hq, R] and q_rope [N, Hq, P] expected; got {tuple(q_lat.shape)}, "
                          f"{tuple(q_rope.shape)}")
@@ -332,8 +356,9 @@ def _check(q_lat, q_rope, latent_cache, rope_cache, block_tables, seq_lens) -> N
     bs = latent_cache.shape[1]
     if bs & (bs - 1):
         raise ValueError(f"block_size must be a power of two, got {bs}")
-    if q_lat.dtype not in _DTYPES or any(t.dtype != q_lat.dtype for t in (q_rope, latent_cache, rope_cache)):
-        raise TypeError("q_lat, q_rope and the caches must share a dtype among float32, bfloat16, float16")
+    if q_lat.dtype not in _DTYPES or q_rope.dtype != q_lat.dtype:
+        raise TypeError("q_lat and q_rope must share a dtype among float32, bfloat16, float16")
+    _check_cache_dtype(q_lat.dtype, latent_cache, rope_cache, fp8)  # the model's, or float8 e4m3 with the scales
     N = q_lat.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] < N or seq_lens.shape[0] < N:
         raise ValueError(f"block_tables [N, max_blocks] and seq_lens [N] expected for {N} tokens; got "
@@ -355,10 +380,14 @@ def mla_decode(
     out: torch.Tensor | None = None,  # [N, Hq, R] in q_lat's dtype, unit last stride (any other strides)
     num_splits: int | None = None,
     config: MLAKernelConfig = DEFAULT_CONFIG,
+    latent_scale: torch.Tensor | None = None,  # float32 [1] each: an FP8 cache's scales (kv_fp8.py), else None
+    rope_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [N, Hq, R]: softmax(q_lat . latent + q_rope . rope) @ latent per head
-    """Absorbed MLA decode over the paged latent cache (see the module docstring)."""
+    """Absorbed MLA decode over the paged latent cache (see the module docstring); an FP8 cache dequantised on
+    load."""
     _check_triton(q_lat.device)
-    _check(q_lat, q_rope, latent_cache, rope_cache, block_tables, seq_lens)
+    _check(q_lat, q_rope, latent_cache, rope_cache, block_tables, seq_lens, latent_scale is not None)
+    latent_scale, rope_scale, fp8 = _scale_args(latent_scale, rope_scale, seq_lens)
     N, Hq, R = q_lat.shape
     P = q_rope.shape[2]
     if q_lat.stride(-1) != 1:
@@ -378,40 +407,47 @@ def mla_decode(
         num_splits = num_splits_for(N, Hq, max_seq_len, config)
     R_PAD, P_PAD = max(_pow2(R), 16), max(_pow2(P), 16)
     common = dict(BLOCK_SIZE=latent_cache.shape[1], R=R, P=P, R_PAD=R_PAD, P_PAD=P_PAD,
-                  IEEE=q_lat.dtype == torch.float32, INTERPRET=interpreting(), PDL=pdl(q_lat.device))
+                  IEEE=q_lat.dtype == torch.float32, INTERPRET=interpreting(), PDL=pdl(q_lat.device),
+                  KV_FP8=fp8, DT=_DT[q_lat.dtype])
     strides = (q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
                block_tables.stride(0), latent_cache.stride(0), latent_cache.stride(1), rope_cache.stride(0),
                rope_cache.stride(1))
     scale_log2 = float(scale) * _LOG2E
     if num_splits == 1:
         _launch(_mla_decode_kernel, (N, hb, 1), out, out, out, out, q_lat, q_rope, latent_cache, rope_cache,
-                block_tables, seq_lens, scale_log2, *strides, Hq=Hq, BLOCK_H=block_h, TILE_N=tile_n, DIRECT=True,
-                **common, num_warps=config.num_warps, num_stages=config.num_stages)
+                block_tables, seq_lens, latent_scale, rope_scale, scale_log2, *strides, Hq=Hq, BLOCK_H=block_h,
+                TILE_N=tile_n, DIRECT=True, **common, num_warps=config.num_warps, num_stages=config.num_stages)
         return out
     part_m = torch.empty(N, Hq, num_splits, dtype=torch.float32, device=q_lat.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(N, Hq, num_splits, R_PAD, dtype=torch.float32, device=q_lat.device)
     _launch(_mla_decode_kernel, (N, hb, num_splits), out, part_m, part_l, part_acc, q_lat, q_rope, latent_cache,
-            rope_cache, block_tables, seq_lens, scale_log2, *strides, Hq=Hq, BLOCK_H=block_h, TILE_N=tile_n,
-            DIRECT=False, **common, num_warps=config.num_warps, num_stages=config.num_stages)
+            rope_cache, block_tables, seq_lens, latent_scale, rope_scale, scale_log2, *strides, Hq=Hq,
+            BLOCK_H=block_h, TILE_N=tile_n, DIRECT=False, **common, num_warps=config.num_warps,
+            num_stages=config.num_stages)
     _launch(_mla_merge_kernel, (N, Hq), out, part_m, part_l, part_acc, out.stride(0), out.stride(1), num_splits,
             Hq=Hq, SPLITS_PAD=_pow2(num_splits), R=R, R_PAD=R_PAD, PDL=common["PDL"], num_warps=4, num_stages=1)
     return out
 
 
 def mla_decode_reference(q_lat, q_rope, latent_cache, rope_cache, block_tables, seq_lens, *, max_seq_len=None,
-                         scale: float, out=None, num_splits=None, config=None) -> torch.Tensor:
-    """``mla_decode`` op by op in torch (same arguments; reads the lengths on the host): per token, gather its keys,
-    scores in float32, softmax, weighted sum of the latents, cast to the query's dtype."""
-    _check(q_lat, q_rope, latent_cache, rope_cache, block_tables, seq_lens)
+                         scale: float, out=None, num_splits=None, config=None, latent_scale=None,
+                         rope_scale=None) -> torch.Tensor:
+    """``mla_decode`` op by op in torch (same arguments; reads the lengths on the host): per token, gather its keys
+    (an FP8 cache's dequantised by kv_fp8.dequantize), scores in float32, softmax, weighted sum of the latents, cast
+    to the query's dtype."""
+    _check(q_lat, q_rope, latent_cache, rope_cache, block_tables, seq_lens, latent_scale is not None)
     N, Hq, R = q_lat.shape
     bs = latent_cache.shape[1]
     result = q_lat.new_empty(N, Hq, R)
     for i, n in enumerate(seq_lens[:N].tolist()):
         pos = torch.arange(n, device=q_lat.device)
         blocks = block_tables[i, pos // bs].long()
-        lat = latent_cache[blocks, pos % bs, 0].float()  # [n, R]
-        rope = rope_cache[blocks, pos % bs, 0].float()  # [n, P]
+        lat, rope = latent_cache[blocks, pos % bs, 0], rope_cache[blocks, pos % bs, 0]  # [n, R], [n, P]
+        if latent_scale is not None:
+            lat = kv_fp8.dequantize(lat, latent_scale, q_lat.dtype)
+            rope = kv_fp8.dequantize(rope, rope_scale, q_lat.dtype)
+        lat, rope = lat.float(), rope.float()
         s = (q_lat[i].float() @ lat.t() + q_rope[i].float() @ rope.t()) * scale  # [Hq, n]
         result[i] = (torch.softmax(s, dim=-1) @ lat).to(q_lat.dtype)
     if out is not None:

@@ -20,6 +20,11 @@ Two paths compute the same attention:
     tokens x keys, so the runner replays MLA's prefill graphs only within ``GRAPH_MAX_KEY_READS``.
   Equal to the op-by-op path within rounding (another summation order; the absorbed query is rounded to the model
   dtype where the op-by-op path rounds the expanded keys).
+
+``--kv-cache-dtype fp8``: the latent and the rope key are cached in float8 e4m3 (576 bytes per token and layer),
+the latent with the layer's k_scale and the rope key with its v_scale (kernels/kv_fp8.py); the store quantises,
+and every path reads the same dequantised values: the kernels on load, the op-by-op and expanded-prefill paths
+through ``LayerKV.read``, the dense prefill through ``LayerKV.as_stored``.
 """
 from __future__ import annotations
 
@@ -47,8 +52,9 @@ class MLAttention(nn.Module):
     """DeepSeek-V2/V3 multi-head latent attention (HF ``DeepseekV2Attention`` / ``DeepseekV3Attention``).
 
     The cache holds, per token, the normalised kv latent [kv_lora_rank] (as "k") and the rotated shared rope key
-    [qk_rope_head_dim] (as "v"), exactly what HF caches; every step expands the cached latents of the step's
-    sequences with ``kv_b_proj`` into per-head keys (nope part + shared rope part) and values, as HF does."""
+    [qk_rope_head_dim] (as "v"), exactly what HF caches (an FP8 cache: quantised, module docstring); every step
+    expands the cached latents of the step's sequences with ``kv_b_proj`` into per-head keys (nope part + shared
+    rope part) and values, as HF does."""
 
     batch_invariant = False  # deterministic inference (MoEForCausalLM.use_batch_invariant)
     # q (or q_a) and kv_a in one GEMM, o_proj of one token in small_linear: equal within rounding (set by
@@ -140,7 +146,7 @@ class MLAttention(nn.Module):
             # the rope parts of q and k rotated in place and the latent + rotated key cached, in one launch
             q = q.view(T, Hq, self.qk_head_dim)
             mla_kernels.mla_rope_store(q, k_rot, cos, sin, self.rope_style, self.nope, kv_latent, cache.k, cache.v,
-                                       batch.slot_mapping)
+                                       batch.slot_mapping, latent_scale=cache.k_scale, rope_scale=cache.v_scale)
             out = self._attend_kernels(q, kv_latent, k_rot, cache, batch)  # [T, Hq, V]
             if isinstance(self.o_proj, Fp8Linear):
                 return self.o_proj(out.reshape(T, Hq * self.v_dim))
@@ -152,7 +158,7 @@ class MLAttention(nn.Module):
         k_rot = apply_rotary(k_rot, cos, sin, self.rope_style, self.batch_invariant)
         store_kv(kv_latent[:, None], k_rot, cache, batch)
         query = torch.cat((q_nope, q_rot), dim=-1)  # [T, Hq, nope + R]
-        latent, rot = cached_kv(cache, batch)  # [B, 1, Lk, r], [B, 1, Lk, R]
+        latent, rot = cache.read(*cached_kv(cache, batch), query.dtype)  # [B, 1, Lk, r], [B, 1, Lk, R]
         B, Lk = latent.shape[0], latent.shape[2]
         kv = self.kv_b_proj(latent[:, 0]).view(B, Lk, Hq, self.nope + self.v_dim).transpose(1, 2)
         k_nope, values = torch.split(kv, [self.nope, self.v_dim], dim=-1)  # [B, Hq, Lk, nope], [B, Hq, Lk, V]
@@ -201,7 +207,8 @@ class MLAttention(nn.Module):
         o_lat = torch.empty_like(q_lat)
         mla_kernels.mla_decode(
             q_lat.transpose(0, 1), q[..., self.nope:], cache.k, cache.v, tables, lens, max_seq_len=batch.max_seq_len,
-            scale=self.scale, out=o_lat.transpose(0, 1), config=self.decode_config)
+            scale=self.scale, out=o_lat.transpose(0, 1), config=self.decode_config, latent_scale=cache.k_scale,
+            rope_scale=cache.v_scale)
         return torch.bmm(o_lat, w[:, self.nope:].transpose(1, 2)).transpose(0, 1)  # [n, Hq, V]
 
     def _expand(self, latent: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
@@ -222,7 +229,8 @@ class MLAttention(nn.Module):
         plan = _prefill_plan(batch, nd, dense_ok)
         if plan.dense:
             lo = plan.dense[0][0]
-            keys, kv = self._expand(kv_latent[lo:], k_rot[lo:])
+            # an FP8 cache: the prompt's own latents and rope keys as a later step reads them back from it
+            keys, kv = self._expand(*cache.as_stored(kv_latent[lo:], k_rot[lo:]))
             values = F.pad(kv[..., self.nope:], (0, D - V))  # [n, Hq, D]: one shape with the keys
             try:
                 for a, b in plan.dense:
@@ -236,7 +244,7 @@ class MLAttention(nn.Module):
             R, P = self.kv_lora_rank, self.rope
             latent = cache.k.view(-1, R).index_select(0, slots)  # [nblk * TMP_BLOCK, R]
             rope = cache.v.view(-1, P).index_select(0, slots)
-            keys, kv = self._expand(latent, rope)
+            keys, kv = self._expand(*cache.read(latent, rope, q.dtype))  # an FP8 cache dequantised
             k_buf = keys.view(nblk, TMP_BLOCK, Hq, D)
             v_buf = kv.view(nblk, TMP_BLOCK, Hq, self.nope + V)[..., self.nope:]
             paged_attention.paged_attention(q[lo:hi], k_buf, v_buf, tables, cu, lens, max_query_len=max_q,
