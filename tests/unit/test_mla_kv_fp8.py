@@ -13,6 +13,8 @@ over the dequantised cache) is in test_mla_attention.py (its ``fp8kv`` cases), t
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -106,3 +108,62 @@ def test_an_fp8_cache_without_scales_or_scales_without_one_is_refused():
         mla_k.mla_decode(dev[0], dev[1], *fp8, *dev[4:], max_seq_len=5, scale=0.1)
     with pytest.raises(TypeError, match="expected torch.float8_e4m3fn"):
         mla_k.mla_decode(*dev, max_seq_len=5, scale=0.1, latent_scale=ls, rope_scale=rs)
+
+
+HOPPER_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_engine.kernels import mla_attention as ma
+
+R, P, Hq, cfg = 512, 64, 16, ma.DEFAULT_CONFIG  # Moonlight-16B-A3B: latent 512, rope key 64, 16 heads
+out = {}
+for kv in ("bf16", "fp8e4nv"):  # the cache's dtype; queries and output bf16
+    fp8 = kv != "bf16"
+    common = dict(R=R, P=P, R_PAD=R, P_PAD=P, INTERPRET=False, PDL=True, KV_FP8=fp8, DT=1)
+    consts = dict(Hq=Hq, BLOCK_H=max(cfg.block_h, 16), TILE_N=cfg.tile_n, BLOCK_SIZE=16, DIRECT=False, IEEE=False,
+                  **common)
+    sig = {"out_ptr": "*bf16", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
+           "ql_ptr": "*bf16", "qr_ptr": "*bf16", "lat_ptr": "*" + kv, "rope_ptr": "*" + kv, "tables_ptr": "*i32",
+           "seq_lens_ptr": "*i32", "lat_scale_ptr": "*fp32", "rope_scale_ptr": "*fp32", "scale_log2": "fp32",
+           **{n: "i32" for n in ("s_qlt", "s_qlh", "s_qrt", "s_qrh", "s_ot", "s_oh", "s_bt", "s_lb", "s_lo", "s_rb",
+                                 "s_ro")}, **{n: "constexpr" for n in consts}}
+    ck = triton.compile(ASTSource(ma._mla_decode_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    out[f"decode {kv}"] = {"shared": ck.metadata.shared, "pdl": "griddepcontrol.wait" in ck.asm["ptx"]}
+    consts = dict(NOPE=128, P=P, P_PAD=P, R=R, R_PAD=R, STYLE=ma.ROPE_STYLES["interleave"], BLOCK_H=16, DT=1,
+                  STORE=True, PDL=True, KV_FP8=fp8)
+    sig = {"q_ptr": "*bf16", "kr_ptr": "*bf16", "lat_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+           "lc_ptr": "*" + kv, "rc_ptr": "*" + kv, "slot_ptr": "*i64", "lat_scale_ptr": "*fp32",
+           "rope_scale_ptr": "*fp32", **{n: "i32" for n in ("s_qt", "s_qh", "s_kt", "s_lt", "s_ct", "s_st", "s_lcs",
+                                                            "s_rcs", "Hq")}, **{n: "constexpr" for n in consts}}
+    ck = triton.compile(ASTSource(ma._mla_rope_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": 4, "num_stages": 1})
+    ptx = ck.asm["ptx"]
+    out[f"rope store {kv}"] = {"shared": ck.metadata.shared, "e4m3": "e4m3" in ptx, "div_rn": "div.rn.f32" in ptx}
+print(json.dumps(out))
+"""
+
+
+def test_mla_kernels_compile_for_hopper_with_either_cache(tmp_path):
+    """The interpreter cannot see the compiled path (e4m3 loads and their conversion, the IEEE division of the
+    store, shared memory, the PDL wait): the absorbed decode and the rope store compile for sm_90 at Moonlight's
+    shape over a bf16 and an FP8 latent cache, with ptxas from the Triton wheel (no GPU needed)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(repo / "backends"), TRITON_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(result) == 4 and all(r["shared"] <= 227 * 1024 for r in result.values()), result
+    assert result["decode fp8e4nv"]["pdl"] and result["decode bf16"]["pdl"]
+    assert result["rope store fp8e4nv"]["e4m3"] and result["rope store fp8e4nv"]["div_rn"]
+    assert not result["rope store bf16"]["e4m3"]
