@@ -229,8 +229,8 @@ if triton is not None:
         unmasked_hi = tl.minimum(tl.maximum(full_hi, lo), hi)
         return _attend_tiles(
             q, m, l, acc, qpos, lo, unmasked_hi, hi, k_cache_ptr, v_cache_ptr, k_desc, v_desc, table_ptr, kvh,
-            window, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2,
-            DK, DV, DK_PAD, DV_PAD, BLOCK_SIZE, TILE_N, HAS_WINDOW, KROW, TMA, IEEE, INTERPRET,
+            window, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, scale_log2, 1.0, 1.0,  # k/v scales: unread, no FP8 cache
+            DK, DV, DK_PAD, DV_PAD, BLOCK_SIZE, TILE_N, HAS_WINDOW, KROW, TMA, IEEE, INTERPRET, False, 0,
         )
 
     @triton.jit(do_not_specialize=["num_seqs", "num_chunks", "s_bt"])
