@@ -9,6 +9,8 @@ PIP := $(BIN)/pip --disable-pip-version-check
 STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers (one file per worker at a time: module fixtures stay shared); 1 for a serial run.
+TEST_WORKERS ?= logical
 # make loadtest: USERS (a number, or a comma list for a concurrency scan), DURATION per user count,
 # LOADTEST_ARGS (more run_loadtest.py flags, e.g. "--model tiny --report-dir loadtest/reports").
 USERS ?= 32
@@ -32,7 +34,7 @@ serve: $(STAMP)
 	$(BIN)/moe-serve $(ARGS)
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile $(PYTEST_ARGS)
 
 # The dashboard's test (tests/integration/test_expert_load.py) drives a real headless browser: Debian's chromium,
 # installed here when missing and run as root (CI is); elsewhere the test says how to install it and is skipped.
