@@ -277,7 +277,7 @@ def check_model_and_engine(args, checkpoint: Path):  # noqa: ANN001 - argparse n
     if engine_config.expert_distribution_recorder_buffer_size < -1:
         raise usage_error("--expert-distribution-recorder-buffer-size must be >= 0, or -1 (every step)")
     try:
-        resolve_kv_cache_dtype(engine_config, cfg, engine_config.deterministic_inference or batch_invariant_env())
+        resolve_kv_cache_dtype(engine_config, engine_config.deterministic_inference or batch_invariant_env())
     except ValueError as exc:
         raise usage_error(str(exc)) from None
     try:

@@ -19,7 +19,7 @@ from typing import Any
 RENAMED = {"overlap_decode": "async_scheduling"}
 
 # --kv-cache-dtype values (vLLM's names) this engine serves -> what the KV blocks hold ("auto": the model dtype).
-# vLLM's fp8_e5m2 is refused (no scaled e5m2 path here), as is fp8 for MLA models (kernels/kv_fp8.py).
+# vLLM's fp8_e5m2 is refused (no scaled e5m2 path here; the format: kernels/kv_fp8.py).
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
 
 # vLLM's switch for its batch-invariant mode, accepted as --enable-deterministic-inference (SGLang's flag).
@@ -192,7 +192,7 @@ class EngineConfig:
         deterministic = bool(self.deterministic_inference) or batch_invariant_env()
         if deterministic:
             check_deterministic(self, cuda, bool(fused), cfg)
-        kv_cache_dtype = resolve_kv_cache_dtype(self, cfg, deterministic)
+        kv_cache_dtype = resolve_kv_cache_dtype(self, deterministic)
         att = cfg.attention
         head_dims = (att.mla.kv_lora_rank, att.mla.qk_rope_head_dim) if att.mla is not None else (att.head_dim,)
         return ResolvedConfig(
@@ -310,7 +310,7 @@ def check_deterministic(engine: EngineConfig, cuda: bool, fused: bool, cfg) -> N
                          "--disable-fused-kernels)")
 
 
-def resolve_kv_cache_dtype(engine: EngineConfig, cfg, deterministic: bool) -> str:
+def resolve_kv_cache_dtype(engine: EngineConfig, deterministic: bool) -> str:
     """``engine.kv_cache_dtype`` as the blocks hold it ("auto" or "fp8_e4m3"); ValueError for a value this engine
     does not serve or an FP8 cache it cannot combine: tensor parallelism and deterministic inference (their
     attention paths have no FP8 read yet). MLA models cache their latent and rope key in FP8 (layers/mla.py)."""

@@ -21,7 +21,6 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_KV_MAX = float(torch.finfo(FP8_KV_DTYPE).max)  # 448
 
 
-
 def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache tensors' dtype for a resolved ``kv_cache_dtype`` ("auto" or "fp8_e4m3", engine_config.py)."""
     return FP8_KV_DTYPE if kv_cache_dtype == "fp8_e4m3" else model_dtype
