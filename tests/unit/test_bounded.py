@@ -77,16 +77,20 @@ def test_trusted_chat_templates_render_off_the_event_loop(server):
     for t in threads:
         t.start()
     latencies = []
+    watch = time.perf_counter()
     with httpx.Client(timeout=10) as probe:
         while any(t.is_alive() for t in threads):
             t1 = time.perf_counter()
             assert probe.get(server.root_url + "/health").status_code == 200
             latencies.append(time.perf_counter() - t1)
             time.sleep(0.02)
+    watched = time.perf_counter() - watch
     for t in threads:
         t.join()
     assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
-    assert len(latencies) > 10
+    # the probe watched the four renders throughout (they outlast one alone), often enough to see a stall; a count
+    # of probes alone depends on how fast this machine answers them (two pytest workers share its two cores)
+    assert watched > one and len(latencies) >= 5, (watched, one, len(latencies))
     assert max(latencies) < 0.25, (statistics.median(latencies), sorted(latencies)[-3:])
 
 
