@@ -149,14 +149,16 @@ class AsyncClients:
     (loadtest/reports/serving_path.md)."""
 
     _loop = None
+    _lock = threading.Lock()  # the first trial's threads arrive together: one loop, or a client bound to another
 
     @classmethod
     def run(cls, coro):
         import asyncio
 
-        if cls._loop is None:
-            cls._loop = asyncio.new_event_loop()
-            threading.Thread(target=cls._loop.run_forever, name="bench-clients", daemon=True).start()
+        with cls._lock:
+            if cls._loop is None:
+                cls._loop = asyncio.new_event_loop()
+                threading.Thread(target=cls._loop.run_forever, name="bench-clients", daemon=True).start()
         return asyncio.run_coroutine_threadsafe(coro, cls._loop).result()
 
 
