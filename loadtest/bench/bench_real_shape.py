@@ -34,6 +34,7 @@ Usage:
     python loadtest/bench/bench_real_shape.py --quick --out $OUT/bench          # H200, about 5 minutes (paged engine)
     python loadtest/bench/bench_real_shape.py --shape gpt-oss-120b-8l --quick --cases a,b,c,hf   # issue 49
     python loadtest/bench/bench_real_shape.py --shape gpt-oss-120b-8l --quantization mxfp4 --quick --cases a,b,c  # 50
+    python loadtest/bench/bench_real_shape.py --shape gpt-oss-120b --quantization mxfp4 --quick --cases a,b  # 36 layers
     python loadtest/bench/bench_real_shape.py --cases c --profile c:prefill     # profile: kernel time per op class
     .venv/bin/python loadtest/bench/bench_real_shape.py --shape tiny --device cpu --scale 0.05 --quick   # CPU, <1 min
     python loadtest/bench/bench_real_shape.py --shape moonlight --cases a,b --quick --out $OUT/moonlight  # MLA shape
@@ -912,6 +913,11 @@ def parse_args(argv=None):
     if bad:
         p.error(f"unknown cases {sorted(bad)}; known: {', '.join(CASES)}")
     args.case_list = [c for c in CASES if c in cases]
+    if args.shape in rsm.MXFP4_ONLY:  # its bf16 experts fit no GPU: built packed, and transformers cannot hold it
+        if args.quantization != "mxfp4":
+            p.error(f"--shape {args.shape} is built with MXFP4 experts only: add --quantization mxfp4")
+        if "hf" in args.case_list:
+            p.error(f"--shape {args.shape}: no transformers case (bf16 experts; compare with gpt-oss-120b-8l)")
     return args
 
 
@@ -1017,7 +1023,8 @@ def main(argv=None) -> int:
         log(f"copy bandwidth {ctx.bandwidth['bytes_per_s'] / 1e12:.3f} TB/s (best {ctx.bandwidth['best_bytes_per_s'] / 1e12:.3f})")
         t = time.perf_counter()
         log(f"building the engine model with random weights ({args.init} init) ...")
-        ctx.model, ctx.cfg = rsm.build_engine_model(ctx.raw, ctx.device, ctx.dtype, args.seed, args.init, log)
+        ctx.model, ctx.cfg = rsm.build_engine_model(ctx.raw, ctx.device, ctx.dtype, args.seed, args.init, log,
+                                                    mxfp4=args.shape in rsm.MXFP4_ONLY)
         if args.quantization == "fp8":  # W8A8 block FP8, quantised on the device (bench_fp8.py: paired with bf16)
             from moe_engine import fp8_load
 

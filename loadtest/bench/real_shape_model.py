@@ -4,12 +4,15 @@ bytes and FLOPs its steps must move (the rooflines the benchmark reports against
 - ``SHAPES``: Hugging Face ``config.json`` dicts. ``qwen3-30b-a3b`` is the real model's config (48 layers,
   hidden 2048, 32 query / 4 KV heads of 128, 128 experts top-8, expert width 768, vocabulary 151,936);
   ``gpt-oss-120b-8l`` GPT-OSS-120B's cut to 8 of 36 layers (sinks, sliding windows, biased clamped experts);
+  ``gpt-oss-120b`` all 36 layers, built with MXFP4 experts only (``MXFP4_ONLY``: 234 GB in bf16);
   ``tiny`` (4 layers, hidden 256, 16 experts top-4, vocabulary 1024) runs on a CPU in seconds, as ``tiny-*``.
 - ``build_engine_model`` / ``build_hf_model``: moe_engine's ``MoEForCausalLM`` / transformers' model built on
   the ``meta`` device, moved with ``to_empty`` (one allocation per parameter, no checkpoint, no second copy),
   every parameter filled in place by ``fill_random_``. Parameter names are the same in both (moe_engine uses
   HF's v5 names) and each parameter's values depend only on (seed, init, name, shape, dtype, device), so the
-  two models built with one seed hold identical weights.
+  two models built with one seed hold identical weights. ``mxfp4=True`` (GPT-OSS): each layer's experts are
+  built, filled, quantised to MXFP4 and packed before the next layer's exist, so the bf16 experts of only one
+  layer are ever on the device (the full GPT-OSS-120B's 36 layers fit one 80 GB GPU packed).
 - Initialisation and routing. With every weight normal(0, 0.02) the routing of a random model collapses: past
   layer 2 nearly every token picks the same experts (measured on the CPU, bf16, with this shape's attention
   and 48 layers but 16 experts top-2: in most layers the busiest expert got every one of 384 tokens), because
@@ -161,6 +164,11 @@ GPT_OSS_120B_8L = {
     "use_cache": True, "initializer_range": 0.02,
 }
 
+# All 36 layers (the published model, its experts MXFP4 as openai/gpt-oss-120b ships them): ~61 GiB of packed
+# experts, ~3 GiB of attention, embedding and lm_head.
+GPT_OSS_120B = {**GPT_OSS_120B_8L, "num_hidden_layers": 36,
+                "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(36)]}
+
 TINY_GPT_OSS = {
     **GPT_OSS_120B_8L, "vocab_size": 1024, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
     "num_key_value_heads": 2, "intermediate_size": 128, "num_local_experts": 16, "sliding_window": 32,
@@ -195,8 +203,9 @@ TINY_MOONLIGHT = {  # the same architecture on a CPU in seconds (MLA, sigmoid ro
 SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
           "nemotron-3-nano-30b-a3b": NEMOTRON_3_NANO_30B_A3B, "tiny-qwen3.5": TINY_QWEN3_5,
           "tiny-nemotron-h": TINY_NEMOTRON_H, "moonlight": MOONLIGHT_16B_A3B, "tiny-moonlight": TINY_MOONLIGHT,
-          "gpt-oss-120b-8l": GPT_OSS_120B_8L, "tiny-gpt-oss": TINY_GPT_OSS}
+          "gpt-oss-120b-8l": GPT_OSS_120B_8L, "gpt-oss-120b": GPT_OSS_120B, "tiny-gpt-oss": TINY_GPT_OSS}
 REAL_SHAPE = "qwen3-30b-a3b"
+MXFP4_ONLY = {"gpt-oss-120b"}  # shapes whose bf16 experts fit no single GPU: built packed (build_engine_model)
 
 Log = Callable[[str], None]
 
@@ -235,14 +244,18 @@ def init_std(name: str, init: str, num_layers: int) -> float | None:
 
 @torch.no_grad()
 def fill_random_(model: nn.Module, seed: int, init: str = "balanced", log: Log | None = None,
-                 chunk_elems: int = 1 << 27) -> int:
+                 chunk_elems: int = 1 << 27, prefix: str = "", num_layers: int | None = None,
+                 exclude: set[str] = frozenset()) -> int:
     """Fill every parameter in place (``init_std``) from a generator seeded by (seed, parameter name), chunk by
-    chunk so no temporary of a parameter's size exists. Returns the bytes filled; logs about every 10 GB."""
-    params = list(model.named_parameters())  # a tied weight appears once
+    chunk so no temporary of a parameter's size exists. Returns the bytes filled; logs about every 10 GB.
+    ``prefix``: ``model`` is the submodule of that name (its parameters get the values they get in the whole
+    model); ``num_layers`` then comes from the caller. ``exclude``: submodules left alone (filled already)."""
+    params = [(prefix + n, p) for n, p in model.named_parameters()]  # a tied weight appears once
     # transformers keeps the correction bias of sigmoid routers (DeepSeek-V3, GLM, Nemotron-H) as a buffer, the engine
     # as a parameter: filled alike by name (to_empty left the buffer uninitialised)
-    params += [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
-    num_layers = model.config.num_hidden_layers
+    params += [(prefix + n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    params = [(n, p) for n, p in params if not any(n.startswith(m + ".") for m in exclude)]
+    num_layers = num_layers or model.config.num_hidden_layers
     total = sum(p.nbytes for _, p in params)
     done, next_report, start = 0, 10e9, time.perf_counter()
     for name, p in params:
@@ -270,8 +283,9 @@ def _check_materialised(model: nn.Module) -> None:
 
 
 def build_engine_model(raw: dict, device: torch.device, dtype: torch.dtype, seed: int, init: str = "balanced",
-                       log: Log | None = None):
-    """(moe_engine MoEForCausalLM with random weights on ``device``, its MoEConfig)."""
+                       log: Log | None = None, mxfp4: bool = False):
+    """(moe_engine MoEForCausalLM with random weights on ``device``, its MoEConfig). ``mxfp4`` (GPT-OSS): the
+    experts quantised to MXFP4 and kept packed, one layer at a time (the module docstring)."""
     from moe_engine.config import config_from_dict
     from moe_engine.models.decoder import MoEForCausalLM
 
@@ -285,13 +299,37 @@ def build_engine_model(raw: dict, device: torch.device, dtype: torch.dtype, seed
             module_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(module_name), attr,
                     nn.Parameter(torch.empty(p.shape, dtype=want, device="meta"), requires_grad=False))
-    model.to_empty(device=device)
+    packed = _build_packed_experts(model, device, seed, init, log) if mxfp4 else set()
+    for name, m in model.named_modules():  # everything else: one allocation per parameter
+        if not any(name == p or name.startswith(p + ".") for p in packed):
+            m.to_empty(device=device, recurse=False)
     if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor
         model.lm_head.weight = model.model.embed_tokens.weight
-    fill_random_(model, seed, init, log)
+    fill_random_(model, seed, init, log, exclude=packed)
     model.init_buffers(device)  # RoPE tables (non-persistent buffers)
     _check_materialised(model)
     return model.eval(), cfg
+
+
+def _build_packed_experts(model: nn.Module, device: torch.device, seed: int, init: str, log: Log | None) -> set[str]:
+    """Materialise, fill and pack every GPT-OSS experts module, layer by layer (their bf16 weights the same values
+    a bf16 build gives them, then MXFP4 as mxfp4_load.pack_in_memory rounds them). Returns their module names."""
+    from moe_engine import mxfp4_load
+    from moe_engine.layers.experts import GptOssExperts
+
+    experts = [(n, m) for n, m in model.named_modules() if isinstance(m, GptOssExperts)]
+    if not experts:
+        raise ValueError("mxfp4: no GPT-OSS experts in this model (MXFP4 is GPT-OSS's expert format)")
+    start = time.perf_counter()
+    for i, (name, m) in enumerate(experts):
+        m.to_empty(device=device)
+        fill_random_(m, seed, init, prefix=name + ".", num_layers=model.config.num_hidden_layers)
+        mxfp4_load.pack_in_memory(m)
+        if log is not None and ((i + 1) % 6 == 0 or i + 1 == len(experts)):
+            _sync(device)
+            log(f"  experts of {i + 1} / {len(experts)} layers filled and packed ({time.perf_counter() - start:5.1f} s)")
+    free_device_memory(device)
+    return {n for n, _ in experts}
 
 
 def build_hf_model(raw: dict, device: torch.device, dtype: torch.dtype, seed: int, init: str = "balanced",

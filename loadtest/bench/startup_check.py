@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Does each real shape start with no flags on this GPU, and what did it get? (issue 49)
 
-For every ``--shapes`` entry (real_shape_model.py's shapes, random bf16 weights built on the GPU): an engine with
+For every ``--shapes`` entry (real_shape_model.py's shapes, random bf16 weights built on the GPU; ``gpt-oss-120b``'s
+experts MXFP4, packed, as the published checkpoint): an engine with
 ``EngineConfig()`` (every default: gpu_memory_utilization, 8,192 tokens per step, 256 sequences, CUDA graphs, fused
 kernels), its start-up time, the engine's own account of how memory was divided (the "KV budget" log line), the KV
 cache's blocks and tokens, then a short batch served (``--serve`` requests of 128 + 32 tokens) to show the started
@@ -78,7 +79,7 @@ def check(shape: str, device: torch.device, n_serve: int) -> dict:
 
     raw = rsm.SHAPES[shape]
     t = time.perf_counter()
-    model, cfg = rsm.build_engine_model(raw, device, torch.bfloat16, seed=0, log=log)
+    model, cfg = rsm.build_engine_model(raw, device, torch.bfloat16, seed=0, log=log, mxfp4=shape in rsm.MXFP4_ONLY)
     weights = sum(p.nbytes for p in model.parameters())
     log(f"{shape}: {weights / 2**30:.1f} GiB of weights built in {time.perf_counter() - t:.1f} s")
     handler = EngineLog()

@@ -233,6 +233,26 @@ def test_gpt_oss_engine_and_transformers_models_get_identical_weights():
     torch.testing.assert_close(reference_forward(model, ids)[0], ref, atol=1e-4, rtol=1e-4)
 
 
+def test_mxfp4_build_packs_layer_by_layer_to_the_weights_packing_the_bf16_build_gives():
+    """The full GPT-OSS-120B (36 layers, 234 GB of bf16 experts) is built packed one layer at a time; the result
+    must be the model a bf16 build packed afterwards is, parameter for parameter."""
+    from moe_engine import mxfp4_load
+    from moe_engine.config import config_from_dict
+
+    raw = rsm.TINY_GPT_OSS
+    whole, _ = rsm.build_engine_model(raw, torch.device("cpu"), torch.bfloat16, seed=5)
+    mxfp4_load.pack_in_memory(whole)
+    layered, _ = rsm.build_engine_model(raw, torch.device("cpu"), torch.bfloat16, seed=5, mxfp4=True)
+    a, b = whole.state_dict(), layered.state_dict()
+    assert a.keys() == b.keys() and any(k.endswith("gate_up_proj_blocks") for k in b)
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="GPT-OSS experts"):
+        rsm.build_engine_model(rsm.TINY, torch.device("cpu"), torch.float32, seed=0, mxfp4=True)
+
+    g = config_from_dict(rsm.GPT_OSS_120B)
+    assert g.num_hidden_layers == 36 and g.attention.sliding_windows == (128, None) * 18
+
+
 def test_moonlight_shape_and_its_rooflines():
     """--shape moonlight: Moonlight-16B-A3B as issue 48 gives it, its MLA weights in the batch-1 bytes, the latent KV
     (576 values per layer) in the step rooflines, DeepSeek's float32 router."""
