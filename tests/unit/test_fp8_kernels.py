@@ -5,9 +5,14 @@ e4m3 x e4m3 products are exact in float32, so a kernel differs from its referenc
 scale products round: float32 outputs agree to 1e-5; bf16 outputs are bit-identical but for elements whose float32
 values lie next to a rounding boundary (and, in the experts, what such an element of h carries through the down GEMM
 after its own quantisation). The GEMMs run under Triton's interpreter on CPU (it multiplies e4m3 exactly); the
-activation-quantisation kernel too (its e4m3 conversion rounds to the grid first there, kv_fp8.to_fp8). On Hopper
-GPUs Triton's FP8 dots accumulate at the tensor core's precision within a K tile (max_num_imprecise_acc defaults to
-unbounded on sm_90), which these float32 tolerances do not yet allow for.
+activation-quantisation kernel too (its e4m3 conversion rounds to the grid first there, kv_fp8.to_fp8).
+
+On Hopper the 64-row tiles' FP8 dots run on wgmma, which keeps about 14 significant bits while it accumulates
+within a K tile (the DeepSeek-V3 report, 3.3.2; Triton leaves ``max_num_imprecise_acc`` unbounded on sm_90); each
+K tile of 128 (one scale group) is then added in float32, as DeepGEMM promotes. There a GEMM element may differ from
+the float32 reference by a small multiple of 2^-14 of the sum of its products' magnitudes (``FP8_ACC_EPS``; the
+magnitudes are the reference GEMM of |x| and |w|), and the experts' h, computed that way, can round to another e4m3
+value before the down GEMM: their check on CUDA is the mean relative error.
 """
 from __future__ import annotations
 
@@ -47,6 +52,24 @@ def assert_close_to_reference(out, ref, dtype, min_same=0.97):
     assert same >= min_same, f"only {same:.2%} of the elements bit-identical to the reference"
 
 
+FP8_ACC_EPS = 2.0**-10  # on CUDA: an element's error against its products' magnitudes (module docstring)
+
+
+def fp8_abs(q: torch.Tensor) -> torch.Tensor:
+    """|q| of an e4m3 tensor: its sign bit cleared."""
+    return (q.view(torch.uint8) & 0x7F).view(q.dtype)
+
+
+def assert_within_fp8_accumulation(out, ref, magnitude, dtype):
+    """CUDA: |out - ref| <= FP8_ACC_EPS * magnitude, plus one rounding of the output to ``dtype``."""
+    err = (out.float() - ref.float()).abs()
+    rounding = 2.0**-7 if dtype != torch.float32 else 2.0**-23
+    allowed = FP8_ACC_EPS * magnitude.float() + rounding * ref.float().abs() + 1e-30
+    worst = (err / allowed).max().item()
+    assert worst <= 1, (f"{(err > allowed).sum().item()} of {err.numel()} elements past the FP8 accumulation bound "
+                        f"(worst {worst:.2f}x; largest error {err.max().item():.3g})")
+
+
 # GPUs also run the default tiles of larger steps (the interpreter would take minutes)
 GPU_ONLY = [pytest.param(*c, marks=pytest.mark.skipif(DEVICE != "cuda", reason="large: GPU only"))
             for c in [(300, 768, 2048), (2048, 1024, 2048)]]
@@ -64,7 +87,11 @@ def test_linear_fp8_equals_reference(T, N, K, dtype):
         ref = fp8.w8a8_linear_reference(x, w_q, w_s, bias=b)
         out = linear_fp8(x, w_q, w_s, b, config=None if DEVICE == "cuda" else SMALL_LINEAR)
         assert out.shape == (T, N) and out.dtype == dtype
-        assert_close_to_reference(out, ref, dtype)
+        if DEVICE == "cuda":
+            magnitude = fp8.w8a8_linear_reference(x.float().abs(), fp8_abs(w_q), w_s)
+            assert_within_fp8_accumulation(out, ref, magnitude, dtype)
+        else:
+            assert_close_to_reference(out, ref, dtype)
 
 
 def random_ids(T, K, E, seed):
@@ -90,6 +117,10 @@ def test_expert_mlp_fp8_equals_reference(T, K, E, H, I, dtype):
     y = expert_mlp_fp8(x, gate_up_q, gate_up_s, down_q, down_s, pos, tok, offs,
                        configs=None if DEVICE == "cuda" else SMALL)
     assert y.shape == (T * K, H) and y.dtype == dtype
+    if DEVICE == "cuda":  # h's e4m3 values may differ where the accumulation moved them (module docstring)
+        rel = ((y.float() - ref.float()).abs().mean() / ref.float().abs().mean()).item()
+        assert rel <= 2.0**-7, f"mean relative error {rel:.2e} against the reference"
+        return
     # bf16: an element of h one rounding away changes its token group's quantisation; that spreads through down
     assert_close_to_reference(y, ref, dtype, min_same=0.9)
 
