@@ -418,7 +418,8 @@ class TritonClient:
                     raise classify_error(str(error.message() if hasattr(error, "message") else error))
                 out = BackendOutput.from_result(result)
                 if out.finish_reason is not None:
-                    finished = await _drain(call)
+                    finished = True
+                    _close_in_background(call)  # the caller has its last output now, not after the stream closes
                     yield out
                     return
                 yield out
@@ -470,6 +471,22 @@ class TritonClient:
         except InferenceServerException as e:
             name = (e.status() or "").rpartition(".")[2]
             raise classify_status(getattr(grpc.StatusCode, name, None), e.message() or "") from e
+
+
+_closing: set[asyncio.Task] = set()  # the streams being closed after their last response (a task needs a holder)
+
+
+def _close_in_background(call: Any) -> None:
+    """Let Triton close a finished request's stream (cancel it if it does not close in time) while the response
+    goes on: waiting for the close took 8-10 ms at the median, 40 ms at p90, at 64 streams on 2 cores."""
+
+    async def close() -> None:
+        if not await _drain(call):
+            call.cancel()
+
+    task = asyncio.get_running_loop().create_task(close())
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
 
 
 async def _drain(call: Any, timeout_s: float = 0.5) -> bool:

@@ -358,11 +358,9 @@ class TritonPythonModel:
                         log.exception("sending a control reply failed")
                     continue
                 by_request.setdefault(out.request_id, []).append(out)
-            for outs in by_request.values():
-                try:
-                    self._on_outputs(outs)
-                except Exception:
-                    log.exception("sending a response failed")
+            # finished requests first: their client (an RL rollout's closed loop) waits for nothing else
+            for outs in sorted(by_request.values(), key=lambda outs: not outs[-1].finished):
+                self._send_outputs(outs)
             if by_request and self.send_duty < 1:
                 # Pace the rounds: sending may take at most send_duty of the thread's time. What the engine hands out
                 # meanwhile goes out with the next round, several steps per response: when responses cost more (many
@@ -381,10 +379,18 @@ class TritonPythonModel:
                     log.exception("cancellation/metrics poll failed")
                 last_poll = time.monotonic()
 
+    def _send_outputs(self, outs: list[RequestOutput]) -> None:
+        try:
+            self._on_outputs(outs)
+        except Exception:
+            log.exception("sending a response failed")
+
     def _pause(self, seconds: float) -> list:
         """The pacing pause: ``seconds``, cut short by a request's first output (time to first token is not paced)
         or a control reply. What arrives meanwhile is taken from the queue a step's burst at a time and returned, in
-        order, for the next round."""
+        order, for the next round, but for finished requests: each goes out at once, with what the pause held of
+        it (a final response would otherwise wait out the pause, and a closed-loop client's next request with it;
+        it is one response either way)."""
         taken: list = []
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
@@ -398,7 +404,14 @@ class TritonPythonModel:
                     taken.append(self._outputs.get_nowait())
                 except queue.Empty:
                     break
-            if len(taken) >= MAX_OUTPUTS_PER_ROUND or any(self._urgent(out) for out in taken[new:]):
+            fresh = taken[new:]
+            done = {out.request_id for out in fresh if isinstance(out, RequestOutput) and out.finished}
+            if done:
+                for rid in done:
+                    self._send_outputs([o for o in taken if isinstance(o, RequestOutput) and o.request_id == rid])
+                taken = [o for o in taken if not isinstance(o, RequestOutput) or o.request_id not in done]
+                fresh = [o for o in fresh if not isinstance(o, RequestOutput) or o.request_id not in done]
+            if len(taken) >= MAX_OUTPUTS_PER_ROUND or any(self._urgent(out) for out in fresh):
                 break
         return taken
 
