@@ -1023,8 +1023,12 @@ def main(argv=None) -> int:
         log(f"copy bandwidth {ctx.bandwidth['bytes_per_s'] / 1e12:.3f} TB/s (best {ctx.bandwidth['best_bytes_per_s'] / 1e12:.3f})")
         t = time.perf_counter()
         log(f"building the engine model with random weights ({args.init} init) ...")
-        ctx.model, ctx.cfg = rsm.build_engine_model(ctx.raw, ctx.device, ctx.dtype, args.seed, args.init, log,
-                                                    mxfp4=args.shape in rsm.MXFP4_ONLY)
+        mxfp4 = args.quantization == "mxfp4"  # GPT-OSS experts as gpt-oss checkpoints store them, packed on the GPU
+        try:
+            ctx.model, ctx.cfg = rsm.build_engine_model(ctx.raw, ctx.device, ctx.dtype, args.seed, args.init, log,
+                                                        mxfp4=mxfp4)
+        except ValueError as err:  # no GPT-OSS experts to pack
+            raise SystemExit(f"--quantization mxfp4: {err}") from None
         if args.quantization == "fp8":  # W8A8 block FP8, quantised on the device (bench_fp8.py: paired with bf16)
             from moe_engine import fp8_load
 
@@ -1032,13 +1036,10 @@ def main(argv=None) -> int:
             rsm.free_device_memory(ctx.device)
             log("dense projections and experts quantised to FP8 (128 x 128 blocks); rooflines below count bf16 bytes")
         expert_bytes = None
-        if args.quantization == "mxfp4":  # GPT-OSS experts as gpt-oss checkpoints store them, packed on the GPU
+        if mxfp4:
             from moe_engine import mxfp4_load
 
-            if ctx.cfg.experts.block != "gpt_oss":
-                raise SystemExit("--quantization mxfp4: GPT-OSS shapes only (its experts are the MXFP4 ones)")
-            packed = mxfp4_load.pack_in_memory(ctx.model)
-            rsm.free_device_memory(ctx.device)
+            packed = mxfp4_load.packed_bytes(ctx.model)
             expert_bytes = 17 / 32  # 4 bits a weight + one 8-bit scale per 32
             log(f"experts quantised to MXFP4 and kept packed ({packed / 2**30:.2f} GiB); the batch-1 roofline counts "
                 "their packed bytes, the batched decode rooflines bf16 bytes")

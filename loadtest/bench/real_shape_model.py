@@ -319,7 +319,7 @@ def _build_packed_experts(model: nn.Module, device: torch.device, seed: int, ini
 
     experts = [(n, m) for n, m in model.named_modules() if isinstance(m, GptOssExperts)]
     if not experts:
-        raise ValueError("mxfp4: no GPT-OSS experts in this model (MXFP4 is GPT-OSS's expert format)")
+        raise ValueError("MXFP4 packing needs GPT-OSS experts (its expert format); this model has none")
     start = time.perf_counter()
     for i, (name, m) in enumerate(experts):
         m.to_empty(device=device)
