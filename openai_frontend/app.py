@@ -195,10 +195,12 @@ def create_app(cfg: FrontendConfig, *, engine: Any = None) -> FastAPI:
                        request_timeout_s=cfg.request_timeout_s)
     app.add_middleware(_FrontMiddleware, cfg=cfg, metrics=metrics)  # added last: outermost
     app.openapi = lambda: documented_openapi(app)
+    # Generation first: a request is matched against the routes in order, and the ~30 status, RL and expert-load
+    # routes ahead of these took ~0.1 ms of the event loop per generation request (no other route has their paths).
+    _add_generation_routes(app, ctx)
     _add_status_routes(app, ctx, state)
     app.include_router(rl_router(ctx))  # RL rollout lifecycle (SGLang's endpoints), behind the API key
     app.include_router(expert_load_router(ctx))  # SGLang's expert-distribution recorder, /dashboard
-    _add_generation_routes(app, ctx)
     return app
 
 
